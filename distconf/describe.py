@@ -1,0 +1,60 @@
+"""Human-readable summaries of a family and of a loaded config (used by the CLI)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["describe_class", "describe_config", "size_summary"]
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe_class(cls: type) -> list[tuple[str, str]]:
+    """(label, value) pairs describing a synthesized config class."""
+    spec = cls.family_spec  # type: ignore[attr-defined]
+    return [
+        ("family", spec.family),
+        ("file", str(cls.family_source)),  # type: ignore[attr-defined]
+        ("class", _qualname(cls)),
+        ("bases", ", ".join(_qualname(b) for b in cls.__bases__)),
+        ("model_type", spec.model_type),
+        ("block class", _qualname(cls.block_class)),  # type: ignore[attr-defined]
+        ("layer class", spec.block.layer_class),
+        ("attention class", _qualname(cls.attn_class)),  # type: ignore[attr-defined]
+        ("block prefix", f"{spec.block.prefix}.<i>."),
+        ("kv groups", str(spec.kv_groups)),
+    ]
+
+
+def size_summary(config: Any) -> list[tuple[str, str]]:
+    """Block sizes and KV bytes per token, when the sizing module is available."""
+    try:
+        sizing = importlib.import_module("distconf.sizing")
+        import torch
+    except ImportError:
+        return []
+    rows = []
+    for label, quant in (("bf16", None), ("int8", "int8"), ("nf4", "nf4")):
+        size = sizing.block_size_bytes(config, dtype=torch.bfloat16, quant=quant)
+        rows.append((f"block size ({label})", f"{size / 2**20:,.1f} MiB"))
+    kv = sizing.kv_cache_bytes_per_token(config, torch.bfloat16)
+    rows.append(("KV bytes/token/block (bf16)", f"{kv:,}"))
+    return rows
+
+
+def describe_config(config: Any) -> list[tuple[str, str]]:
+    """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids."""
+    n = config.num_hidden_layers
+    rows = [
+        ("model", str(getattr(config, "_name_or_path", "") or "-")),
+        ("kv groups (value)", str(config.num_key_value_groups)),
+        ("blocks", str(n)),
+        ("dht prefix", str(config.dht_prefix)),
+    ]
+    if config.dht_prefix is not None and n:
+        uids = config.block_uids()
+        rows.append(("block uids", f"{uids[0]} ... {uids[-1]}" if n > 1 else uids[0]))
+    return rows + size_summary(config)

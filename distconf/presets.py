@@ -1,0 +1,49 @@
+"""Presets: real models' ``config.json`` files shipped with distconf, for offline use.
+
+A preset is named by its hub id (``tiiuae/falcon-40b``) and stored as
+``presets/<org>--<name>.json``. Loading one goes through the family class's
+``from_pretrained`` with ``preset=True``, so the hub-id DHT-prefix rules, fix-ups and
+notices apply exactly as for a download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from distconf.data import presets_dir
+from distconf.errors import FamilyNotFoundError
+
+__all__ = ["list_presets", "preset_path", "preset_model_type", "load_preset"]
+
+
+def _file_name(hub_id: str) -> str:
+    return hub_id.replace("/", "--") + ".json"
+
+
+def list_presets() -> list[str]:
+    """Hub ids of all shipped presets, sorted."""
+    return sorted(p.name[: -len(".json")].replace("--", "/", 1) for p in presets_dir().glob("*.json"))
+
+
+def preset_path(hub_id: str) -> Path:
+    """Path of the shipped ``config.json`` of ``hub_id``."""
+    path = presets_dir() / _file_name(hub_id)
+    if not path.is_file():
+        raise FamilyNotFoundError(f"no preset named {hub_id!r}; presets: {', '.join(list_presets())}")
+    return path
+
+
+def preset_model_type(hub_id: str) -> str:
+    """The ``model_type`` written in a preset."""
+    with preset_path(hub_id).open(encoding="utf-8") as f:
+        return str(json.load(f)["model_type"])
+
+
+def load_preset(hub_id: str, **kwargs: Any) -> Any:
+    """Load a preset as an instance of its family's distributed config class."""
+    from distconf.loader import family_for_model_type, load_family
+
+    cls = load_family(family_for_model_type(preset_model_type(hub_id)))
+    return cls.from_pretrained(hub_id, preset=True, **kwargs)

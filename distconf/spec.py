@@ -1,0 +1,121 @@
+"""The pydantic model of one family file (`FamilySpec`) and its parts.
+
+`schemas/family.schema.json` is generated from `FamilySpec` (``distconf schema``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from distconf.spec_block import BlockSpec, KVCacheSpec
+from distconf.spec_types import ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
+
+__all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
+
+SCHEMA_ID = "https://distconf.dev/schemas/family.schema.json"
+_HUB_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class DhtPrefixRule(StrictModel):
+    """How ``from_pretrained`` derives the DHT prefix from a hub model id.
+
+    The prefix is built as: take the full id (``name: full``) or its last path
+    component (``name: repo``); apply ``replace`` (``.`` must always be replaced, it is
+    the block-uid delimiter); append ``suffix`` (unless ``keep_existing_suffix`` and
+    the name already ends with it).
+    """
+
+    name: Literal["full", "repo"] = Field(
+        description="'full': the whole hub id (org/name); 'repo': only the last path component, "
+                    "so copies of one model under different accounts share a swarm."
+    )
+    suffix: str = Field(default="", pattern=r"^[A-Za-z0-9_-]*$", description="Appended to the prefix.")
+    keep_existing_suffix: bool = Field(
+        default=False, description="Do not append the suffix when the prefix already ends with it."
+    )
+    replace: dict[str, str] = Field(
+        default_factory=lambda: {".": "-"},
+        description="Substring replacements; must map '.' to a string without '.'.",
+    )
+
+    @field_validator("replace")
+    @classmethod
+    def _dot_replaced(cls, value: dict[str, str]) -> dict[str, str]:
+        if "." not in value or "." in value["."]:
+            raise ValueError("must replace '.' (the block uid delimiter) with a string without '.'")
+        for old, new in value.items():
+            if not old:
+                raise ValueError("cannot replace the empty string")
+            if " " in new or "." in new:
+                raise ValueError(f"replacement {new!r} for {old!r} may not contain '.' or spaces")
+        return value
+
+
+class AfterLoad(StrictModel):
+    """Fix-ups applied to a config right after ``from_pretrained`` loads it."""
+
+    defaults: dict[Identifier, ScalarValue] = Field(
+        default_factory=dict, description="Fields set to this value when they are None (e.g. pad_token_id: 0)."
+    )
+    set: dict[Identifier, ScalarValue] = Field(
+        default_factory=dict, description="Fields always set to this value (e.g. pretraining_tp: 1)."
+    )
+
+
+class Notice(StrictModel):
+    """A message logged by ``from_pretrained`` (licence reminders and the like)."""
+
+    message: str = Field(min_length=1)
+    when_name_contains: str | None = Field(
+        default=None, min_length=1,
+        description="Log only when the model name contains this text (case-insensitive); always if absent.",
+    )
+    level: Literal["info", "warning"] = "info"
+
+
+class FamilySpec(StrictModel):
+    """One model family: everything a swarm needs to know beyond the HF config."""
+
+    family: str = Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64,
+                        description="Family name; must equal the file name without .yaml.")
+    display_name: str | None = Field(
+        default=None, pattern=r"^[A-Z][A-Za-z0-9]*$",
+        description="Used in the class name Distributed<display_name>Config (default: from family).",
+    )
+    model_type: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$",
+                            description="The HF model_type this family serves (AutoDistributedConfig dispatch).")
+    config_class: ClassPath = Field(description="The Hugging Face config class to extend.")
+    block: BlockSpec
+    kv_groups: IntOrFormula = Field(
+        description="Query heads per KV head: an integer, or a formula over config fields."
+    )
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec,
+                                  description="How many values per token one block keeps in its KV cache.")
+    dht_prefix: DhtPrefixRule
+    after_load: AfterLoad = Field(default_factory=AfterLoad)
+    revisions: dict[str, str] = Field(
+        default_factory=dict, description="Hub id -> pinned commit used when the caller gives no revision."
+    )
+    notices: list[Notice] = Field(default_factory=list)
+    tiny_config: dict[str, Any] | None = Field(
+        default=None, description="Config overrides for a tiny test model (used by `distconf check`)."
+    )
+
+    @field_validator("revisions")
+    @classmethod
+    def _check_revisions(cls, value: dict[str, str]) -> dict[str, str]:
+        for hub_id, commit in value.items():
+            if not re.match(_HUB_ID, hub_id):
+                raise ValueError(f"{hub_id!r} is not a hub id of the form org/name")
+            if not re.fullmatch(r"[0-9a-f]{40}", commit):
+                raise ValueError(f"revision of {hub_id!r} must be a 40-hex commit hash, got {commit!r}")
+        return value
+
+    @property
+    def class_name(self) -> str:
+        """Name of the synthesized class, e.g. ``DistributedFalconConfig``."""
+        name = self.display_name or "".join(part.capitalize() for part in self.family.split("_"))
+        return f"Distributed{name}Config"

@@ -1,0 +1,220 @@
+"""Family-file models describing a block (one decoder layer) and its KV cache.
+
+These sections are what a server reads to build, load, run and size a block. Every
+knob is generic: a family describes *how* its decoder layer is built and called, the
+adapter in `distconf.blocks` never branches on a family name.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from distconf.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
+
+__all__ = [
+    "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "PositionSpec", "MaskSpec", "MaskKind",
+]
+
+_PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+MaskKind = Literal["causal", "sliding_window"]
+
+
+class ConstructorSpec(StrictModel):
+    """How the decoder layer's constructor is called: ``layer_class(**arguments)``."""
+
+    config_argument: Identifier = Field(
+        default="config", description="Name of the constructor argument that receives the config."
+    )
+    layer_idx_argument: Identifier | None = Field(
+        default="layer_idx",
+        description="Name of the constructor argument that receives the layer index (null: the layer takes none).",
+    )
+    extra: dict[Identifier, FormulaText] = Field(
+        default_factory=dict,
+        description="More keyword arguments, each a formula over config fields, evaluated per config.",
+    )
+
+
+class CallSpec(StrictModel):
+    """How the decoder layer's ``forward`` is called (names of its keyword arguments).
+
+    A name set to null means the layer does not take that input. The layer's output
+    may be a tensor or a tuple whose first element is the hidden states.
+    """
+
+    cache_argument: Identifier = Field(
+        default="cache",
+        description="Keyword receiving the KV cache object (whose .update(key, value, layer_idx) the "
+                    "attention calls), e.g. 'cache' or 'layer_past'.",
+    )
+    mask_argument: Identifier | None = Field(
+        default="attention_mask", description="Keyword receiving the 4D attention mask (or None)."
+    )
+    position_ids_argument: Identifier | None = Field(
+        default="position_ids", description="Keyword receiving the position ids [1, seq]."
+    )
+    position_embeddings_argument: Identifier | None = Field(
+        default="position_embeddings",
+        description="Keyword receiving the rotary (cos, sin) pair; passed only when the block uses rotary positions.",
+    )
+    alibi_argument: Identifier | None = Field(
+        default=None,
+        description="Keyword receiving the ALiBi bias [batch*heads, 1, kv_len]; when set, it is always passed "
+                    "(None when the block does not use ALiBi for this config).",
+    )
+    extra: dict[Identifier, ScalarValue] = Field(
+        default_factory=dict, description="Constant keyword arguments passed on every call (e.g. use_cache: true)."
+    )
+
+
+class PositionSpec(StrictModel):
+    """How positions enter the layer: rotary embeddings, ALiBi, or nothing (e.g. learned, outside blocks)."""
+
+    rotary_class: ClassPath | None = Field(
+        default=None,
+        description="Rotary-embedding module built as rotary_class(config=config) and called as "
+                    "rotary(hidden_states, position_ids) -> (cos, sin); its result goes to "
+                    "call.position_embeddings_argument.",
+    )
+    rotary_layer_type_argument: bool = Field(
+        default=False,
+        description="Also pass the layer's type (from mask.layer_types_field) as a third argument to the "
+                    "rotary module (per-layer-type rotary parameters).",
+    )
+    alibi_function: ClassPath | None = Field(
+        default=None,
+        description="Function alibi_function(mask_2d, num_heads, dtype) -> [batch*heads, 1, kv_len] building "
+                    "the ALiBi bias (e.g. the model's own build_alibi_tensor).",
+    )
+    alibi_when: FormulaText | None = Field(
+        default=None,
+        description="Formula over config fields: true -> ALiBi, false -> rotary. Needed only when both "
+                    "rotary_class and alibi_function are given.",
+    )
+    alibi_in_mask: bool = Field(
+        default=False,
+        description="Also fold alibi / sqrt(key_head_dim) into a float attention mask, as models do that "
+                    "pass the mask to scaled_dot_product_attention.",
+    )
+
+    @model_validator(mode="after")
+    def _alibi_when_needed(self) -> PositionSpec:
+        if self.rotary_class and self.alibi_function and self.alibi_when is None:
+            raise ValueError("with both rotary_class and alibi_function, alibi_when must say which one applies")
+        if self.alibi_in_mask and not self.alibi_function:
+            raise ValueError("alibi_in_mask needs alibi_function")
+        if self.rotary_layer_type_argument and not self.rotary_class:
+            raise ValueError("rotary_layer_type_argument needs rotary_class")
+        return self
+
+
+class MaskSpec(StrictModel):
+    """Which attention mask each layer gets (built with transformers' own mask functions)."""
+
+    kind: MaskKind = Field(
+        default="causal",
+        description="Mask of every layer not covered by layer_types_field: 'causal', or 'sliding_window' "
+                    "(causal and at most `sliding_window` tokens back).",
+    )
+    sliding_window: FormulaText | None = Field(
+        default=None,
+        description="Window size of sliding-window layers, a formula over config fields (e.g. "
+                    "'sliding_window'); required when any layer is a sliding-window layer. When it evaluates "
+                    "to None the mask is plain causal.",
+    )
+    layer_types_field: Identifier | None = Field(
+        default=None,
+        description="Config field holding a list with one type per layer (e.g. 'layer_types'); when the "
+                    "config has it, the layer's entry is mapped to a mask kind through layer_kinds.",
+    )
+    layer_kinds: dict[str, MaskKind] = Field(
+        default_factory=lambda: {"full_attention": "causal", "sliding_attention": "sliding_window"},
+        description="Layer type (value in layer_types_field) -> mask kind.",
+    )
+    allow_skip: bool = Field(
+        default=True,
+        description="Let transformers skip a plain causal mask for sdpa (None + is_causal). False always "
+                    "materializes the mask, as models do that modify it afterwards.",
+    )
+
+    @model_validator(mode="after")
+    def _window_given(self) -> MaskSpec:
+        uses_window = self.kind == "sliding_window" or (
+            self.layer_types_field is not None and "sliding_window" in self.layer_kinds.values())
+        if uses_window and self.sliding_window is None:
+            raise ValueError("sliding-window layers need sliding_window (a formula such as 'sliding_window')")
+        return self
+
+
+class BlockSpec(StrictModel):
+    """The decoder layer a server hosts as one block, where its weights live, and how it is run."""
+
+    layer_class: ClassPath = Field(description="Decoder-layer class a server instantiates for one block.")
+    attention_class: ClassPath = Field(
+        description="Attention class inside the layer (decides the KV-cache layout)."
+    )
+    prefix: str = Field(
+        pattern=_PREFIX,
+        description="State-dict prefix of the layers: tensors of layer i start with '{prefix}.{i}.'.",
+    )
+    base_model_prefix: str | None = Field(
+        default=None, pattern=_PREFIX,
+        description="The architecture's base-model prefix (e.g. 'transformer', 'model'). Checkpoints may "
+                    "store layer tensors with or without it ('transformer.h.0.' and 'h.0.'); both are accepted.",
+    )
+    checkpoint_conversion: Literal["transformers", "none"] = Field(
+        default="transformers",
+        description="'transformers': apply the checkpoint conversion rules transformers registers for the "
+                    "model_type (e.g. per-expert MoE tensors merged into fused expert parameters); tensors "
+                    "already named like the layer's parameters load as they are. 'none': names must match.",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        default="sdpa",
+        description="Attention implementation set on a config that has none yet (use 'eager' for layers "
+                    "without sdpa support).",
+    )
+    constructor: ConstructorSpec = Field(
+        default_factory=ConstructorSpec, description="Arguments of the layer's constructor."
+    )
+    call: CallSpec = Field(default_factory=CallSpec, description="Keyword arguments of the layer's forward.")
+    position: PositionSpec = Field(
+        default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
+    )
+    mask: MaskSpec = Field(default_factory=MaskSpec, description="Attention mask kind, per layer if needed.")
+
+
+class KVCacheSpec(StrictModel):
+    """KV-cache geometry of one block: values kept per token, and how the layer hands them over.
+
+    Values per token per block = ``values_per_token`` if given, else
+    ``num_kv_heads * (key_head_dim + value_head_dim)``. It must equal what the block
+    really caches (``distconf check`` verifies it).
+    """
+
+    num_kv_heads: IntOrFormula | None = Field(
+        default=None,
+        description="KV heads kept per block; default num_attention_heads // num_key_value_groups.",
+    )
+    key_head_dim: IntOrFormula | None = Field(
+        default=None,
+        description="Size of one key head; default the config's head_dim when it has one (not None), "
+                    "else hidden_size // num_attention_heads.",
+    )
+    value_head_dim: IntOrFormula | None = Field(
+        default=None, description="Size of one value head; default key_head_dim."
+    )
+    values_per_token: IntOrFormula | None = Field(
+        default=None,
+        description="Override of the whole count (e.g. latent attention caching kv_lora_rank + "
+                    "qk_rope_head_dim); when set the head fields are only used to lay out the cache.",
+    )
+    layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
+        default="kv_heads",
+        description="How the attention hands new entries to the cache: 'kv_heads' = one entry per KV head; "
+                    "'repeat_interleave' = every KV head repeated once per query head of its group "
+                    "(consecutively); the block then stores one copy (num_kv_heads heads) and expands it "
+                    "again when handing the cache back.",
+    )
