@@ -1,0 +1,80 @@
+"""Loader benchmark (issue 2): synthesis, cached lookup, from_pretrained overhead, validate wall time.
+
+Prints medians of repeated runs, each measured side by side with its reference in this one run:
+- first ``load_family`` per family (transformers already imported; file read + validate + synthesize),
+- a cached ``load_family`` call,
+- ``from_pretrained`` of the synthesized class vs the plain HF class on the same local folder (ratio),
+- wall time of ``distconf validate families`` vs ``python -c "import transformers"``.
+Targets: synthesis < 5 ms, cached < 20 us, from_pretrained ratio <= 1.3, validate < 0.5 s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = ["bloom", "llama", "falcon", "mixtral"]
+
+
+def median_time(fn, repeat: int) -> float:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    import transformers
+
+    import distconf
+    from distconf.loader import clear_cache
+
+    print(f"{'measure':<52}{'median':>12}{'target':>12}")
+    for family in FAMILIES:  # import each HF config module once: the benchmark measures distconf, not imports
+        distconf.load_family(family)
+
+    def synth(family: str) -> None:
+        clear_cache()
+        distconf.load_family(family)
+
+    for family in FAMILIES:
+        t = median_time(lambda family=family: synth(family), 30)
+        print(f"{'first load_family(' + repr(family) + ')':<52}{t * 1e3:>10.2f}ms{'< 5 ms':>12}")
+    distconf.load_family("falcon")
+    n = 200_000
+    t = timeit.timeit(lambda: distconf.load_family("falcon"), number=n) / n
+    print(f"{'cached load_family':<52}{t * 1e6:>10.2f}us{'< 20 us':>12}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cls = distconf.load_family("llama")
+        transformers.LlamaConfig(num_hidden_layers=4).save_pretrained(tmp)
+        plain = median_time(lambda: transformers.LlamaConfig.from_pretrained(tmp), 200)
+        ours = median_time(lambda: cls.from_pretrained(tmp), 200)
+        print(f"{'LlamaConfig.from_pretrained (HF)':<52}{plain * 1e3:>10.2f}ms")
+        print(f"{'DistributedLlamaConfig.from_pretrained':<52}{ours * 1e3:>10.2f}ms")
+        print(f"{'  ratio distconf / HF':<52}{ours / plain:>12.2f}{'<= 1.3':>12}")
+
+    def run(args: list[str]) -> None:
+        subprocess.run(args, check=True, capture_output=True, cwd=REPO)
+
+    validate = median_time(lambda: run([sys.executable, "-m", "distconf", "validate", "-q", "families"]), 7)
+    imp = median_time(lambda: run([sys.executable, "-c", "import transformers"]), 7)
+    imp_cfg = median_time(lambda: run([sys.executable, "-c", "import transformers; transformers.LlamaConfig"]), 5)
+    print(f"{'distconf validate families (wall, new process)':<52}{validate:>11.3f}s{'< 0.5 s':>12}")
+    label_imp = 'python -c "import transformers" (wall)'
+    label_cfg = 'python -c "...; transformers.LlamaConfig" (wall)'
+    print(f"{label_imp:<52}{imp:>11.3f}s")
+    print(f"{label_cfg:<52}{imp_cfg:>11.3f}s")
+    print(f"{'  ratio validate / import transformers':<52}{validate / imp:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
