@@ -101,7 +101,8 @@ def test_missing_field(tmp_path, family_text) -> None:
 
 def test_all_problems_at_once(tmp_path, family_text) -> None:
     text = _variant(family_text, "model_type: llama", "model_type: 5\ncolour: blue")
-    text = text.replace("  prefix: model.layers", "  prefix: [a]").replace("config_class: transformers.LlamaConfig\n", "")
+    text = text.replace("  prefix: model.layers", "  prefix: [a]")
+    text = text.replace("config_class: transformers.LlamaConfig\n", "")
     problems = _single_problem(_write(tmp_path, "variant", text))
     assert sorted(p.field for p in problems) == ["block.prefix", "colour", "config_class", "model_type"]
     assert [p.line for p in problems] == sorted(p.line for p in problems)

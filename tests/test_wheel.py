@@ -24,12 +24,12 @@ def test_wheel_contains_data_and_works(tmp_path) -> None:
     zipfile.ZipFile(wheel).extractall(unpacked)
     code = (
         "import distconf, distconf.data as d\n"
-        "assert str(d.builtin_families_dir()).startswith(%r), d.builtin_families_dir()\n"
+        f"assert str(d.builtin_families_dir()).startswith({str(unpacked)!r}), d.builtin_families_dir()\n"
         "from distconf.cli import main\n"
         "assert main(['validate', '-q']) == 0\n"
         "assert main(['schema', '--check']) == 0\n"
         "cfg = distconf.load_preset('tiiuae/falcon-40b')\n"
-        "assert cfg.dht_prefix == 'falcon-40b'\n" % str(unpacked)
+        "assert cfg.dht_prefix == 'falcon-40b'\n"
     )
     env = {**os.environ, "PYTHONPATH": str(unpacked)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
