@@ -19,7 +19,6 @@ import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ["bloom", "llama", "falcon", "mixtral"]
 
 
 def median_time(fn, repeat: int) -> float:
@@ -31,35 +30,53 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
+def first_loadable_preset(hub_ids: list[str]):
+    """The first shipped preset whose family is on the search path."""
+    import distconf
+
+    for hub_id in hub_ids:
+        try:
+            return distconf.load_preset(hub_id)
+        except distconf.FamilyNotFoundError:
+            continue
+    raise SystemExit("no preset has a family")
+
+
 def main() -> None:
-    import transformers
+    import transformers  # noqa: F401 - measured with transformers already imported
 
     import distconf
     from distconf.loader import clear_cache
+    from distconf.presets import list_presets
+
+    families = distconf.list_families()
+    probe = families[0]
 
     print(f"{'measure':<52}{'median':>12}{'target':>12}")
-    for family in FAMILIES:  # import each HF config module once: the benchmark measures distconf, not imports
+    for family in families:  # import each HF config module once: the benchmark measures distconf, not imports
         distconf.load_family(family)
 
     def synth(family: str) -> None:
         clear_cache()
         distconf.load_family(family)
 
-    for family in FAMILIES:
+    for family in families:
         t = median_time(lambda family=family: synth(family), 30)
         print(f"{'first load_family(' + repr(family) + ')':<52}{t * 1e3:>10.2f}ms{'< 5 ms':>12}")
-    distconf.load_family("falcon")
+    distconf.load_family(probe)
     n = 200_000
-    t = timeit.timeit(lambda: distconf.load_family("falcon"), number=n) / n
+    t = timeit.timeit(lambda: distconf.load_family(probe), number=n) / n
     print(f"{'cached load_family':<52}{t * 1e6:>10.2f}us{'< 20 us':>12}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        cls = distconf.load_family("llama")
-        transformers.LlamaConfig(num_hidden_layers=4).save_pretrained(tmp)
-        plain = median_time(lambda: transformers.LlamaConfig.from_pretrained(tmp), 200)
+        preset = first_loadable_preset(list_presets())
+        cls = type(preset)
+        base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("transformers."))
+        base(**{k: v for k, v in preset.to_diff_dict().items() if k != "model_type"}).save_pretrained(tmp)
+        plain = median_time(lambda: base.from_pretrained(tmp), 200)
         ours = median_time(lambda: cls.from_pretrained(tmp), 200)
-        print(f"{'LlamaConfig.from_pretrained (HF)':<52}{plain * 1e3:>10.2f}ms")
-        print(f"{'DistributedLlamaConfig.from_pretrained':<52}{ours * 1e3:>10.2f}ms")
+        print(f"{base.__name__ + '.from_pretrained (HF)':<52}{plain * 1e3:>10.2f}ms")
+        print(f"{cls.__name__ + '.from_pretrained':<52}{ours * 1e3:>10.2f}ms")
         print(f"{'  ratio distconf / HF':<52}{ours / plain:>12.2f}{'<= 1.3':>12}")
 
     def run(args: list[str]) -> None:
@@ -67,10 +84,10 @@ def main() -> None:
 
     validate = median_time(lambda: run([sys.executable, "-m", "distconf", "validate", "-q", "families"]), 7)
     imp = median_time(lambda: run([sys.executable, "-c", "import transformers"]), 7)
-    imp_cfg = median_time(lambda: run([sys.executable, "-c", "import transformers; transformers.LlamaConfig"]), 5)
+    imp_cfg = median_time(lambda: run([sys.executable, "-c", f"import transformers; transformers.{base.__name__}"]), 5)
     print(f"{'distconf validate families (wall, new process)':<52}{validate:>11.3f}s{'< 0.5 s':>12}")
     label_imp = 'python -c "import transformers" (wall)'
-    label_cfg = 'python -c "...; transformers.LlamaConfig" (wall)'
+    label_cfg = f'python -c "...; transformers.{base.__name__}" (wall)'
     print(f"{label_imp:<52}{imp:>11.3f}s")
     print(f"{label_cfg:<52}{imp_cfg:>11.3f}s")
     print(f"{'  ratio validate / import transformers':<52}{validate / imp:>12.2f}")

@@ -19,7 +19,7 @@ def check_dht_prefix(prefix: str) -> str:
 
 
 def derive_dht_prefix(rule: DhtPrefixRule, model_name: str) -> str:
-    """Apply ``rule`` to a hub id such as ``meta-llama/Llama-2-70b-hf``."""
+    """Apply ``rule`` to a hub id such as ``org/Model-70b-v1.5``."""
     prefix = str(model_name)
     if rule.name == "repo":
         prefix = prefix.split("/")[-1]

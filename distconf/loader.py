@@ -250,7 +250,7 @@ def get_family_spec(name_or_path: str | os.PathLike[str]) -> FamilySpec:
 def load_family(name_or_path: str | os.PathLike[str]) -> type:
     """The synthesized ``Distributed<Name>Config`` class of a family.
 
-    ``name_or_path`` is a family name on the search path (``"falcon"``) or the path
+    ``name_or_path`` is a family name on the search path (such as ``"my_family"``) or the path
     of a family file. The class is synthesized once and cached: every later call
     (from any thread) returns the same object.
     """

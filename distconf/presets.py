@@ -1,6 +1,6 @@
 """Presets: real models' ``config.json`` files shipped with distconf, for offline use.
 
-A preset is named by its hub id (``tiiuae/falcon-40b``) and stored as
+A preset is named by its hub id (``org/name``) and stored as
 ``presets/<org>--<name>.json``. Loading one goes through the family class's
 ``from_pretrained`` with ``preset=True``, so the hub-id DHT-prefix rules, fix-ups and
 notices apply exactly as for a download.

@@ -116,6 +116,6 @@ class FamilySpec(StrictModel):
 
     @property
     def class_name(self) -> str:
-        """Name of the synthesized class, e.g. ``DistributedFalconConfig``."""
+        """Name of the synthesized class, ``Distributed<Name>Config``."""
         name = self.display_name or "".join(part.capitalize() for part in self.family.split("_"))
         return f"Distributed{name}Config"

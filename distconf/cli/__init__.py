@@ -30,7 +30,7 @@ _EPILOG = """\
 examples:
   distconf list                              families on the search path
   distconf validate my_families/             check family files (CI / pre-commit)
-  distconf show falcon --preset tiiuae/falcon-40b
+  distconf show FAMILY --preset ORG/MODEL   a family applied to a shipped real config
   distconf schema --check                    is schemas/family.schema.json current?
 
 environment:

@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("family", nargs="?", help="family name or family file (inferred from --config/--preset if omitted)")
     p.add_argument("--config", metavar="DIR_OR_FILE", help="a local model folder or config.json")
-    p.add_argument("--preset", metavar="HUB_ID", help="a shipped real-model config, e.g. tiiuae/falcon-40b")
+    p.add_argument("--preset", metavar="HUB_ID", help="a shipped real-model config (see `distconf demo` for the list)")
     p.add_argument("--name", metavar="HUB_ID",
                    help="derive the DHT prefix as if the config was loaded from this hub id")
     p.set_defaults(func=run)
