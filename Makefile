@@ -26,6 +26,7 @@ lint: setup
 test: setup lint
 	$(BIN)/distconf schema --check
 	$(BIN)/distconf validate --resolve
+	$(BIN)/distconf check
 	$(BIN)/python -m pytest -q
 
 bench: setup

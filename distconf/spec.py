@@ -101,7 +101,10 @@ class FamilySpec(StrictModel):
     )
     notices: list[Notice] = Field(default_factory=list)
     tiny_config: dict[str, Any] | None = Field(
-        default=None, description="Config overrides for a tiny test model (used by `distconf check`)."
+        default=None,
+        description="Config overrides for a tiny test model (used by `distconf check`): small dims, every "
+                    "architecture flag that matters switched on. An optional key `variants` holds a list of "
+                    "override mappings, each applied on top of the rest and checked as its own model.",
     )
 
     @field_validator("revisions")

@@ -75,9 +75,9 @@ class PositionSpec(StrictModel):
 
     rotary_class: ClassPath | None = Field(
         default=None,
-        description="Rotary-embedding module built as rotary_class(config=config) and called as "
-                    "rotary(hidden_states, position_ids) -> (cos, sin); its result goes to "
-                    "call.position_embeddings_argument.",
+        description="Rotary-embedding module built as rotary_class(config=config) on the device of the "
+                    "hidden states and called as rotary(hidden_states, position_ids); its result (e.g. "
+                    "(cos, sin), or complex frequencies) goes unchanged to call.position_embeddings_argument.",
     )
     rotary_layer_type_argument: bool = Field(
         default=False,
@@ -171,10 +171,11 @@ class BlockSpec(StrictModel):
                     "model_type (e.g. per-expert MoE tensors merged into fused expert parameters); tensors "
                     "already named like the layer's parameters load as they are. 'none': names must match.",
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        default="sdpa",
-        description="Attention implementation set on a config that has none yet (use 'eager' for layers "
-                    "without sdpa support).",
+    attn_implementation: Literal["sdpa", "eager"] | None = Field(
+        default=None,
+        description="Attention implementation the layer really uses, for layers that support only one "
+                    "(e.g. 'eager'); the block then always builds its mask in that format. Null: the "
+                    "config's own (set to 'sdpa' when the config has none).",
     )
     constructor: ConstructorSpec = Field(
         default_factory=ConstructorSpec, description="Arguments of the layer's constructor."
@@ -184,6 +185,13 @@ class BlockSpec(StrictModel):
         default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
     )
     mask: MaskSpec = Field(default_factory=MaskSpec, description="Attention mask kind, per layer if needed.")
+
+    @model_validator(mode="after")
+    def _layer_types_for_rotary(self) -> BlockSpec:
+        if self.position.rotary_layer_type_argument and self.mask.layer_types_field is None:
+            raise ValueError("position.rotary_layer_type_argument needs mask.layer_types_field "
+                             "(the config field listing each layer's type)")
+        return self
 
 
 class KVCacheSpec(StrictModel):

@@ -109,10 +109,17 @@ def _resolve(source: FamilySource, loc: tuple[str, ...], path: str) -> type:
 
 def _check_names(source: FamilySource, config_class: type) -> Any:
     """Check formula names and fix-up fields against a default instance of the base config."""
+    # Some HF defaults are inconsistent (token ids outside the default vocabulary) and
+    # transformers warns about them; this probe instance is never used for anything else.
+    hf_logger = logging.getLogger("transformers")
+    previous = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)
     try:
         default = config_class()
     except Exception as exc:
         raise source.error(("config_class",), f"{config_class.__name__}() cannot be built: {exc}") from None
+    finally:
+        hf_logger.setLevel(previous)
     problems = []
     for loc, text in iter_formulas(source.spec):
         for name in sorted(Formula(text).names):

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             row.append(f"{sizing.block_size_bytes(cfg, dtype=torch.bfloat16, quant='nf4') / 2**20:,.0f}")
             row.append(f"{sizing.kv_cache_bytes_per_token(cfg, torch.bfloat16):,}")
         rows.append(row)
+    rows.sort(key=lambda row: (row[0], row[1]))
     headers = ["family", "model", "class", "DHT prefix", "blocks", "KV groups"]
     if sizing is not None:
         headers += ["block MiB bf16", "block MiB nf4", "KV B/token/block"]

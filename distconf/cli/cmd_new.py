@@ -1,0 +1,95 @@
+"""``distconf new``: draft a family file from a model's ``config.json``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``new`` subcommand."""
+    p = subparsers.add_parser(
+        "new", help="draft a family file from a model's config.json (for review)",
+        description="Write a first draft of a family file:\n"
+                    "  - the Hugging Face config class (from model_type),\n"
+                    "  - the decoder-layer and attention classes and the state-dict prefix (from the model\n"
+                    "    built on the meta device), the layer's keyword names, the mask rule,\n"
+                    "  - a KV-groups formula and a KV-cache geometry checked against a tiny model,\n"
+                    "  - a tiny_config made by shrinking the given config.\n"
+                    "Findings and TODOs are written as comments. Review the draft, then run `distconf check`.",
+        epilog="example:\n  distconf new myfamily --from-config ~/models/my-model/config.json --out my_families/",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("family", help="family name (lower case, digits, '_'); the file is named <family>.yaml")
+    p.add_argument("--from-config", required=True, metavar="CONFIG_JSON",
+                   help="the model's config.json, or a folder holding one")
+    p.add_argument("--out", metavar="PATH",
+                   help="output file or existing folder (default: ./<family>.yaml)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--no-run", action="store_true",
+                   help="do not build and run the tiny model (no KV-cache check, tiny_config unverified)")
+    p.set_defaults(func=run)
+
+
+def _output_path(family: str, out: str | None) -> Path:
+    if out is None:
+        return Path.cwd() / f"{family}.yaml"
+    path = Path(out)
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        return path / f"{family}.yaml"
+    return path
+
+
+def _schema_reference(output: Path) -> str:
+    from distconf.data import schema_path
+
+    schema = schema_path()
+    root = schema.parent.parent
+    target = output.resolve().parent
+    if target == root or root in target.parents:
+        return Path(os.path.relpath(schema, target)).as_posix()
+    return schema.as_posix()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Draft, write, validate; print what was found and what to review."""
+    from distconf.drafting import DraftingError, draft_family, read_config_json
+    from distconf.errors import FamilyValidationError
+    from distconf.loader import read_family_file
+
+    output = _output_path(args.family, args.out)
+    if output.suffix not in (".yaml", ".yml") or output.stem != args.family:
+        print(f"distconf new: the file must be named {args.family}.yaml (the family name), not {output.name}",
+              file=sys.stderr)
+        return 2
+    if output.exists() and not args.force:
+        print(f"distconf new: {output} exists; use --force to overwrite it", file=sys.stderr)
+        return 1
+    try:
+        config = read_config_json(args.from_config)
+        draft = draft_family(args.family, config, run_tiny=not args.no_run)
+    except DraftingError as exc:
+        print(f"distconf new: {exc}", file=sys.stderr)
+        return 1
+    text = draft.to_yaml(schema_path=_schema_reference(output))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text, encoding="utf-8")
+    try:
+        read_family_file(output)
+    except FamilyValidationError as exc:
+        print(f"distconf new: wrote {output}, but the draft does not validate (please report this):\n{exc}",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {output}")
+    for fact in draft.facts:
+        print(f"  found: {fact}")
+    if draft.review:
+        print(f"{len(draft.review)} item(s) to review (also written as TODO comments):")
+        for item in draft.review:
+            print(f"  - {item}")
+    print("next: review the draft, then run")
+    print(f"  distconf check {output}")
+    print(f"  (or put it in a folder listed in DISTCONF_FAMILIES_PATH and use the name {args.family!r})")
+    return 0

@@ -1,0 +1,122 @@
+"""KV-cache geometry of a block, from the family file's ``kv_cache`` section, and the
+small cache object a block hands to its attention layer.
+
+Geometry (per token, per block): ``num_kv_heads`` heads of ``key_head_dim`` key values
+and ``value_head_dim`` value values, unless the family overrides ``values_per_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.errors import ConfigValueError
+from distconf.formula import Formula, FormulaError
+
+__all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one block keeps in its KV cache for one token."""
+
+    num_kv_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    values_per_token: int
+
+
+def _family(config: Any) -> str:
+    spec = getattr(type(config), "family_spec", None)
+    return spec.family if spec is not None else type(config).__name__
+
+
+def _value(config: Any, field: str, value: int | str | None, default: Any) -> int:
+    """Evaluate one ``kv_cache`` field (int, formula or default callable) to a positive int."""
+    source = f"kv_cache.{field}"
+    try:
+        if value is None:
+            result = default()
+        elif isinstance(value, int):
+            result = value
+        else:
+            result = Formula(value).evaluate_on(config)
+    except (FormulaError, AttributeError, TypeError, ZeroDivisionError) as exc:
+        raise ConfigValueError(f"family {_family(config)!r}: {source}: {exc}") from None
+    if isinstance(result, bool) or not isinstance(result, int) or result < 1:
+        raise ConfigValueError(
+            f"family {_family(config)!r}: {source} gave {result!r}; expected a positive integer"
+        )
+    return result
+
+
+def _default_head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    return config.hidden_size // config.num_attention_heads
+
+
+def kv_geometry(config: Any) -> KVGeometry:
+    """The KV-cache geometry a block of ``config`` keeps per token (from its family file)."""
+    spec = type(config).family_spec.kv_cache
+    heads = _value(config, "num_kv_heads", spec.num_kv_heads,
+                   lambda: config.num_attention_heads // config.num_key_value_groups)
+    key_dim = _value(config, "key_head_dim", spec.key_head_dim, lambda: _default_head_dim(config))
+    value_dim = _value(config, "value_head_dim", spec.value_head_dim, lambda: key_dim)
+    total = _value(config, "values_per_token", spec.values_per_token, lambda: heads * (key_dim + value_dim))
+    return KVGeometry(heads, key_dim, value_dim, total)
+
+
+class BlockKVCache:
+    """The cache object a block passes to its layer for one forward call.
+
+    It implements the part of the transformers ``Cache`` interface attention layers
+    use (``update``, ``get_seq_length``). Entries are stored as ``[batch, kv_heads,
+    seq, head_dim]`` tensors holding only the real KV heads: when the layer writes every
+    KV head repeated per query head (``layer_writes: repeat_interleave``), one copy is
+    kept and the layer gets the expanded view back.
+    """
+
+    def __init__(self, past: tuple[Any, Any] | None, num_kv_heads: int, layer_writes: str) -> None:
+        self.key, self.value = (past[0], past[1]) if past is not None else (None, None)
+        self.num_kv_heads = num_kv_heads
+        self.layer_writes = layer_writes
+        self.expansion = 1
+        self.last_written: tuple[Any, Any] | None = None
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """Tokens already cached."""
+        return 0 if self.key is None else int(self.key.shape[-2])
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int | None = None,
+               *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Append new entries; return the whole cache in the layout the layer wrote."""
+        import torch
+
+        self.last_written = (key_states, value_states)
+        factor = 1
+        if self.layer_writes == "repeat_interleave":
+            written = key_states.shape[1]
+            if written % self.num_kv_heads:
+                raise ConfigValueError(
+                    f"the layer wrote {written} heads, not a multiple of kv_cache.num_kv_heads={self.num_kv_heads}"
+                )
+            factor = written // self.num_kv_heads
+            if factor > 1:
+                key_states = key_states[:, ::factor]
+                value_states = value_states[:, ::factor]
+        self.expansion = factor
+        if self.key is None:
+            self.key, self.value = key_states.contiguous(), value_states.contiguous()
+        else:
+            self.key = torch.cat([self.key, key_states], dim=-2)
+            self.value = torch.cat([self.value, value_states], dim=-2)
+        if factor > 1:
+            return self.key.repeat_interleave(factor, dim=1), self.value.repeat_interleave(factor, dim=1)
+        return self.key, self.value
+
+    @property
+    def present(self) -> tuple[Any, Any] | None:
+        """The cache to hand back to the caller: ``(key, value)`` or None if empty."""
+        return None if self.key is None else (self.key, self.value)
