@@ -92,6 +92,11 @@ class FamilySpec(StrictModel):
     kv_groups: IntOrFormula = Field(
         description="Query heads per KV head: an integer, or a formula over config fields."
     )
+    original_kv_groups: int | None = Field(
+        default=None, ge=1,
+        description="KV groups the original hand-written config used, when it differs from kv_groups. "
+                    "Informational: `distconf plan` shows what the original cache formula would reserve.",
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec,
                                   description="How many values per token one block keeps in its KV cache.")
     dht_prefix: DhtPrefixRule

@@ -17,6 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "127.0.0.1 (servers loading real weights of a tiny local model) and route through it.",
     )
     p.add_argument("--no-swarm", action="store_true", help="skip the local swarm part")
+    p.add_argument("--swarm-family", metavar="FAMILY", default=None,
+                   help="family of the tiny model the swarm serves (default: the first built-in family "
+                        "with a tiny_config); any family works, the servers use only its family file")
+    p.add_argument("--servers", type=int, default=3, help="server processes in the swarm (default: 3)")
     p.set_defaults(func=run)
 
 
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if swarm is None:
         return 0
     print("\n== 3. a local swarm on 127.0.0.1")
-    return int(swarm.run_swarm_demo() or 0)
+    return int(swarm.run_swarm_demo(args.servers, family=args.swarm_family) or 0)
 
 
 def _optional(module: str):

@@ -1,0 +1,107 @@
+"""``distconf plan``: how many blocks of a model a server with given memory can hold."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` subcommand."""
+    p = subparsers.add_parser(
+        "plan", help="capacity plan: blocks, cache tokens and bytes for a server with given memory",
+        description="Plan a server for a model (a shipped preset, see `distconf list`, or a local "
+                    "model directory): how many blocks fit in MEMORY, how many attention-cache tokens they hold, "
+                    "and the bytes of each part, with the correct KV geometry. Shown side by side with what the "
+                    "original system's formula (2 * hidden_size / num_key_value_groups values per token) reserves.",
+    )
+    p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf list`) or a model directory")
+    p.add_argument("--memory", required=True, help="memory for the server, e.g. 24GiB, 80GB, 512MiB")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute and cache dtype")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization")
+    p.add_argument("--attn-cache-tokens", type=int, default=None,
+                   help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
+    p.add_argument("--num-devices", type=int, default=1, help="devices sharing the blocks (tensor parallel)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def load_model_config(name: str) -> Any:
+    """A distributed config from a local directory or a shipped preset."""
+    if os.path.isdir(name):
+        from distconf.auto import AutoDistributedConfig
+
+        return AutoDistributedConfig.from_pretrained(name)
+    from distconf.presets import load_preset
+
+    return load_preset(name)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit 1 on a bad argument or if not one block fits."""
+    from distconf.cli.table import format_table
+    from distconf.planning import parse_memory, plan_server
+
+    try:
+        memory = parse_memory(args.memory)
+        config = load_model_config(args.model)
+        plan = plan_server(config, memory, args.dtype, args.quant, args.attn_cache_tokens,
+                           num_devices=args.num_devices)
+    except (ValueError, LookupError, OSError) as exc:
+        print(f"distconf plan: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"model": args.model, "dht_prefix": config.dht_prefix, **plan.to_dict()}, indent=2))
+        return 0 if plan.num_blocks else 1
+
+    quant = plan.quant or "none"
+    print(f"{args.model}: {type(config).__name__}, {plan.max_blocks} blocks, hidden_size {config.hidden_size}, "
+          f"KV groups {config.num_key_value_groups}")
+    print(f"server: {_gib(memory)} memory, dtype {plan.dtype}, quant {quant}, "
+          f"{args.num_devices} device(s)\n")
+    o_tok = plan.original_default_attn_cache_tokens
+    rows = [
+        ["KV bytes/token/block", f"{plan.kv_bytes_per_token:,}", f"{plan.original_kv_bytes_per_token:,}",
+         f"{plan.original_kv_bytes_per_token:,}"],
+        ["attention cache tokens", f"{plan.attn_cache_tokens:,}", f"{plan.attn_cache_tokens:,}", f"{o_tok:,}"],
+        ["cache per block", _mib(plan.cache_bytes_per_block), _mib(plan.original_cache_bytes_per_block),
+         _mib(plan.original_default_cache_bytes_per_block)],
+        ["block weights", _mib(plan.block_bytes), _mib(plan.block_bytes), _mib(plan.block_bytes)],
+        ["autograd reserve", _mib(plan.autograd_reserve_bytes), _mib(plan.autograd_reserve_bytes),
+         _mib(plan.autograd_reserve_bytes)],
+        ["blocks that fit", f"{plan.num_blocks} / {plan.max_blocks}",
+         f"{plan.original_num_blocks} / {plan.max_blocks}", f"{plan.original_default_num_blocks} / {plan.max_blocks}"],
+        ["weights total", _gib(plan.total_block_bytes), _gib(plan.block_bytes * plan.original_num_blocks),
+         _gib(plan.block_bytes * plan.original_default_num_blocks)],
+        ["cache total", _gib(plan.total_cache_bytes),
+         _gib(plan.original_cache_bytes_per_block * plan.original_num_blocks),
+         _gib(plan.original_default_cache_bytes_per_block * plan.original_default_num_blocks)],
+    ]
+    print(format_table(
+        ["", "distconf (real KV geometry)", "original formula, same tokens",
+         f"original formula, its default ({o_tok} tokens)"], rows))
+    print()
+    ratio = plan.original_over_reservation
+    groups = plan.original_kv_groups
+    if abs(ratio - 1.0) > 1e-9:
+        print(f"The original formula 2 * hidden_size / num_key_value_groups (groups = {groups}) reserves "
+              f"{ratio:.2f}x the cache this block really keeps per token.")
+    else:
+        print("The original formula agrees with the real KV geometry for this model.")
+    if plan.num_blocks == 0:
+        print(f"Not even one block fits in {_gib(memory)}.", file=sys.stderr)
+        return 1
+    print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; the attention cache holds "
+          f"{plan.cache_tokens:,} tokens for each block (max batch size / inference length {plan.max_length}).")
+    return 0

@@ -1,0 +1,212 @@
+"""Server side of discovery: announce the blocks a server holds on a hivemind DHT.
+
+A server stores, for every block uid it serves, one record under its own subkey (its
+peer id in base58) and lists the model under ``_petals.models`` (unless the prefix is
+private, i.e. starts with ``_``). Records expire; `BlockAnnouncer` refreshes them every
+``update_period`` seconds until stopped.
+
+hivemind is imported lazily: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from distconf.dht.records import MODELS_REGISTRY_KEY, ModelInfo, ServerInfo, ServerState
+from distconf.dht.uids import config_block_uids, config_dht_prefix, config_num_blocks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hivemind import DHT
+    from hivemind.dht import DHTNode
+
+__all__ = ["MAX_EXPIRATION", "MAX_RECORD_BYTES", "BlockAnnouncer", "announce_blocks", "default_expiration"]
+
+logger = logging.getLogger(__name__)
+
+MAX_EXPIRATION = 7 * 24 * 3600.0
+"""Longest record lifetime accepted by `announce_blocks` (seconds)."""
+MAX_RECORD_BYTES = 2048
+"""Largest serialized server record `announce_blocks` sends. hivemind hands work to its
+DHT process through a pipe it reads non-blocking, from several threads; messages under
+the 4 KiB atomic pipe-write size stay whole."""
+MIN_EXPIRATION = 3.0
+"""Shortest default lifetime: covers clock discrepancies between peers (as the original)."""
+
+
+def default_expiration(config: Any) -> float:
+    """Record lifetime used when none is given: ``max(2 * update_period, 3)`` seconds."""
+    return max(2.0 * float(getattr(config, "update_period", 60)), MIN_EXPIRATION)
+
+
+async def _store_records(
+    dht: DHT,
+    node: DHTNode,
+    prefix: str,
+    start: int,
+    end: int,
+    value: tuple,
+    registry: tuple[str, dict] | None,
+    expiration_time: float,
+) -> dict[str, bool]:
+    peer = node.peer_id.to_base58()
+    uids = [f"{prefix}.{i}" for i in range(start, end)]  # built here: the pipe message stays small
+    keys: list[Any] = list(uids)
+    subkeys: list[Any] = [peer] * len(uids)
+    values: list[Any] = [value] * len(uids)
+    if registry is not None:
+        keys.append(MODELS_REGISTRY_KEY)
+        subkeys.append(registry[0])
+        values.append(registry[1])
+    num_workers = max(1, min(len(keys), dht.num_workers or len(keys)))
+    result = await node.store_many(
+        keys=keys, subkeys=subkeys, values=values, expiration_time=expiration_time, num_workers=num_workers
+    )
+    return {str(k[0] if isinstance(k, tuple) else k): bool(v) for k, v in result.items()}
+
+
+def announce_blocks(
+    dht: DHT,
+    config: Any,
+    start: int,
+    end: int,
+    info: ServerInfo,
+    expiration: float | None = None,
+    *,
+    repository: str | None = None,
+    timeout: float | None = 30.0,
+) -> dict[str, bool]:
+    """Announce that this DHT peer serves blocks ``start..end-1`` of ``config``'s model.
+
+    :param dht: a running ``hivemind.DHT``; records are stored under its peer id.
+    :param config: a distributed config (needs ``dht_prefix`` and ``num_hidden_layers``).
+    :param start: first block served. :param end: one past the last block served.
+    :param info: the server record; its ``start_block``/``end_block`` are set to the span.
+    :param expiration: lifetime of the records in **seconds from now** (not an absolute
+        time); default `default_expiration` (``max(2 * update_period, 3)``).
+    :param repository: stored in the ``_petals.models`` listing (public prefixes only).
+    :param timeout: give up waiting for the DHT after this many seconds.
+    :returns: for each stored key (block uids, plus ``_petals.models`` when listed),
+        whether the store succeeded.
+    """
+    from hivemind.utils import get_dht_time
+
+    num_blocks = config_num_blocks(config)
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= num_blocks):
+        raise ValueError(f"span {start}..{end} is not inside the model's {num_blocks} blocks (need 0 <= start < end)")
+    if expiration is None:
+        expiration = default_expiration(config)
+    if not 0 < expiration <= MAX_EXPIRATION:
+        raise ValueError(
+            f"expiration={expiration!r} must be a lifetime in seconds in (0, {MAX_EXPIRATION:.0f}], "
+            "not an absolute time"
+        )
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    prefix = config_dht_prefix(config)
+    uids = config_block_uids(config, start, end)
+    if uids != [f"{prefix}.{i}" for i in range(start, end)]:
+        raise ValueError(f"block uids of {type(config).__name__} are not '{prefix}.<index>'")
+    record = info.model_copy(update={"start_block": start, "end_block": end})
+    record = ServerInfo.model_validate(record.model_dump())  # re-validate the updated copy
+    size = len(MSGPackSerializer.dumps(record.to_wire()))
+    if size > MAX_RECORD_BYTES:
+        raise ValueError(f"server record is {size} bytes serialized; at most {MAX_RECORD_BYTES} are allowed")
+    registry = None
+    if not prefix.startswith("_"):
+        registry = (prefix, ModelInfo(num_blocks=num_blocks, repository=repository).to_wire())
+    expiration_time = get_dht_time() + expiration
+    future = dht.run_coroutine(
+        partial(
+            _store_records,
+            prefix=prefix,
+            start=start,
+            end=end,
+            value=record.to_wire(),
+            registry=registry,
+            expiration_time=expiration_time,
+        ),
+        return_future=True,
+    )
+    try:
+        result = future.result(timeout=timeout)
+    except BaseException:
+        future.cancel()
+        raise
+    failed = [k for k, ok in result.items() if not ok]
+    if failed:
+        logger.warning("announce of %s.%d..%d: %d of %d stores failed (%s...)", prefix, start, end - 1,
+                       len(failed), len(result), failed[0])
+    else:
+        logger.debug("announced %s blocks %d..%d as %s until %.1f", prefix, start, end - 1,
+                     record.state.name, expiration_time)
+    return result
+
+
+class BlockAnnouncer:
+    """Keeps a server's records alive: announces now, then every ``update_period`` seconds.
+
+    >>> announcer = BlockAnnouncer(dht, config, 0, 4, info)   # doctest: +SKIP
+    >>> announcer.start(); ...; announcer.stop()              # doctest: +SKIP
+
+    ``stop()`` re-announces the span as OFFLINE with a short lifetime (as the original
+    does on shutdown), so clients stop routing to it at once.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        config: Any,
+        start: int,
+        end: int,
+        info: ServerInfo,
+        *,
+        update_period: float | None = None,
+        expiration: float | None = None,
+        repository: str | None = None,
+    ) -> None:
+        self.dht, self.config, self.start_block, self.end_block = dht, config, start, end
+        self.info = info
+        self.update_period = float(update_period if update_period is not None else config.update_period)
+        self.expiration = expiration if expiration is not None else max(2 * self.update_period, MIN_EXPIRATION)
+        self.repository = repository
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def announce(self, info: ServerInfo | None = None) -> dict[str, bool]:
+        """Announce now (optionally with a new record, e.g. after switching to ONLINE)."""
+        with self._lock:
+            if info is not None:
+                self.info = info
+            return announce_blocks(self.dht, self.config, self.start_block, self.end_block, self.info,
+                                   self.expiration, repository=self.repository)
+
+    def start(self) -> None:
+        """Announce once (synchronously), then keep refreshing in a daemon thread."""
+        self.announce()
+        self._thread = threading.Thread(target=self._run, name="distconf-announcer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.update_period):
+            try:
+                self.announce()
+            except Exception as e:
+                logger.warning("refreshing DHT records failed: %s", e)
+
+    def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
+        """Stop refreshing; if ``offline``, announce the span as OFFLINE for a few seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if offline:
+            with self._lock:
+                info = self.info.model_copy(update={"state": ServerState.OFFLINE})
+                try:
+                    announce_blocks(self.dht, self.config, self.start_block, self.end_block, info,
+                                    MIN_EXPIRATION, repository=self.repository, timeout=timeout)
+                except Exception as e:
+                    logger.warning("announcing OFFLINE failed: %s", e)

@@ -1,0 +1,222 @@
+"""Typed models of the records peers keep on the DHT (wire-compatible with Petals 2.x).
+
+Two kinds of record exist (reference-facts 3):
+
+* a **server record**, stored under key ``f"{dht_prefix}.{block_index}"`` with subkey
+  = the server's peer id in base58 and value ``(state, throughput, extra)``;
+* a **model-registry record**, stored under key ``"_petals.models"`` with subkey =
+  ``dht_prefix`` and value ``{"num_blocks": n, "repository": str | None}``.
+
+Both are parsed from *untrusted* data (any peer may store anything under any key), so
+parsing is strict: a wrong type, an unknown state, a negative or non-finite number or
+an absurdly large value raises `RecordError` (a `ValueError`); unknown keys in
+``extra`` are ignored, so newer peers can add fields. ``to_wire`` produces exactly what
+the original stores, and ``from_wire(MSGPackSerializer.loads(MSGPackSerializer.dumps(
+record.to_wire())))`` equals the record.
+
+This module imports only pydantic (no torch, no hivemind).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "CHAIN_DELIMITER",
+    "MODELS_REGISTRY_KEY",
+    "UID_DELIMITER",
+    "ModelInfo",
+    "RecordError",
+    "ServerInfo",
+    "ServerState",
+    "block_uid",
+    "parse_block_uid",
+]
+
+UID_DELIMITER = "."
+"""Separates the DHT prefix from the block index in a block uid."""
+CHAIN_DELIMITER = " "
+"""Separates block uids in a chain."""
+MODELS_REGISTRY_KEY = "_petals.models"
+"""DHT key under which public models are listed (subkey = dht_prefix)."""
+
+MAX_STR_LEN = 1024
+"""Longest string accepted in a record (names, versions, dtypes); longer is rejected."""
+MAX_ITEMS = 4096
+"""Most items accepted in a list or mapping inside a record."""
+MAX_INT = 2**63 - 1
+"""Largest integer accepted (block counts, cache tokens)."""
+
+
+class RecordError(ValueError):
+    """A DHT record does not match the expected schema (the message says where)."""
+
+
+class ServerState(IntEnum):
+    """State of a server as announced on the DHT (same numbers as the original)."""
+
+    OFFLINE = 0
+    JOINING = 1
+    ONLINE = 2
+
+
+_Rps = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+_Str = Annotated[str, Field(strict=True, max_length=MAX_STR_LEN)]
+_NonNegInt = Annotated[int, Field(strict=True, ge=0, le=MAX_INT)]
+
+
+def _check_state(value: Any) -> ServerState:
+    if isinstance(value, ServerState):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"state must be an integer 0, 1 or 2, got {type(value).__name__}")
+    try:
+        return ServerState(value)
+    except ValueError:
+        raise ValueError(f"state must be 0 (offline), 1 (joining) or 2 (online), got {value}") from None
+
+
+class ServerInfo(BaseModel):
+    """What a server announces for each block it serves: ``(state, throughput, extra)``.
+
+    ``throughput`` is in requests per second (finite, >= 0). Every other field lives in
+    the ``extra`` dict on the wire and is optional. ``start_block``/``end_block`` give
+    the server's whole span (end exclusive).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    state: ServerState
+    throughput: _Rps
+
+    start_block: _NonNegInt | None = None
+    end_block: _NonNegInt | None = None
+    public_name: _Str | None = None
+    version: _Str | None = None
+    network_rps: _Rps | None = None
+    forward_rps: _Rps | None = None
+    inference_rps: _Rps | None = None
+    adapters: Annotated[tuple[_Str, ...], Field(max_length=MAX_ITEMS)] = ()
+    torch_dtype: _Str | None = None
+    quant_type: _Str | None = None
+    using_relay: Annotated[bool, Field(strict=True)] | None = None
+    cache_tokens_left: _NonNegInt | None = None
+    next_pings: Annotated[dict[_Str, _Rps], Field(max_length=MAX_ITEMS)] | None = None
+
+    @field_validator("state", mode="before")
+    @classmethod
+    def _state(cls, value: Any) -> ServerState:
+        return _check_state(value)
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapters(cls, value: Any) -> Any:
+        # msgpack returns tuples as tuples (hivemind's ext type) and lists as lists;
+        # accept both, but never a bare string (which would split into characters).
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"adapters must be a list of strings, got {type(value).__name__}")
+        return tuple(value)
+
+    @model_validator(mode="after")
+    def _span(self) -> ServerInfo:
+        if self.start_block is not None and self.end_block is not None and self.start_block >= self.end_block:
+            raise ValueError(f"start_block={self.start_block} must be < end_block={self.end_block}")
+        return self
+
+    # ------------------------------------------------------------------ wire format
+    def to_wire(self) -> tuple[int, float, dict[str, Any]]:
+        """The value stored on the DHT: ``(state, throughput, extra)``, like the original."""
+        extra = self.model_dump(exclude={"state", "throughput"})
+        return (int(self.state), float(self.throughput), extra)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ServerInfo:
+        """Parse a stored value; raise `RecordError` if it is not a valid server record.
+
+        Accepts a tuple or list ``(state, throughput)`` or ``(state, throughput, extra)``
+        where ``extra`` is a dict with string keys; unknown ``extra`` keys are ignored.
+        """
+        if not isinstance(value, (tuple, list)) or not 2 <= len(value) <= 3:
+            raise RecordError(f"server record must be a (state, throughput, extra) tuple, got {_describe(value)}")
+        extra = value[2] if len(value) == 3 else {}
+        if not isinstance(extra, dict):
+            raise RecordError(f"server record extra must be a dict, got {_describe(extra)}")
+        if len(extra) > MAX_ITEMS or not all(isinstance(k, str) for k in extra):
+            raise RecordError("server record extra must be a dict with at most "
+                              f"{MAX_ITEMS} string keys")
+        known = {k: v for k, v in extra.items() if k in cls.model_fields and k not in ("state", "throughput")}
+        try:
+            return cls(state=value[0], throughput=value[1], **known)
+        except ValidationError as e:
+            raise RecordError(_summarize(e)) from None
+
+
+class ModelInfo(BaseModel):
+    """A model listed under ``_petals.models``: ``{"num_blocks": n, "repository": ...}``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    num_blocks: Annotated[int, Field(strict=True, ge=1, le=MAX_INT)]
+    repository: _Str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The value stored on the DHT (a plain dict, like the original)."""
+        return {"num_blocks": self.num_blocks, "repository": self.repository}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ModelInfo:
+        """Parse a stored value; raise `RecordError` if it is not a valid registry record."""
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value) or len(value) > MAX_ITEMS:
+            raise RecordError(f"model record must be a dict with string keys, got {_describe(value)}")
+        known = {k: v for k, v in value.items() if k in cls.model_fields}
+        try:
+            return cls(**known)
+        except ValidationError as e:
+            raise RecordError(_summarize(e)) from None
+
+
+def block_uid(dht_prefix: str, index: int) -> str:
+    """The DHT key of block ``index`` of the model with prefix ``dht_prefix``."""
+    if UID_DELIMITER in dht_prefix or CHAIN_DELIMITER in dht_prefix:
+        raise ValueError(f"dht_prefix {dht_prefix!r} must not contain {UID_DELIMITER!r} or a space")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"block index must be an integer >= 0, got {index!r}")
+    return f"{dht_prefix}{UID_DELIMITER}{index}"
+
+
+def parse_block_uid(uid: str) -> tuple[str, int]:
+    """Split ``"prefix.17"`` into ``("prefix", 17)``; raise `ValueError` otherwise."""
+    prefix, sep, index = uid.rpartition(UID_DELIMITER)
+    if not sep or not prefix or not index.isdigit() or CHAIN_DELIMITER in uid:
+        raise ValueError(f"{uid!r} is not a block uid of the form 'prefix.index'")
+    return prefix, int(index)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _summarize(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        loc = ".".join(str(x) for x in item["loc"]) or "record"
+        parts.append(f"{loc}: {item['msg']}")
+    more = error.error_count() - len(parts)
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "; ".join(parts)
+
+

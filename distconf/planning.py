@@ -1,0 +1,298 @@
+"""Capacity planning: how many blocks a server can hold, and which ones it should take.
+
+`plan_server` follows the original server's rule (reference-facts 2) with one fix: the
+attention cache is sized with the block's real KV geometry
+(``sizing.kv_cache_bytes_per_token``: ``num_kv_heads * (key_head_dim + value_head_dim)``
+values per token per block) instead of the original ``2 * hidden_size /
+num_key_value_groups``. The plan also carries what the original formula would have
+reserved, for a side-by-side (where the original hard-coded ``groups = 1`` for a
+grouped-query family, it over-reserves by the real group count, e.g. 4x for 32 query
+heads sharing 8 KV heads).
+
+`choose_blocks` is the original placement rule: a new server of ``n`` blocks starts at
+the window whose sorted per-block throughputs are lexicographically smallest, i.e. it
+fills the weakest part of the chain.
+
+torch is imported only when a dtype must be resolved from a string or sizes must be
+computed from a block; importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "GIB",
+    "ServerPlan",
+    "autograd_reserve_bytes",
+    "choose_blocks",
+    "default_attn_cache_tokens",
+    "default_max_length",
+    "dtype_bytes",
+    "original_kv_groups",
+    "parse_memory",
+    "plan_server",
+    "resolve_dtype",
+]
+
+GIB = 1024**3
+
+DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
+}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+QUANT_BYTES_PER_VALUE: dict[str | None, float | None] = {None: None, "none": None, "int8": 1.0, "nf4": 4.25 / 8}
+
+"""Config (or class) attribute giving the ``num_key_value_groups`` the ORIGINAL system used
+where it differs from the correct value; it comes from the family file and is used only
+for the side-by-side figure, never for planning."""
+
+
+def resolve_dtype(dtype: Any) -> str:
+    """Canonical dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``) of a torch dtype or alias."""
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
+    return DTYPE_ALIASES[name]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per value of a dtype (torch dtype or alias)."""
+    return _DTYPE_BYTES[resolve_dtype(dtype)]
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    return getattr(torch, resolve_dtype(dtype))
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str | int) -> int:
+    """Parse ``"24GiB"``, ``"80 GB"``, ``"512MiB"`` or a byte count into bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        s = str(text).strip().lower().replace(" ", "").replace("_", "")
+        digits = len(s) - len(s.lstrip("0123456789."))
+        value_text, unit = s[:digits], s[digits:]
+        try:
+            value = float(value_text)
+        except ValueError:
+            raise ValueError(f"cannot parse memory size {text!r} (use e.g. 24GiB, 80GB, 512MiB)") from None
+    if unit not in _UNITS:
+        raise ValueError(f"unknown memory unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    result = value * _UNITS[unit]
+    if not math.isfinite(result) or result <= 0:
+        raise ValueError(f"memory size must be > 0, got {text!r}")
+    return int(result)
+
+
+def _groups(config: Any) -> int:
+    groups = getattr(config, "num_key_value_groups", 1)
+    return int(groups) if groups else 1
+
+
+def default_attn_cache_tokens(config: Any) -> int:
+    """16384 tokens for grouped/multi-query models (groups > 1), else 4096 (as the original)."""
+    return 16384 if _groups(config) > 1 else 4096
+
+
+def default_max_length(config: Any) -> int:
+    """Default ``max_batch_size`` and ``inference_max_length``: 8192 (groups > 1) or 2048."""
+    return 8192 if _groups(config) > 1 else 2048
+
+
+def autograd_reserve_bytes(config: Any, num_devices: int = 1) -> float:
+    """Memory kept free for backward passes: 2 GiB x hidden_size / 14336 per device."""
+    return 2 * GIB * num_devices * config.hidden_size / 14336
+
+
+def original_kv_groups(config: Any) -> int:
+    """The ``num_key_value_groups`` the original system used for this config.
+
+    The family file's ``original_kv_groups`` when it declares one; otherwise the
+    original used the same groups as distconf.
+    """
+    spec = getattr(type(config), "family_spec", None)
+    declared = getattr(spec, "original_kv_groups", None)
+    return int(declared) if declared else _groups(config)
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """A server's capacity plan. All sizes in bytes; "cache" is the attention (KV) cache.
+
+    ``num_blocks`` is 0 when not even one block fits. ``original_*`` fields are what the
+    original's ``2 * hidden_size / num_key_value_groups`` cache formula gives with the
+    same memory, dtype and cache tokens; ``original_default_*`` the same with the
+    original's own default token count (which follows its own, possibly wrong, groups).
+    """
+
+    memory_bytes: int
+    dtype: str
+    quant: str | None
+    num_blocks: int
+    max_blocks: int
+    block_bytes: int
+    attn_cache_tokens: int
+    kv_bytes_per_token: int
+    cache_bytes_per_block: int
+    autograd_reserve_bytes: int
+    max_length: int
+    original_kv_groups: int
+    original_kv_bytes_per_token: int
+    original_cache_bytes_per_block: int
+    original_num_blocks: int
+    original_default_attn_cache_tokens: int
+    original_default_cache_bytes_per_block: int
+    original_default_num_blocks: int
+
+    @property
+    def total_block_bytes(self) -> int:
+        """Weights of all planned blocks."""
+        return self.block_bytes * self.num_blocks
+
+    @property
+    def total_cache_bytes(self) -> int:
+        """Attention cache reserved for all planned blocks."""
+        return self.cache_bytes_per_block * self.num_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        """Weights + cache + autograd reserve."""
+        return self.total_block_bytes + self.total_cache_bytes + self.autograd_reserve_bytes
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens of attention cache the server holds (for every one of its blocks)."""
+        return self.attn_cache_tokens if self.num_blocks else 0
+
+    @property
+    def original_over_reservation(self) -> float:
+        """Original cache reservation / correct one (4.0 where groups 4 were taken as 1)."""
+        return self.original_cache_bytes_per_block / self.cache_bytes_per_block if self.cache_bytes_per_block else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for JSON output), including derived totals."""
+        out = asdict(self)
+        out.update(total_block_bytes=self.total_block_bytes, total_cache_bytes=self.total_cache_bytes,
+                   used_bytes=self.used_bytes, cache_tokens=self.cache_tokens,
+                   original_over_reservation=self.original_over_reservation)
+        return out
+
+
+def plan_server(
+    config: Any,
+    memory_bytes: int | str,
+    dtype: Any = "bfloat16",
+    quant: str | None = None,
+    attn_cache_tokens: int | None = None,
+    *,
+    num_devices: int = 1,
+    block_bytes: int | None = None,
+    kv_bytes_per_token: int | None = None,
+) -> ServerPlan:
+    """How many blocks of ``config``'s model fit in ``memory_bytes`` (reference-facts 2).
+
+    ``blocks = floor((memory - autograd reserve) / (block size + cache per block))``,
+    capped at the layer count, where cache per block = KV bytes per token (correct
+    geometry, in ``dtype``) x ``attn_cache_tokens``.
+
+    :param config: a distributed config (needs ``hidden_size``, ``num_hidden_layers``,
+        ``num_key_value_groups`` and whatever the block sizing needs).
+    :param memory_bytes: memory available to the server, bytes or a string like ``"24GiB"``.
+    :param dtype: compute/cache dtype (torch dtype or ``bf16``/``fp16``/``fp32``).
+    :param quant: ``None``, ``"int8"`` or ``"nf4"`` (weights only; the cache stays in ``dtype``).
+    :param attn_cache_tokens: default 16384 if ``num_key_value_groups > 1`` else 4096.
+    :param num_devices: devices sharing the blocks (tensor parallel); scales the reserve.
+    :param block_bytes: bytes of one block; default ``sizing.block_size_bytes(config, dtype, quant)``.
+    :param kv_bytes_per_token: KV bytes per token per block; default
+        ``sizing.kv_cache_bytes_per_token(config, dtype)``.
+    """
+    memory = parse_memory(memory_bytes)
+    dtype_name = resolve_dtype(dtype)
+    quant = None if quant in (None, "none") else quant
+    if quant not in QUANT_BYTES_PER_VALUE:
+        raise ValueError(f"unsupported quant {quant!r}: use none, int8 or nf4")
+    if attn_cache_tokens is None:
+        attn_cache_tokens = default_attn_cache_tokens(config)
+    if isinstance(attn_cache_tokens, bool) or not isinstance(attn_cache_tokens, int) or attn_cache_tokens < 0:
+        raise ValueError(f"attn_cache_tokens must be an integer >= 0, got {attn_cache_tokens!r}")
+    if block_bytes is None or kv_bytes_per_token is None:
+        from distconf import sizing
+
+        if block_bytes is None:
+            block_bytes = int(sizing.block_size_bytes(config, dtype=_torch_dtype(dtype_name), quant=quant))
+        if kv_bytes_per_token is None:
+            kv_bytes_per_token = int(sizing.kv_cache_bytes_per_token(config, _torch_dtype(dtype_name)))
+    cache_per_block = kv_bytes_per_token * attn_cache_tokens
+    reserve = autograd_reserve_bytes(config, num_devices)
+    layers = int(config.num_hidden_layers)
+
+    def fit(per_block: int) -> int:
+        n = math.floor((memory - reserve) / (block_bytes + per_block))
+        return max(0, min(n, layers))
+
+    orig_groups = original_kv_groups(config)
+    orig_values = 2 * config.hidden_size * attn_cache_tokens // orig_groups  # the original's integer arithmetic
+    orig_cache_per_block = orig_values * _DTYPE_BYTES[dtype_name]
+    orig_default_tokens = 16384 if orig_groups > 1 else 4096
+    orig_default_cache = 2 * config.hidden_size * orig_default_tokens // orig_groups * _DTYPE_BYTES[dtype_name]
+    return ServerPlan(
+        memory_bytes=memory,
+        dtype=dtype_name,
+        quant=quant,
+        num_blocks=fit(cache_per_block),
+        max_blocks=layers,
+        block_bytes=int(block_bytes),
+        attn_cache_tokens=attn_cache_tokens,
+        kv_bytes_per_token=int(kv_bytes_per_token),
+        cache_bytes_per_block=int(cache_per_block),
+        autograd_reserve_bytes=math.ceil(reserve),
+        max_length=default_max_length(config),
+        original_kv_groups=orig_groups,
+        original_kv_bytes_per_token=2 * config.hidden_size // orig_groups * _DTYPE_BYTES[dtype_name],
+        original_cache_bytes_per_block=orig_cache_per_block,
+        original_num_blocks=fit(orig_cache_per_block),
+        original_default_attn_cache_tokens=orig_default_tokens,
+        original_default_cache_bytes_per_block=orig_default_cache,
+        original_default_num_blocks=fit(orig_default_cache),
+    )
+
+
+def choose_blocks(config: Any, n: int, swarm_state: Any = None) -> tuple[int, int]:
+    """Where a new server of ``n`` blocks should sit: ``(start, end)``, end exclusive.
+
+    Per-block throughput is the sum of the throughputs of the non-offline servers
+    covering the block; the chosen window is the one whose sorted throughputs are
+    lexicographically smallest (ties: the lowest start), so the server fills the weakest
+    part of the chain.
+
+    :param config: the model's config (``num_hidden_layers``).
+    :param n: blocks the server will hold (capped at the layer count).
+    :param swarm_state: a `distconf.dht.discovery.SwarmState`, a sequence of per-block
+        throughputs, or ``None`` for an empty swarm.
+    """
+    layers = int(config.num_hidden_layers)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"a server must take at least one block, got n={n!r}")
+    n = min(n, layers)
+    if swarm_state is None:
+        throughputs: Sequence[float] = [0.0] * layers
+    elif hasattr(swarm_state, "throughputs"):
+        throughputs = swarm_state.throughputs()
+    else:
+        throughputs = [float(t) for t in swarm_state]
+    if len(throughputs) != layers:
+        raise ValueError(f"swarm state has {len(throughputs)} blocks, the model has {layers}")
+    best = min((sorted(throughputs[i : i + n]), i) for i in range(layers - n + 1))
+    return best[1], best[1] + n

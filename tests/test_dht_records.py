@@ -1,0 +1,175 @@
+"""Server and model-registry records: schema, rejection of bad values, exact wire round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hivemind.utils.serializer import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distconf.dht.records import (
+    MAX_STR_LEN,
+    ModelInfo,
+    RecordError,
+    ServerInfo,
+    ServerState,
+    block_uid,
+    parse_block_uid,
+)
+
+
+def wire(value):
+    """What another peer reads after a value crossed the DHT."""
+    return MSGPackSerializer.loads(MSGPackSerializer.dumps(value))
+
+
+FULL = ServerInfo(
+    state=ServerState.ONLINE, throughput=123.5, start_block=3, end_block=7, public_name="alice",
+    version="2.3.0", network_rps=1000.0, forward_rps=50.0, inference_rps=20.0, adapters=("lora-a", "lora-b"),
+    torch_dtype="bfloat16", quant_type="nf4", using_relay=False, cache_tokens_left=16384,
+    next_pings={"12D3KooWabc": 0.01},
+)
+
+
+def test_wire_format_matches_the_original_layout():
+    state, throughput, extra = FULL.to_wire()
+    assert (state, throughput) == (2, 123.5)
+    assert set(extra) == {
+        "start_block", "end_block", "public_name", "version", "network_rps", "forward_rps", "inference_rps",
+        "adapters", "torch_dtype", "quant_type", "using_relay", "cache_tokens_left", "next_pings",
+    }
+    assert extra["adapters"] == ("lora-a", "lora-b")
+
+
+def test_exact_round_trip_through_hivemind_serializer():
+    back = wire(FULL.to_wire())
+    assert back == FULL.to_wire()
+    assert isinstance(back, tuple)
+    assert ServerInfo.from_wire(back) == FULL
+    minimal = ServerInfo(state=1, throughput=0.0)
+    assert ServerInfo.from_wire(wire(minimal.to_wire())) == minimal
+
+
+def test_original_short_forms_and_unknown_extra_keys():
+    assert ServerInfo.from_wire((2, 1.0)).state is ServerState.ONLINE
+    assert ServerInfo.from_wire([1, 3, {}]).throughput == 3.0  # list, int throughput: fine
+    info = ServerInfo.from_wire((0, 2.0, {"future_field": [1, 2], "public_name": "bob"}))
+    assert info.public_name == "bob" and info.state is ServerState.OFFLINE
+    assert not hasattr(info, "future_field")
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("garbage", "tuple"),
+        (b"\x00\x01", "tuple"),
+        ((2,), "tuple"),
+        ((2, 1.0, {}, 4), "tuple"),
+        ((3, 1.0, {}), "state"),
+        ((-1, 1.0, {}), "state"),
+        ((2**64 - 1, 1.0, {}), "state"),
+        ((True, 1.0, {}), "state"),
+        (("2", 1.0, {}), "state"),
+        ((2, -0.5, {}), "throughput"),
+        ((2, math.nan, {}), "throughput"),
+        ((2, math.inf, {}), "throughput"),
+        ((2, "fast", {}), "throughput"),
+        ((2, False, {}), "throughput"),
+        ((2, 1.0, [1, 2]), "extra"),
+        ((2, 1.0, {1: 2}), "string keys"),
+        ((2, 1.0, {"cache_tokens_left": -1}), "cache_tokens_left"),
+        ((2, 1.0, {"cache_tokens_left": 1.5}), "cache_tokens_left"),
+        ((2, 1.0, {"cache_tokens_left": 2**64 - 1}), "cache_tokens_left"),
+        ((2, 1.0, {"public_name": "x" * (MAX_STR_LEN + 1)}), "public_name"),
+        ((2, 1.0, {"public_name": 5}), "public_name"),
+        ((2, 1.0, {"adapters": "lora"}), "adapters"),
+        ((2, 1.0, {"adapters": [1]}), "adapters"),
+        ((2, 1.0, {"using_relay": "yes"}), "using_relay"),
+        ((2, 1.0, {"next_pings": {"p": -1.0}}), "next_pings"),
+        ((2, 1.0, {"forward_rps": math.inf}), "forward_rps"),
+        ((2, 1.0, {"start_block": 5, "end_block": 5}), "start_block"),
+    ],
+)
+def test_bad_server_records_are_rejected(value, fragment):
+    with pytest.raises(RecordError, match=fragment):
+        ServerInfo.from_wire(value)
+    if not isinstance(value, tuple) or not any(isinstance(x, dict) and 1 in x for x in value):
+        with pytest.raises(RecordError, match=fragment):  # msgpack refuses int map keys on the way back
+            ServerInfo.from_wire(wire(value))
+
+
+def test_model_info_round_trip_and_rejection():
+    info = ModelInfo(num_blocks=80, repository="https://huggingface.co/meta-llama/Llama-2-70b-hf")
+    assert wire(info.to_wire()) == {"num_blocks": 80, "repository": info.repository}
+    assert ModelInfo.from_wire(wire(info.to_wire())) == info
+    assert ModelInfo.from_wire({"num_blocks": 2, "extra": 1}) == ModelInfo(num_blocks=2)
+    for bad in ({"num_blocks": 0}, {"num_blocks": "80"}, {"num_blocks": True}, {}, [80], {"num_blocks": 2,
+                                                                                            "repository": 3}):
+        with pytest.raises(RecordError):
+            ModelInfo.from_wire(bad)
+
+
+def test_block_uids():
+    assert block_uid("Llama-2-70b-hf", 17) == "Llama-2-70b-hf.17"
+    assert parse_block_uid("bigscience/bloom-petals.3") == ("bigscience/bloom-petals", 3)
+    for bad in ("a.b", "a b"):
+        with pytest.raises(ValueError, match="must not contain"):
+            block_uid(bad, 0)
+    for bad in ("nodot", "x.", ".3", "x.-1", "x.1 x.2"):
+        with pytest.raises(ValueError, match="block uid"):
+            parse_block_uid(bad)
+
+
+_finite = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
+_text = st.text(max_size=40)
+_opt = st.none().__or__
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    state=st.sampled_from(list(ServerState)),
+    throughput=_finite,
+    span=st.none() | st.tuples(st.integers(0, 1000), st.integers(1, 1000)),
+    public_name=_opt(_text),
+    rps=_opt(_finite),
+    adapters=st.lists(_text, max_size=4).map(tuple),
+    using_relay=_opt(st.booleans()),
+    cache=_opt(st.integers(0, 2**40)),
+    pings=_opt(st.dictionaries(_text, _finite, max_size=4)),
+)
+def test_round_trip_property(state, throughput, span, public_name, rps, adapters, using_relay, cache, pings):
+    start, end = (None, None) if span is None else (span[0], span[0] + span[1])
+    info = ServerInfo(state=state, throughput=throughput, start_block=start, end_block=end,
+                      public_name=public_name, inference_rps=rps, adapters=adapters, using_relay=using_relay,
+                      cache_tokens_left=cache, next_pings=pings)
+    assert wire(info.to_wire()) == info.to_wire()
+    assert ServerInfo.from_wire(wire(info.to_wire())) == info
+
+
+_msgpack_leaf = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) \
+    | st.binary(max_size=8)
+_msgpack = st.recursive(
+    _msgpack_leaf,
+    lambda inner: st.lists(inner, max_size=4) | st.lists(inner, max_size=4).map(tuple)
+    | st.dictionaries(st.text(max_size=12) | st.integers(0, 9), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_msgpack | st.tuples(st.integers(-2, 4), _msgpack_leaf, st.dictionaries(
+    st.sampled_from(["start_block", "end_block", "adapters", "next_pings", "cache_tokens_left", "x"]), _msgpack)))
+def test_arbitrary_data_parses_or_raises_record_error(value):
+    """A hostile peer can store any msgpack value: parsing never fails any other way."""
+    try:
+        value = wire(value)
+    except ValueError:  # int map keys: msgpack refuses them on load; parse the raw value instead
+        pass
+    try:
+        info = ServerInfo.from_wire(value)
+    except RecordError:
+        return
+    assert math.isfinite(info.throughput) and info.throughput >= 0
+    assert info.state in (0, 1, 2)

@@ -1,0 +1,165 @@
+"""Capacity planning and placement against hand-computed figures for real model configs."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from distconf.dht.discovery import SwarmState, merge_spans
+from distconf.dht.records import ServerInfo, ServerState
+from distconf.planning import choose_blocks, parse_memory, plan_server
+
+GIB = 2**30
+MEMORY = 24 * GIB
+NF4 = 4.25 / 8
+
+# Parameters of one block, counted by hand from each model's config.json:
+# Llama-2-70B: hidden 8192, 64 heads, 8 KV heads x 128, MLP 28672 (gate, up, down), 2 RMSNorms.
+LLAMA_70B = 2 * 8192 * 8192 + 2 * 8192 * 8 * 128 + 3 * 8192 * 28672 + 2 * 8192
+# Mixtral-8x7B: same attention shape at hidden 4096 (32 heads, 8 KV heads), 8 experts of 3 x 4096 x 14336,
+# router 4096 x 8, 2 RMSNorms.
+MIXTRAL = 2 * 4096 * 4096 + 2 * 4096 * 8 * 128 + 8 * 3 * 4096 * 14336 + 4096 * 8 + 2 * 4096
+# Falcon-40B: fused QKV 8192 x (128 + 2 x 8) x 64, dense 8192^2, MLP 8192 x 32768 x 2, two LayerNorms (w + b).
+FALCON_40B = 8192 * (128 + 2 * 8) * 64 + 8192 * 8192 + 2 * 8192 * 32768 + 4 * 8192
+# BLOOM-176B: QKV 14336 x 3 x 14336 + bias, dense + bias, MLP 14336 -> 57344 -> 14336 with biases, 2 LayerNorms.
+H = 14336
+BLOOM = 3 * H * H + 3 * H + H * H + H + H * 4 * H + 4 * H + 4 * H * H + H + 4 * H
+
+# (preset, params, KV bytes/token/block in bf16, cache tokens, hidden_size, layers, original KV bytes/token)
+CASES = [
+    ("meta-llama/Llama-2-70b-hf", LLAMA_70B, 2 * 8 * 128 * 2, 16384, 8192, 80, 2 * 8192 // 8 * 2),
+    ("mistralai/Mixtral-8x7B-v0.1", MIXTRAL, 2 * 8 * 128 * 2, 16384, 4096, 32, 2 * 4096 // 1 * 2),
+    ("tiiuae/falcon-40b", FALCON_40B, 2 * 8 * 64 * 2, 16384, 8192, 60, 2 * 8192 // 16 * 2),
+    ("bigscience/bloom", BLOOM, 2 * 112 * 128 * 2, 4096, 14336, 70, 2 * 14336 // 1 * 2),
+]
+
+
+def expected_blocks(block_bytes: int, cache_per_block: int, hidden: int, layers: int) -> int:
+    reserve = 2 * GIB * hidden / 14336
+    return min(layers, math.floor((MEMORY - reserve) / (block_bytes + cache_per_block)))
+
+
+@pytest.fixture(scope="module")
+def presets():
+    from distconf.presets import load_preset
+
+    return {case[0]: load_preset(case[0]) for case in CASES}
+
+
+def test_original_groups_come_from_the_family_file(presets) -> None:
+    from distconf.planning import original_kv_groups
+
+    assert original_kv_groups(presets["mistralai/Mixtral-8x7B-v0.1"]) == 1  # the original hard-coded 1
+    assert original_kv_groups(presets["meta-llama/Llama-2-70b-hf"]) == 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("quant", [None, "nf4"])
+def test_plan_matches_hand_computation(presets, case, quant):
+    name, params, kv_bytes, tokens, hidden, layers, orig_kv_bytes = case
+    plan = plan_server(presets[name], MEMORY, "bf16", quant)
+    block = int(params * (NF4 if quant else 2) * 1.01)
+    assert plan.block_bytes == block
+    assert plan.kv_bytes_per_token == kv_bytes
+    assert plan.attn_cache_tokens == tokens
+    assert plan.cache_bytes_per_block == kv_bytes * tokens
+    assert plan.num_blocks == expected_blocks(block, kv_bytes * tokens, hidden, layers)
+    assert plan.cache_tokens == tokens
+    assert plan.original_kv_bytes_per_token == orig_kv_bytes
+    assert plan.original_num_blocks == expected_blocks(block, orig_kv_bytes * tokens, hidden, layers)
+    assert plan.used_bytes <= MEMORY
+
+
+def test_hand_figures_for_the_record(presets):
+    """The figures quoted in the docs (24 GiB, bf16 / nf4)."""
+    figures = {name: (plan_server(presets[name], MEMORY).num_blocks, plan_server(presets[name], MEMORY,
+                                                                                   quant="nf4").num_blocks)
+               for name, *_ in CASES}
+    assert figures == {
+        "meta-llama/Llama-2-70b-hf": (13, 46),
+        "mistralai/Mixtral-8x7B-v0.1": (8, 29),
+        "tiiuae/falcon-40b": (17, 60),
+        "bigscience/bloom": (4, 15),
+    }
+
+
+def test_original_formula_over_reserves_mixtral_four_times(presets):
+    plan = plan_server(presets["mistralai/Mixtral-8x7B-v0.1"], MEMORY)
+    assert plan.original_kv_groups == 1
+    assert plan.original_over_reservation == 4.0
+    assert (plan.num_blocks, plan.original_num_blocks) == (8, 7)
+    assert (plan.original_default_attn_cache_tokens, plan.original_default_num_blocks) == (4096, 8)
+    for name in ("meta-llama/Llama-2-70b-hf", "tiiuae/falcon-40b", "bigscience/bloom"):
+        assert plan_server(presets[name], MEMORY).original_over_reservation == 1.0
+
+
+def test_plan_options(presets):
+    llama = presets["meta-llama/Llama-2-70b-hf"]
+    small = plan_server(llama, 2 * GIB)
+    assert small.num_blocks == 0 and small.cache_tokens == 0
+    big = plan_server(llama, "10TiB")
+    assert big.num_blocks == 80  # capped at the layer count
+    custom = plan_server(llama, MEMORY, attn_cache_tokens=1024)
+    assert custom.cache_bytes_per_block == 4096 * 1024 and custom.num_blocks >= 13
+    assert plan_server(llama, MEMORY, "fp32").kv_bytes_per_token == 8192
+    with pytest.raises(ValueError, match="quant"):
+        plan_server(llama, MEMORY, quant="int3")
+    with pytest.raises(ValueError, match="dtype"):
+        plan_server(llama, MEMORY, "int7")
+    # explicit sizes: no block is built
+    cfg = SimpleNamespace(hidden_size=14336, num_hidden_layers=10, num_key_value_groups=1, model_type="x")
+    plan = plan_server(cfg, 4 * GIB, block_bytes=GIB // 2, kv_bytes_per_token=GIB // 2 // 4096)
+    assert plan.num_blocks == 2  # (4 GiB - 2 GiB reserve) / (0.5 GiB + 0.5 GiB)
+
+
+def test_parse_memory():
+    assert parse_memory("24GiB") == 24 * GIB
+    assert parse_memory("80 GB") == 80 * 10**9
+    assert parse_memory("1.5 MiB") == 3 * 2**19
+    assert parse_memory(1234) == 1234
+    for bad in ("", "GiB", "24 parsecs", "-1GiB", "0"):
+        with pytest.raises(ValueError):
+            parse_memory(bad)
+
+
+# ------------------------------------------------------------------------------ placement
+
+def cfg(n):
+    return SimpleNamespace(num_hidden_layers=n)
+
+
+def test_choose_blocks_fills_the_weakest_window():
+    assert choose_blocks(cfg(8), 3) == (0, 3)  # empty swarm: first window
+    assert choose_blocks(cfg(8), 3, [5, 5, 5, 0, 0, 0, 0, 0]) == (3, 6)
+    assert choose_blocks(cfg(8), 3, [5, 5, 5, 5, 5, 5, 0, 0]) == (5, 8)
+    assert choose_blocks(cfg(6), 2, [3, 1, 2, 2, 1, 3]) == (1, 3)  # sorted [1, 2] at 1 and 3: lowest start
+    assert choose_blocks(cfg(6), 2, [3, 9, 2, 2, 9, 3]) == (2, 4)
+    assert choose_blocks(cfg(4), 10) == (0, 4)  # capped
+    with pytest.raises(ValueError, match="at least one block"):
+        choose_blocks(cfg(4), 0)
+    with pytest.raises(ValueError, match="blocks"):
+        choose_blocks(cfg(4), 2, [1, 2, 3])
+
+
+def test_choose_blocks_reads_a_swarm_state_and_ignores_offline_servers():
+    def info(state, t):
+        return ServerInfo(state=state, throughput=t)
+
+    servers = [{"A": info(ServerState.ONLINE, 4.0)} for _ in range(4)] + [
+        {"B": info(ServerState.OFFLINE, 100.0)} for _ in range(4)]
+    state = SwarmState("m", 8, servers, merge_spans(servers))
+    assert state.throughputs() == [4.0] * 4 + [0.0] * 4
+    assert choose_blocks(cfg(8), 4, state) == (4, 8)
+
+
+def test_successive_servers_cover_the_chain():
+    throughputs = [0.0] * 10
+    spans = []
+    for _ in range(4):
+        start, end = choose_blocks(cfg(10), 3, throughputs)
+        spans.append((start, end))
+        for i in range(start, end):
+            throughputs[i] += 1.0
+    assert min(throughputs) >= 1.0, spans
