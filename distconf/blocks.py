@@ -21,16 +21,17 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from distconf.errors import ConfigValueError, FamilyValidationError
+from distconf.errors import ConfigValueError
 from distconf.formula import Formula, FormulaError
 from distconf.kvcache import BlockKVCache, kv_geometry
+from distconf.loader import field_error
+from distconf.synthesis import import_object
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "make_block_class", "build_block", "BlockAdapter", "block_class_for", "constructor_kwargs", "prepare_config",
-    "field_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -39,27 +40,11 @@ _lock = threading.Lock()
 _block_classes: dict[type, type] = {}
 
 
-def field_error(config_or_cls: Any, loc: tuple[str, ...], message: str) -> FamilyValidationError:
-    """A `FamilyValidationError` pointing at field ``loc`` of the family file of a config (class)."""
-    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
-    field = ".".join(loc)
-    try:
-        from distconf.loader import field_location
-
-        path, line, column = field_location(cls, loc)
-    except Exception:
-        path, line, column = str(getattr(cls, "family_source", "<family file>")), 1, 1
-    return FamilyValidationError.single(path, message, line=line, column=column, field=field)
-
-
 def _import(cls: type, loc: tuple[str, ...], path: str) -> Any:
-    import importlib
-
-    module_name, _, attr = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise field_error(cls, loc, f"cannot import {path}: {exc}") from None
+        return import_object(path)
+    except ImportError as exc:
+        raise field_error(cls, loc, str(exc)) from None
 
 
 @dataclass

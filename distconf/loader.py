@@ -25,7 +25,7 @@ from distconf.yamlsafe import Location, YamlProblem, parse_yaml
 __all__ = [
     "FamilySource", "FAMILIES_PATH_ENV", "family_search_path", "read_family_file", "validate_paths",
     "find_family_file", "load_family", "get_family_spec", "list_families", "family_for_model_type",
-    "load_family_by_class_name", "field_location", "clear_cache",
+    "load_family_by_class_name", "field_location", "field_error", "clear_cache",
 ]
 
 FAMILIES_PATH_ENV = "DISTCONF_FAMILIES_PATH"
@@ -288,6 +288,17 @@ def field_location(cls_or_family: type | str, loc: Iterable[Any]) -> tuple[str, 
     source = _sources.get(family) or _source_for(family)
     line, column = source.location(loc)
     return str(source.path), line, column
+
+
+def field_error(config_or_cls: Any, loc: Iterable[Any], message: str) -> FamilyValidationError:
+    """A `FamilyValidationError` pointing at field ``loc`` of the family file of a config (or config class)."""
+    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
+    loc = tuple(loc)
+    try:
+        path, line, column = field_location(cls, loc)
+    except (LookupError, FamilyValidationError, AttributeError):
+        path, line, column = str(getattr(cls, "family_source", "<family file>")), 1, 1
+    return FamilyValidationError.single(path, message, line=line, column=column, field=".".join(map(str, loc)))
 
 
 def _scan_valid_sources() -> list[FamilySource]:

@@ -34,20 +34,26 @@ from distconf.mixins import (
 from distconf.spec import FamilySpec
 from distconf.spec_types import FORMULA_MARKER
 
-__all__ = ["synthesize_config_class", "resolve_source", "import_class", "iter_formulas", "LazyClassAttribute"]
+__all__ = [
+    "synthesize_config_class", "resolve_source", "import_object", "import_class", "iter_formulas",
+    "LazyClassAttribute",
+]
 
 logger = logging.getLogger("distconf.notices")
 
 
-def import_class(path: str) -> type:
-    """Import ``package.module.ClassName`` (the path was checked against trusted prefixes)."""
+def import_object(path: str) -> Any:
+    """Import ``package.module.name`` (a class or function; the path was checked against trusted prefixes)."""
     module_name, _, attr = path.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
-        obj = getattr(module, attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        # transformers exposes classes lazily on the top-level module; try a submodule path too.
         raise ImportError(f"cannot import {path}: {exc}") from None
+
+
+def import_class(path: str) -> type:
+    """Import a class by dotted path; `ImportError` if it is missing or not a class."""
+    obj = import_object(path)
     if not isinstance(obj, type):
         raise ImportError(f"{path} is not a class")
     return obj
