@@ -89,6 +89,26 @@ def _fail(cls: type, loc: tuple[str, ...], message: str) -> CheckFailure:
     return CheckFailure(".".join(loc), message, location)
 
 
+def _crash_failure(cls: type, spec: Any, exc: Exception) -> CheckFailure:
+    """Name the most likely field when running a block raised an exception."""
+    import inspect
+
+    from distconf.synthesis import import_object
+
+    message = f"{type(exc).__name__}: {exc}"
+    call, position = spec.block.call, spec.block.position
+    try:
+        parameters = inspect.signature(import_object(spec.block.layer_class).forward).parameters
+    except (ImportError, TypeError, ValueError):
+        parameters = {}
+    wants_rotary = call.position_embeddings_argument in parameters
+    if isinstance(exc, TypeError) and wants_rotary and position.rotary_class is None and not position.alibi_function:
+        return _fail(cls, ("block", "position", "rotary_class"),
+                     f"{message} (the layer takes {call.position_embeddings_argument!r} but the family declares "
+                     "no block.position.rotary_class, so it got None)")
+    return _fail(cls, ("block",), f"{message} (check block.call, block.position and block.mask)")
+
+
 def tiny_variants(tiny: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Expand a ``tiny_config`` into named variants (``variants`` entries applied on the base)."""
     base = {k: v for k, v in tiny.items() if k != "variants"}
@@ -279,6 +299,11 @@ def _check_variant(cls: type, variant: str, values: dict[str, Any], result: Chec
                 for i, block in enumerate(blocks):
                     hidden, caches[i] = block(hidden, layer_past=caches[i], use_cache=True)
                 steps.append(hidden)
+                if t == 0 and any(c is None for c in caches):
+                    keyword = spec.block.call.cache_argument
+                    raise _fail(cls, ("block", "call", "cache_argument"),
+                                f"block {caches.index(None)} kept no KV cache: the layer never wrote to the cache "
+                                f"passed as {keyword}=...; its forward takes the cache under another keyword")
             incremental = torch.cat(steps, dim=1)
             # Multi-token steps after a prefix (masks sized on past + new tokens).
             chunk_caches: list[Any] = [None] * layers
@@ -314,9 +339,15 @@ def _check_variant(cls: type, variant: str, values: dict[str, Any], result: Chec
         if actual != declared:
             if key.shape[1] != geometry.num_kv_heads:
                 loc = _kv_field(cls, spec, "num_kv_heads")
-                hint = (" (the layer writes every KV head once per query head: set kv_cache.layer_writes: "
-                        "repeat_interleave)" if key.shape[1] == config.num_attention_heads
-                        and spec.kv_cache.layer_writes == "kv_heads" else "")
+                if (key.shape[1] == config.num_attention_heads and geometry.num_kv_heads < key.shape[1]
+                        and spec.kv_cache.layer_writes == "kv_heads"):
+                    hint = (" (the layer writes every KV head once per query head: set kv_cache.layer_writes: "
+                            "repeat_interleave)")
+                elif spec.kv_cache.num_kv_heads is None and key.shape[1] < geometry.num_kv_heads:
+                    hint = (" (if the attention caches a compressed or latent representation, declare "
+                            "kv_cache.num_kv_heads, kv_cache.key_head_dim and kv_cache.value_head_dim)")
+                else:
+                    hint = ""
                 raise _fail(cls, loc, f"blocks cache {key.shape[1]} KV heads but the family declares "
                                       f"{geometry.num_kv_heads}{hint}")
             if key.shape[-1] != geometry.key_head_dim:
@@ -374,8 +405,7 @@ def check_family(name_or_path: str | Path) -> list[CheckResult]:
             result.failure = CheckFailure(first.field if first else "<file>", str(exc))
         except Exception as exc:
             logger.debug("check of %s crashed", spec.family, exc_info=True)
-            result.failure = _fail(cls, ("block",), f"{type(exc).__name__}: {exc} (check block.call, "
-                                                    "block.position and block.mask)")
+            result.failure = _crash_failure(cls, spec, exc)
         result.seconds = time.perf_counter() - start
         results.append(result)
     return results

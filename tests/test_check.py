@@ -58,6 +58,13 @@ BROKEN = [
      "block.layer_class"),
     ("bloom", lambda t: t.replace("    alibi_argument: alibi\n", "    alibi_argument: position_bias\n"), "block"),
     ("llama", lambda t: t.split("tiny_config:")[0], "tiny_config"),
+    ("gpt_neox", lambda t: t.replace("cache_argument: layer_past", "cache_argument: cache"),
+     "block.call.cache_argument"),
+    ("qwen3", lambda t: t.replace(
+        "  position:\n    rotary_class: transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding\n", ""),
+     "block.position.rotary_class"),
+    ("deepseek_v2", lambda t: t.replace("kv_cache:\n  num_kv_heads: 1\n  key_head_dim: kv_lora_rank\n"
+                                        "  value_head_dim: qk_rope_head_dim\n", ""), "kv_groups"),
 ]
 
 
@@ -71,6 +78,8 @@ def test_check_fails_on_wrong_family_file(tmp_path, fresh_cache, capsys, source,
     failure = failures[0].failure
     assert failure.field == field, str(failure)
     assert str(path) in str(failure)  # located in the family file
+    if source == "deepseek_v2":
+        assert "kv_cache.num_kv_heads" in str(failure)  # the hint names the section to add
 
     assert main(["check", str(path)]) == 1
     err = capsys.readouterr().err
