@@ -28,10 +28,14 @@ name. distconf validates those files and synthesizes Distributed<Name>Config cla
 
 _EPILOG = """\
 examples:
-  distconf list                              families on the search path
-  distconf validate my_families/             check family files (CI / pre-commit)
-  distconf show FAMILY --preset ORG/MODEL   a family applied to a shipped real config
-  distconf schema --check                    is schemas/family.schema.json current?
+  distconf list                               families on the search path
+  distconf validate my_families/              check family files (CI / pre-commit)
+  distconf check my_families/x.yaml           prove a family file on its tiny model
+  distconf new x --from-config config.json    draft a family file for a new model
+  distconf show FAMILY --preset ORG/MODEL     a family applied to a shipped real config
+  distconf plan ORG/MODEL --memory 24GiB      blocks and cache a server can hold
+  distconf swarm --initial-peers ADDR --model PREFIX   coverage of a running swarm
+  distconf schema --check                     is schemas/family.schema.json current?
 
 environment:
   DISTCONF_FAMILIES_PATH    extra folders of family files (os.pathsep-separated)
