@@ -158,6 +158,22 @@ def test_expiry_removes_a_silent_peer(swarm):
         silent.shutdown()
 
 
+def test_offline_supersedes_a_long_lived_online_record(swarm):
+    # hivemind keeps the value that expires last: the OFFLINE record must outlive the ONLINE one.
+    cfg = model("offline-test", 2)
+    node = start_local_dht(visible_maddrs(swarm.boot))
+    try:
+        announcer = BlockAnnouncer(node, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0),
+                                   update_period=30.0, expiration=60.0)
+        announcer.start()
+        assert wait_for(lambda: find_block_servers(swarm.client, cfg).peers)
+        announcer.stop(offline=True)
+        state = find_block_servers(swarm.client, cfg)  # one read, no polling: the store has completed
+        assert [span.state for span in state.spans] == [ServerState.OFFLINE]
+    finally:
+        node.shutdown()
+
+
 def test_announcer_refreshes_and_goes_offline(swarm):
     cfg = model("announcer-test", 3)
     node = start_local_dht(visible_maddrs(swarm.boot))

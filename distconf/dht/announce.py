@@ -151,7 +151,7 @@ class BlockAnnouncer:
     >>> announcer = BlockAnnouncer(dht, config, 0, 4, info)   # doctest: +SKIP
     >>> announcer.start(); ...; announcer.stop()              # doctest: +SKIP
 
-    ``stop()`` re-announces the span as OFFLINE with a short lifetime (as the original
+    ``stop()`` re-announces the span as OFFLINE with the full lifetime (as the original
     does on shutdown), so clients stop routing to it at once.
     """
 
@@ -198,7 +198,12 @@ class BlockAnnouncer:
                 logger.warning("refreshing DHT records failed: %s", e)
 
     def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
-        """Stop refreshing; if ``offline``, announce the span as OFFLINE for a few seconds."""
+        """Stop refreshing; if ``offline``, announce the span as OFFLINE.
+
+        The OFFLINE records get the full lifetime: hivemind keeps, per subkey, the value
+        that expires last, so a shorter-lived OFFLINE record would not replace the
+        ONLINE one announced before it.
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -207,6 +212,6 @@ class BlockAnnouncer:
                 info = self.info.model_copy(update={"state": ServerState.OFFLINE})
                 try:
                     announce_blocks(self.dht, self.config, self.start_block, self.end_block, info,
-                                    MIN_EXPIRATION, repository=self.repository, timeout=timeout)
+                                    self.expiration, repository=self.repository, timeout=timeout)
                 except Exception as e:
                     logger.warning("announcing OFFLINE failed: %s", e)
