@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
+from distconf.loader import field_error
 
 __all__ = ["CheckResult", "CheckFailure", "check_family", "tiny_variants", "TOLERANCE"]
 
@@ -77,16 +78,23 @@ class CheckResult:
 
 
 def _fail(cls: type, loc: tuple[str, ...], message: str) -> CheckFailure:
-    location = None
-    try:
-        from distconf.loader import field_location
+    problem = field_error(cls, loc, message).problems[0]
+    return CheckFailure(problem.field, message, f"{problem.path}:{problem.line}:{problem.column}")
 
-        path, line, column = field_location(cls, loc)
-        location = f"{path}:{line}:{column}"
-    except Exception:
-        source = getattr(cls, "family_source", None)
-        location = str(source) if source else None
-    return CheckFailure(".".join(loc), message, location)
+
+def _run_in_steps(blocks: list[Any], hidden: Any, sizes: list[int]) -> tuple[Any, list[Any]]:
+    """Feed ``hidden`` through the chain in steps of ``sizes`` tokens, carrying each block's cache."""
+    import torch
+
+    caches: list[Any] = [None] * len(blocks)
+    outputs, start = [], 0
+    for size in sizes:
+        step = hidden[:, start:start + size]
+        for i, block in enumerate(blocks):
+            step, caches[i] = block(step, layer_past=caches[i], use_cache=True)
+        outputs.append(step)
+        start += size
+    return torch.cat(outputs, dim=1), caches
 
 
 def _crash_failure(cls: type, spec: Any, exc: Exception) -> CheckFailure:
@@ -292,29 +300,14 @@ def _check_variant(cls: type, variant: str, values: dict[str, Any], result: Chec
                 hidden = ref_out[i]  # compare each layer on its own reference input
             result.full_diff = worst
 
-            caches: list[Any] = [None] * layers
-            steps = []
-            for t in range(_SEQ_LEN):
-                hidden = ref_in[:, t:t + 1]
-                for i, block in enumerate(blocks):
-                    hidden, caches[i] = block(hidden, layer_past=caches[i], use_cache=True)
-                steps.append(hidden)
-                if t == 0 and any(c is None for c in caches):
-                    keyword = spec.block.call.cache_argument
-                    raise _fail(cls, ("block", "call", "cache_argument"),
-                                f"block {caches.index(None)} kept no KV cache: the layer never wrote to the cache "
-                                f"passed as {keyword}=...; its forward takes the cache under another keyword")
-            incremental = torch.cat(steps, dim=1)
+            incremental, caches = _run_in_steps(blocks, ref_in, [1] * _SEQ_LEN)
+            if any(c is None for c in caches):
+                keyword = spec.block.call.cache_argument
+                raise _fail(cls, ("block", "call", "cache_argument"),
+                            f"block {caches.index(None)} kept no KV cache: the layer never wrote to the cache "
+                            f"passed as {keyword}=...; its forward takes the cache under another keyword")
             # Multi-token steps after a prefix (masks sized on past + new tokens).
-            chunk_caches: list[Any] = [None] * layers
-            chunks, start = [], 0
-            for size in _CHUNKS:
-                hidden = ref_in[:, start:start + size]
-                for i, block in enumerate(blocks):
-                    hidden, chunk_caches[i] = block(hidden, layer_past=chunk_caches[i], use_cache=True)
-                chunks.append(hidden)
-                start += size
-            chunked = torch.cat(chunks, dim=1)
+            chunked, _ = _run_in_steps(blocks, ref_in, list(_CHUNKS))
             # Full-sequence chain through our blocks, for a like-for-like comparison.
             chained = ref_in
             for block in blocks:
