@@ -39,8 +39,9 @@ MIN_CHECKPOINT_BYTES = 2.1e9
 
 def pick_preset() -> str:
     """The shipped preset whose bf16 block is closest to 400 MB (any family)."""
-    from distconf.presets import list_presets, load_preset
-    from distconf.sizing import block_size_bytes
+    from distconf import load_preset
+    from distconf.blocks.sizing import block_size_bytes
+    from distconf.family.presets import list_presets
 
     sizes = {}
     for hub_id in list_presets():
@@ -53,7 +54,7 @@ def pick_preset() -> str:
 
 def bench_config(preset: str, layers: int | None = None):
     """The preset's config, optionally with fewer/more layers."""
-    from distconf.presets import load_preset
+    from distconf import load_preset
 
     config = load_preset(preset)
     if layers is not None:
@@ -86,7 +87,7 @@ def make_checkpoint(directory: Path, preset: str, shard_bytes: int = 1 << 30) ->
     from safetensors.torch import save_file
 
     from distconf.blocks import build_block
-    from distconf.sizing import block_param_count
+    from distconf.blocks.sizing import block_param_count
 
     per_layer = block_param_count(bench_config(preset)) * 2
     layers = max(LAYER + 2, math.ceil(MIN_CHECKPOINT_BYTES / per_layer))
@@ -131,7 +132,7 @@ def _child(mode: str, directory: str) -> None:
     from safetensors.torch import load_file
 
     from distconf.blocks import build_block
-    from distconf.weights import checkpoint_files, layer_keys, load_block_weights
+    from distconf.blocks.weights import checkpoint_files, layer_keys, load_block_weights
 
     info = json.loads((Path(directory) / "bench-info.json").read_text())
     config = bench_config(info["preset"], info["layers"])
@@ -167,7 +168,7 @@ def _child(mode: str, directory: str) -> None:
 
 
 def bench_loading(directory: Path, preset: str) -> dict:
-    from distconf.sizing import block_param_count
+    from distconf.blocks.sizing import block_param_count
 
     info_path = directory / "bench-info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else None
@@ -196,10 +197,11 @@ def bench_loading(directory: Path, preset: str) -> dict:
 def bench_sizing(repeats: int) -> list[dict]:
     import gc
 
-    from distconf import sizing
+    from distconf import load_preset
+    from distconf.blocks import sizing
+    from distconf.blocks.sizing import block_size_bytes
     from distconf.errors import FamilyNotFoundError
-    from distconf.presets import list_presets, load_preset
-    from distconf.sizing import block_size_bytes
+    from distconf.family.presets import list_presets
 
     rows = []
     for hub_id in list_presets():

@@ -46,8 +46,8 @@ def main() -> None:
     import transformers  # noqa: F401 - measured with transformers already imported
 
     import distconf
-    from distconf.loader import clear_cache
-    from distconf.presets import list_presets
+    from distconf.family.presets import list_presets
+    from distconf.family.registry import clear_cache
 
     families = distconf.list_families()
     probe = families[0]

@@ -1,15 +1,14 @@
 """Capacity planning: how many blocks a server can hold, and which ones it should take.
 
-`plan_server` follows the original server's rule (reference-facts 2) with one fix: the
-attention cache is sized with the block's real KV geometry
-(``sizing.kv_cache_bytes_per_token``: ``num_kv_heads * (key_head_dim + value_head_dim)``
-values per token per block) instead of the original ``2 * hidden_size /
-num_key_value_groups``. The plan also carries what the original formula would have
-reserved, for a side-by-side (where the original hard-coded ``groups = 1`` for a
+`plan_server` follows Petals 2.x's server rule with one fix: the attention cache is
+sized with the block's real KV geometry (``sizing.kv_cache_bytes_per_token``:
+``num_kv_heads * (key_head_dim + value_head_dim)`` values per token per block) instead
+of Petals' ``2 * hidden_size / num_key_value_groups``. The plan also carries what Petals'
+formula would reserve, for a side-by-side (where Petals hard-codes ``groups = 1`` for a
 grouped-query family, it over-reserves by the real group count, e.g. 4x for 32 query
 heads sharing 8 KV heads).
 
-`choose_blocks` is the original placement rule: a new server of ``n`` blocks starts at
+`choose_blocks` is Petals' placement rule: a new server of ``n`` blocks starts at
 the window whose sorted per-block throughputs are lexicographically smallest, i.e. it
 fills the weakest part of the chain.
 
@@ -24,6 +23,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from distconf.blocks import sizing
+from distconf.blocks.sizing import QUANT_BYTES
+
 __all__ = [
     "GIB",
     "ServerPlan",
@@ -32,7 +34,7 @@ __all__ = [
     "default_attn_cache_tokens",
     "default_max_length",
     "dtype_bytes",
-    "original_kv_groups",
+    "petals_kv_groups",
     "parse_memory",
     "plan_server",
     "resolve_dtype",
@@ -46,11 +48,6 @@ DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
 }
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-QUANT_BYTES_PER_VALUE: dict[str | None, float | None] = {None: None, "none": None, "int8": 1.0, "nf4": 4.25 / 8}
-
-"""Config (or class) attribute giving the ``num_key_value_groups`` the ORIGINAL system used
-where it differs from the correct value; it comes from the family file and is used only
-for the side-by-side figure, never for planning."""
 
 
 def resolve_dtype(dtype: Any) -> str:
@@ -102,7 +99,7 @@ def _groups(config: Any) -> int:
 
 
 def default_attn_cache_tokens(config: Any) -> int:
-    """16384 tokens for grouped/multi-query models (groups > 1), else 4096 (as the original)."""
+    """16384 tokens for grouped/multi-query models (groups > 1), else 4096 (as Petals 2.x)."""
     return 16384 if _groups(config) > 1 else 4096
 
 
@@ -116,14 +113,14 @@ def autograd_reserve_bytes(config: Any, num_devices: int = 1) -> float:
     return 2 * GIB * num_devices * config.hidden_size / 14336
 
 
-def original_kv_groups(config: Any) -> int:
-    """The ``num_key_value_groups`` the original system used for this config.
+def petals_kv_groups(config: Any) -> int:
+    """The ``num_key_value_groups`` Petals 2.x uses for this config.
 
-    The family file's ``original_kv_groups`` when it declares one; otherwise the
-    original used the same groups as distconf.
+    The family file's ``petals_kv_groups`` when it declares one; otherwise Petals uses
+    the same groups as distconf.
     """
     spec = getattr(type(config), "family_spec", None)
-    declared = getattr(spec, "original_kv_groups", None)
+    declared = getattr(spec, "petals_kv_groups", None)
     return int(declared) if declared else _groups(config)
 
 
@@ -131,10 +128,10 @@ def original_kv_groups(config: Any) -> int:
 class ServerPlan:
     """A server's capacity plan. All sizes in bytes; "cache" is the attention (KV) cache.
 
-    ``num_blocks`` is 0 when not even one block fits. ``original_*`` fields are what the
-    original's ``2 * hidden_size / num_key_value_groups`` cache formula gives with the
-    same memory, dtype and cache tokens; ``original_default_*`` the same with the
-    original's own default token count (which follows its own, possibly wrong, groups).
+    ``num_blocks`` is 0 when not even one block fits. ``petals_*`` fields are what Petals
+    2.x's ``2 * hidden_size / num_key_value_groups`` cache formula gives with the same
+    memory, dtype and cache tokens; ``petals_default_*`` the same with Petals' own default
+    token count (which follows its own, possibly wrong, groups).
     """
 
     memory_bytes: int
@@ -148,13 +145,13 @@ class ServerPlan:
     cache_bytes_per_block: int
     autograd_reserve_bytes: int
     max_length: int
-    original_kv_groups: int
-    original_kv_bytes_per_token: int
-    original_cache_bytes_per_block: int
-    original_num_blocks: int
-    original_default_attn_cache_tokens: int
-    original_default_cache_bytes_per_block: int
-    original_default_num_blocks: int
+    petals_kv_groups: int
+    petals_kv_bytes_per_token: int
+    petals_cache_bytes_per_block: int
+    petals_num_blocks: int
+    petals_default_attn_cache_tokens: int
+    petals_default_cache_bytes_per_block: int
+    petals_default_num_blocks: int
 
     @property
     def total_block_bytes(self) -> int:
@@ -177,16 +174,16 @@ class ServerPlan:
         return self.attn_cache_tokens if self.num_blocks else 0
 
     @property
-    def original_over_reservation(self) -> float:
+    def petals_over_reservation(self) -> float:
         """Original cache reservation / correct one (4.0 where groups 4 were taken as 1)."""
-        return self.original_cache_bytes_per_block / self.cache_bytes_per_block if self.cache_bytes_per_block else 1.0
+        return self.petals_cache_bytes_per_block / self.cache_bytes_per_block if self.cache_bytes_per_block else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for JSON output), including derived totals."""
         out = asdict(self)
         out.update(total_block_bytes=self.total_block_bytes, total_cache_bytes=self.total_cache_bytes,
                    used_bytes=self.used_bytes, cache_tokens=self.cache_tokens,
-                   original_over_reservation=self.original_over_reservation)
+                   petals_over_reservation=self.petals_over_reservation)
         return out
 
 
@@ -221,15 +218,13 @@ def plan_server(
     memory = parse_memory(memory_bytes)
     dtype_name = resolve_dtype(dtype)
     quant = None if quant in (None, "none") else quant
-    if quant not in QUANT_BYTES_PER_VALUE:
+    if quant is not None and quant not in QUANT_BYTES:
         raise ValueError(f"unsupported quant {quant!r}: use none, int8 or nf4")
     if attn_cache_tokens is None:
         attn_cache_tokens = default_attn_cache_tokens(config)
     if isinstance(attn_cache_tokens, bool) or not isinstance(attn_cache_tokens, int) or attn_cache_tokens < 0:
         raise ValueError(f"attn_cache_tokens must be an integer >= 0, got {attn_cache_tokens!r}")
     if block_bytes is None or kv_bytes_per_token is None:
-        from distconf import sizing
-
         if block_bytes is None:
             block_bytes = int(sizing.block_size_bytes(config, dtype=_torch_dtype(dtype_name), quant=quant))
         if kv_bytes_per_token is None:
@@ -242,11 +237,11 @@ def plan_server(
         n = math.floor((memory - reserve) / (block_bytes + per_block))
         return max(0, min(n, layers))
 
-    orig_groups = original_kv_groups(config)
-    orig_values = 2 * config.hidden_size * attn_cache_tokens // orig_groups  # the original's integer arithmetic
-    orig_cache_per_block = orig_values * _DTYPE_BYTES[dtype_name]
-    orig_default_tokens = 16384 if orig_groups > 1 else 4096
-    orig_default_cache = 2 * config.hidden_size * orig_default_tokens // orig_groups * _DTYPE_BYTES[dtype_name]
+    petals_groups = petals_kv_groups(config)
+    petals_values = 2 * config.hidden_size * attn_cache_tokens // petals_groups  # Petals' integer arithmetic
+    petals_cache_per_block = petals_values * _DTYPE_BYTES[dtype_name]
+    petals_default_tokens = 16384 if petals_groups > 1 else 4096
+    petals_default_cache = 2 * config.hidden_size * petals_default_tokens // petals_groups * _DTYPE_BYTES[dtype_name]
     return ServerPlan(
         memory_bytes=memory,
         dtype=dtype_name,
@@ -259,13 +254,13 @@ def plan_server(
         cache_bytes_per_block=int(cache_per_block),
         autograd_reserve_bytes=math.ceil(reserve),
         max_length=default_max_length(config),
-        original_kv_groups=orig_groups,
-        original_kv_bytes_per_token=2 * config.hidden_size // orig_groups * _DTYPE_BYTES[dtype_name],
-        original_cache_bytes_per_block=orig_cache_per_block,
-        original_num_blocks=fit(orig_cache_per_block),
-        original_default_attn_cache_tokens=orig_default_tokens,
-        original_default_cache_bytes_per_block=orig_default_cache,
-        original_default_num_blocks=fit(orig_default_cache),
+        petals_kv_groups=petals_groups,
+        petals_kv_bytes_per_token=2 * config.hidden_size // petals_groups * _DTYPE_BYTES[dtype_name],
+        petals_cache_bytes_per_block=petals_cache_per_block,
+        petals_num_blocks=fit(petals_cache_per_block),
+        petals_default_attn_cache_tokens=petals_default_tokens,
+        petals_default_cache_bytes_per_block=petals_default_cache,
+        petals_default_num_blocks=fit(petals_default_cache),
     )
 
 

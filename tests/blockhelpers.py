@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from distconf.checker import tiny_variants
-from distconf.loader import load_family
-from distconf.weights import layer_prefixes
+from distconf.blocks.weights import layer_prefixes
+from distconf.family import load_family
+from distconf.tools.checker import tiny_variants
 
 SEED_CASES = [
     ("bloom", 0), ("llama", 0),

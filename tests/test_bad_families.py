@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distconf import FamilyValidationError, load_family
-from distconf.loader import read_family_file, validate_paths
+from distconf.family.source import read_family_file, validate_paths
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

@@ -9,9 +9,9 @@ import torch
 from blockhelpers import SEED_CASES, family_config, hf_layer, hf_model, record_layers, write_family
 
 from distconf.blocks import build_block, make_block_class
+from distconf.blocks.kvcache import kv_geometry
 from distconf.errors import FamilyValidationError
-from distconf.kvcache import kv_geometry
-from distconf.loader import load_family
+from distconf.family import load_family
 
 SEQ = 9
 ATOL = 1e-5

@@ -7,8 +7,8 @@ import re
 import pytest
 from blockhelpers import write_family
 
-from distconf.checker import check_family, tiny_variants
 from distconf.cli import main
+from distconf.tools.checker import check_family, tiny_variants
 
 
 def test_check_all_builtin_families(capsys) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distconf.cli import main
-from distconf.drafting import DraftingError, draft_family, read_config_json, shrink_config
+from distconf.tools.drafting import DraftingError, draft_family, read_config_json, shrink_config
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "presets"
@@ -69,7 +69,7 @@ def test_draft_finds_the_family_structure(preset: str, tmp_path: Path, fresh_cac
     # the rendered file validates, synthesizes a class, and its tiny config builds
     path = tmp_path / f"{family}.yaml"
     path.write_text(draft.to_yaml(), encoding="utf-8")
-    from distconf.loader import load_family, read_family_file
+    from distconf.family import load_family, read_family_file
 
     spec = read_family_file(path).spec
     assert spec.block.prefix == prefix and spec.model_type == _preset(preset)["model_type"]
@@ -82,7 +82,7 @@ def test_draft_finds_the_family_structure(preset: str, tmp_path: Path, fresh_cac
                                     "EleutherAI--gpt-neox-20b", "Qwen--Qwen3-30B-A3B",
                                     "microsoft--Phi-3-mini-4k-instruct"])
 def test_drafted_family_passes_check(preset: str, tmp_path: Path, fresh_cache: None) -> None:
-    from distconf.checker import check_family
+    from distconf.tools.checker import check_family
 
     path = _write_draft(tmp_path, "drafted_" + _preset(preset)["model_type"], preset)
     results = check_family(path)
@@ -208,7 +208,7 @@ def test_cli_new_writes_a_valid_draft(tmp_path: Path, capsys: pytest.CaptureFixt
     path = tmp_path / "drafted_mistral.yaml"
     assert f"wrote {path}" in out and "distconf check" in out
     assert "every layer has sliding-window attention (4096 tokens" in out
-    from distconf.loader import read_family_file
+    from distconf.family.source import read_family_file
 
     assert read_family_file(path).spec.block.mask.kind == "sliding_window"
 

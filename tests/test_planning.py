@@ -27,7 +27,7 @@ FALCON_40B = 8192 * (128 + 2 * 8) * 64 + 8192 * 8192 + 2 * 8192 * 32768 + 4 * 81
 H = 14336
 BLOOM = 3 * H * H + 3 * H + H * H + H + H * 4 * H + 4 * H + 4 * H * H + H + 4 * H
 
-# (preset, params, KV bytes/token/block in bf16, cache tokens, hidden_size, layers, original KV bytes/token)
+# (preset, params, KV bytes/token/block in bf16, cache tokens, hidden_size, layers, Petals 2.x KV bytes/token)
 CASES = [
     ("meta-llama/Llama-2-70b-hf", LLAMA_70B, 2 * 8 * 128 * 2, 16384, 8192, 80, 2 * 8192 // 8 * 2),
     ("mistralai/Mixtral-8x7B-v0.1", MIXTRAL, 2 * 8 * 128 * 2, 16384, 4096, 32, 2 * 4096 // 1 * 2),
@@ -43,16 +43,16 @@ def expected_blocks(block_bytes: int, cache_per_block: int, hidden: int, layers:
 
 @pytest.fixture(scope="module")
 def presets():
-    from distconf.presets import load_preset
+    from distconf import load_preset
 
     return {case[0]: load_preset(case[0]) for case in CASES}
 
 
-def test_original_groups_come_from_the_family_file(presets) -> None:
-    from distconf.planning import original_kv_groups
+def test_petals_groups_come_from_the_family_file(presets) -> None:
+    from distconf.planning import petals_kv_groups
 
-    assert original_kv_groups(presets["mistralai/Mixtral-8x7B-v0.1"]) == 1  # the original hard-coded 1
-    assert original_kv_groups(presets["meta-llama/Llama-2-70b-hf"]) == 8
+    assert petals_kv_groups(presets["mistralai/Mixtral-8x7B-v0.1"]) == 1  # Petals 2.x hard-codes 1
+    assert petals_kv_groups(presets["meta-llama/Llama-2-70b-hf"]) == 8
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -67,8 +67,8 @@ def test_plan_matches_hand_computation(presets, case, quant):
     assert plan.cache_bytes_per_block == kv_bytes * tokens
     assert plan.num_blocks == expected_blocks(block, kv_bytes * tokens, hidden, layers)
     assert plan.cache_tokens == tokens
-    assert plan.original_kv_bytes_per_token == orig_kv_bytes
-    assert plan.original_num_blocks == expected_blocks(block, orig_kv_bytes * tokens, hidden, layers)
+    assert plan.petals_kv_bytes_per_token == orig_kv_bytes
+    assert plan.petals_num_blocks == expected_blocks(block, orig_kv_bytes * tokens, hidden, layers)
     assert plan.used_bytes <= MEMORY
 
 
@@ -85,14 +85,14 @@ def test_hand_figures_for_the_record(presets):
     }
 
 
-def test_original_formula_over_reserves_mixtral_four_times(presets):
+def test_petals_formula_over_reserves_mixtral_four_times(presets):
     plan = plan_server(presets["mistralai/Mixtral-8x7B-v0.1"], MEMORY)
-    assert plan.original_kv_groups == 1
-    assert plan.original_over_reservation == 4.0
-    assert (plan.num_blocks, plan.original_num_blocks) == (8, 7)
-    assert (plan.original_default_attn_cache_tokens, plan.original_default_num_blocks) == (4096, 8)
+    assert plan.petals_kv_groups == 1
+    assert plan.petals_over_reservation == 4.0
+    assert (plan.num_blocks, plan.petals_num_blocks) == (8, 7)
+    assert (plan.petals_default_attn_cache_tokens, plan.petals_default_num_blocks) == (4096, 8)
     for name in ("meta-llama/Llama-2-70b-hf", "tiiuae/falcon-40b", "bigscience/bloom"):
-        assert plan_server(presets[name], MEMORY).original_over_reservation == 1.0
+        assert plan_server(presets[name], MEMORY).petals_over_reservation == 1.0
 
 
 def test_plan_options(presets):

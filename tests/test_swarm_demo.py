@@ -14,7 +14,7 @@ from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_d
 def test_swarm_demo_runs_end_to_end(tmp_path):
     """Servers in separate processes load real weights, place and announce; a client routes."""
     proc = subprocess.run(
-        [sys.executable, "-m", "distconf.swarm_demo", "--timeout", "100", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "distconf.tools.swarm_demo", "--timeout", "100", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=160,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -75,8 +75,8 @@ def test_swarm_command_needs_peers_and_a_listed_model(live_swarm, monkeypatch, c
 
 
 def test_plan_command_side_by_side(capsys, tmp_path):
+    from distconf import load_preset
     from distconf.cli import main
-    from distconf.presets import load_preset
 
     # a local model directory of a family whose file records the original's fixed KV groups (1)
     load_preset("mistralai/Mixtral-8x7B-v0.1").save_pretrained(tmp_path)

@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from distconf.checker import TOLERANCE, check_family
     from distconf.cli.table import format_table
-    from distconf.loader import list_families
+    from distconf.family.source import list_families
+    from distconf.tools.checker import TOLERANCE, check_family
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

@@ -26,11 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit 1 if anything fails."""
+    from distconf import load_preset
     from distconf.cli.table import format_table
-    from distconf.data import builtin_families_dir
     from distconf.errors import FamilyNotFoundError, FamilyValidationError
-    from distconf.loader import validate_paths
-    from distconf.presets import list_presets, load_preset
+    from distconf.family.data import builtin_families_dir
+    from distconf.family.presets import list_presets
+    from distconf.family.source import validate_paths
 
     print("== 1. validate the built-in family files")
     try:
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"(no family file serves these presets: {', '.join(skipped)})")
     if args.no_swarm:
         return 0
-    swarm = _optional("distconf.swarm_demo")
+    swarm = _optional("distconf.tools.swarm_demo")
     if swarm is None:
         return 0
     print("\n== 3. a local swarm on 127.0.0.1")

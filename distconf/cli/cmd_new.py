@@ -43,7 +43,7 @@ def _output_path(family: str, out: str | None) -> Path:
 
 
 def _schema_reference(output: Path) -> str:
-    from distconf.data import schema_path
+    from distconf.family.data import schema_path
 
     schema = schema_path()
     root = schema.parent.parent
@@ -55,9 +55,9 @@ def _schema_reference(output: Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Draft, write, validate; print what was found and what to review."""
-    from distconf.drafting import DraftingError, draft_family, read_config_json
     from distconf.errors import FamilyValidationError
-    from distconf.loader import read_family_file
+    from distconf.family.source import read_family_file
+    from distconf.tools.drafting import DraftingError, draft_family, read_config_json
 
     output = _output_path(args.family, args.out)
     if output.suffix not in (".yaml", ".yml") or output.stem != args.family:

@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Plan a server for a model (a shipped preset, see `distconf list`, or a local "
                     "model directory): how many blocks fit in MEMORY, how many attention-cache tokens they hold, "
                     "and the bytes of each part, with the correct KV geometry. Shown side by side with what the "
-                    "original system's formula (2 * hidden_size / num_key_value_groups values per token) reserves.",
+                    "Petals 2.x formula (2 * hidden_size / num_key_value_groups values per token) reserves.",
     )
     p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf list`) or a model directory")
     p.add_argument("--memory", required=True, help="memory for the server, e.g. 24GiB, 80GB, 512MiB")
@@ -32,10 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_model_config(name: str) -> Any:
     """A distributed config from a local directory or a shipped preset."""
     if os.path.isdir(name):
-        from distconf.auto import AutoDistributedConfig
+        from distconf.family.auto import AutoDistributedConfig
 
         return AutoDistributedConfig.from_pretrained(name)
-    from distconf.presets import load_preset
+    from distconf import load_preset
 
     return load_preset(name)
 
@@ -70,35 +70,35 @@ def run(args: argparse.Namespace) -> int:
           f"KV groups {config.num_key_value_groups}")
     print(f"server: {_gib(memory)} memory, dtype {plan.dtype}, quant {quant}, "
           f"{args.num_devices} device(s)\n")
-    o_tok = plan.original_default_attn_cache_tokens
+    o_tok = plan.petals_default_attn_cache_tokens
     rows = [
-        ["KV bytes/token/block", f"{plan.kv_bytes_per_token:,}", f"{plan.original_kv_bytes_per_token:,}",
-         f"{plan.original_kv_bytes_per_token:,}"],
+        ["KV bytes/token/block", f"{plan.kv_bytes_per_token:,}", f"{plan.petals_kv_bytes_per_token:,}",
+         f"{plan.petals_kv_bytes_per_token:,}"],
         ["attention cache tokens", f"{plan.attn_cache_tokens:,}", f"{plan.attn_cache_tokens:,}", f"{o_tok:,}"],
-        ["cache per block", _mib(plan.cache_bytes_per_block), _mib(plan.original_cache_bytes_per_block),
-         _mib(plan.original_default_cache_bytes_per_block)],
+        ["cache per block", _mib(plan.cache_bytes_per_block), _mib(plan.petals_cache_bytes_per_block),
+         _mib(plan.petals_default_cache_bytes_per_block)],
         ["block weights", _mib(plan.block_bytes), _mib(plan.block_bytes), _mib(plan.block_bytes)],
         ["autograd reserve", _mib(plan.autograd_reserve_bytes), _mib(plan.autograd_reserve_bytes),
          _mib(plan.autograd_reserve_bytes)],
         ["blocks that fit", f"{plan.num_blocks} / {plan.max_blocks}",
-         f"{plan.original_num_blocks} / {plan.max_blocks}", f"{plan.original_default_num_blocks} / {plan.max_blocks}"],
-        ["weights total", _gib(plan.total_block_bytes), _gib(plan.block_bytes * plan.original_num_blocks),
-         _gib(plan.block_bytes * plan.original_default_num_blocks)],
+         f"{plan.petals_num_blocks} / {plan.max_blocks}", f"{plan.petals_default_num_blocks} / {plan.max_blocks}"],
+        ["weights total", _gib(plan.total_block_bytes), _gib(plan.block_bytes * plan.petals_num_blocks),
+         _gib(plan.block_bytes * plan.petals_default_num_blocks)],
         ["cache total", _gib(plan.total_cache_bytes),
-         _gib(plan.original_cache_bytes_per_block * plan.original_num_blocks),
-         _gib(plan.original_default_cache_bytes_per_block * plan.original_default_num_blocks)],
+         _gib(plan.petals_cache_bytes_per_block * plan.petals_num_blocks),
+         _gib(plan.petals_default_cache_bytes_per_block * plan.petals_default_num_blocks)],
     ]
     print(format_table(
-        ["", "distconf (real KV geometry)", "original formula, same tokens",
-         f"original formula, its default ({o_tok} tokens)"], rows))
+        ["", "distconf (real KV geometry)", "Petals 2.x formula, same tokens",
+         f"Petals 2.x formula, its default ({o_tok} tokens)"], rows))
     print()
-    ratio = plan.original_over_reservation
-    groups = plan.original_kv_groups
+    ratio = plan.petals_over_reservation
+    groups = plan.petals_kv_groups
     if abs(ratio - 1.0) > 1e-9:
-        print(f"The original formula 2 * hidden_size / num_key_value_groups (groups = {groups}) reserves "
+        print(f"Petals 2.x's formula 2 * hidden_size / num_key_value_groups (groups = {groups}) reserves "
               f"{ratio:.2f}x the cache this block really keeps per token.")
     else:
-        print("The original formula agrees with the real KV geometry for this model.")
+        print("Petals 2.x's formula agrees with the real KV geometry for this model.")
     if plan.num_blocks == 0:
         print(f"Not even one block fits in {_gib(memory)}.", file=sys.stderr)
         return 1

@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Generate, then write or compare."""
-    from distconf.data import schema_path
-    from distconf.schema import schema_text
+    from distconf.family.data import schema_path
+    from distconf.family.schema import schema_text
 
     text = schema_text()
     target = args.output or schema_path()

@@ -24,11 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print a two-column description."""
-    from distconf.auto import AutoDistributedConfig
-    from distconf.describe import describe_class, describe_config
-    from distconf.dhtprefix import derive_dht_prefix
     from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
-    from distconf.loader import load_family
+    from distconf.family import load_family
+    from distconf.family.auto import AutoDistributedConfig
+    from distconf.family.naming import derive_dht_prefix
+    from distconf.tools.describe import describe_class, describe_config
 
     if args.config and args.preset:
         print("distconf show: give --config or --preset, not both", file=sys.stderr)
@@ -63,6 +63,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_type(args: argparse.Namespace) -> str:
-    from distconf.auto import _read_model_type
+    from distconf.family.auto import read_model_type as _read_model_type
 
     return _read_model_type(args.preset or args.config, bool(args.preset), {})

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _resolve(model: str) -> tuple[str, int | None]:
     """(dht_prefix, block count or None) of a preset, a model directory or a bare prefix."""
     if os.path.isdir(model):
-        from distconf.auto import AutoDistributedConfig
+        from distconf.family.auto import AutoDistributedConfig
 
         cfg = AutoDistributedConfig.from_pretrained(model)
         if not cfg.dht_prefix:
@@ -42,7 +42,8 @@ def _resolve(model: str) -> tuple[str, int | None]:
         return cfg.dht_prefix, cfg.num_hidden_layers
     if "/" in model:
         try:
-            from distconf.presets import list_presets, load_preset
+            from distconf import load_preset
+            from distconf.family.presets import list_presets
 
             if model in list_presets():
                 cfg = load_preset(model)
@@ -54,7 +55,7 @@ def _resolve(model: str) -> tuple[str, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the coverage table and route."""
-    from distconf.mixins import default_initial_peers
+    from distconf.family.mixins import default_initial_peers
 
     peers = args.initial_peers or default_initial_peers()
     if not peers:

@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, block_uid, parse_block_uid
+
 __all__ = [
     "CHAIN_DELIMITER",
     "MODELS_REGISTRY_KEY",
@@ -43,10 +45,6 @@ __all__ = [
     "parse_block_uid",
 ]
 
-UID_DELIMITER = "."
-"""Separates the DHT prefix from the block index in a block uid."""
-CHAIN_DELIMITER = " "
-"""Separates block uids in a chain."""
 MODELS_REGISTRY_KEY = "_petals.models"
 """DHT key under which public models are listed (subkey = dht_prefix)."""
 
@@ -183,23 +181,6 @@ class ModelInfo(BaseModel):
             return cls(**known)
         except ValidationError as e:
             raise RecordError(_summarize(e)) from None
-
-
-def block_uid(dht_prefix: str, index: int) -> str:
-    """The DHT key of block ``index`` of the model with prefix ``dht_prefix``."""
-    if UID_DELIMITER in dht_prefix or CHAIN_DELIMITER in dht_prefix:
-        raise ValueError(f"dht_prefix {dht_prefix!r} must not contain {UID_DELIMITER!r} or a space")
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"block index must be an integer >= 0, got {index!r}")
-    return f"{dht_prefix}{UID_DELIMITER}{index}"
-
-
-def parse_block_uid(uid: str) -> tuple[str, int]:
-    """Split ``"prefix.17"`` into ``("prefix", 17)``; raise `ValueError` otherwise."""
-    prefix, sep, index = uid.rpartition(UID_DELIMITER)
-    if not sep or not prefix or not index.isdigit() or CHAIN_DELIMITER in uid:
-        raise ValueError(f"{uid!r} is not a block uid of the form 'prefix.index'")
-    return prefix, int(index)
 
 
 def _describe(value: Any) -> str:

@@ -1,21 +1,20 @@
 """Presets: real models' ``config.json`` files shipped with distconf, for offline use.
 
 A preset is named by its hub id (``org/name``) and stored as
-``presets/<org>--<name>.json``. Loading one goes through the family class's
-``from_pretrained`` with ``preset=True``, so the hub-id DHT-prefix rules, fix-ups and
-notices apply exactly as for a download.
+``presets/<org>--<name>.json``. Loading one (`distconf.load_preset`) goes through the
+family class's ``from_pretrained`` with ``preset=True``, so the hub-id DHT-prefix rules,
+fix-ups and notices apply exactly as for a download.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from distconf.data import presets_dir
 from distconf.errors import FamilyNotFoundError
+from distconf.family.data import presets_dir
 
-__all__ = ["list_presets", "preset_path", "preset_model_type", "load_preset"]
+__all__ = ["list_presets", "preset_path", "preset_model_type"]
 
 
 def _file_name(hub_id: str) -> str:
@@ -39,11 +38,3 @@ def preset_model_type(hub_id: str) -> str:
     """The ``model_type`` written in a preset."""
     with preset_path(hub_id).open(encoding="utf-8") as f:
         return str(json.load(f)["model_type"])
-
-
-def load_preset(hub_id: str, **kwargs: Any) -> Any:
-    """Load a preset as an instance of its family's distributed config class."""
-    from distconf.loader import family_for_model_type, load_family
-
-    cls = load_family(family_for_model_type(preset_model_type(hub_id)))
-    return cls.from_pretrained(hub_id, preset=True, **kwargs)

@@ -1,15 +1,17 @@
-"""Find, parse and validate family files; synthesize and cache their config classes.
+"""Family files on disk: find, parse and validate them, keeping where every field is written.
 
 Search path: the built-in ``families/`` folder, then each folder listed in
 ``DISTCONF_FAMILIES_PATH`` (``os.pathsep``-separated). A path to a ``.yaml`` file
-loads that file directly. Validation needs neither torch nor transformers; only
-synthesizing a class imports them.
+names that file directly. Nothing here imports torch or transformers.
+
+A `FamilySource` is the validated file: its `FamilySpec` plus the line and column of
+every field, so any later layer (synthesis, blocks, the checker) can report a problem
+at its place in the file with ``source.error(loc, message)``.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +19,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from distconf.data import builtin_families_dir
 from distconf.errors import FamilyNotFoundError, FamilyValidationError, Problem
-from distconf.spec import FamilySpec
-from distconf.yamlsafe import Location, YamlProblem, parse_yaml
+from distconf.family.data import builtin_families_dir
+from distconf.family.spec import FamilySpec
+from distconf.family.yamlsafe import Location, YamlProblem, parse_yaml
 
 __all__ = [
-    "FamilySource", "FAMILIES_PATH_ENV", "family_search_path", "read_family_file", "validate_paths",
-    "find_family_file", "load_family", "get_family_spec", "list_families", "family_for_model_type",
-    "load_family_by_class_name", "field_location", "field_error", "clear_cache",
+    "FamilySource", "FAMILIES_PATH_ENV", "FAMILY_SUFFIXES", "family_search_path", "read_family_file",
+    "validate_paths", "find_family_file", "list_families", "scan_valid_sources", "is_family_path",
 ]
 
 FAMILIES_PATH_ENV = "DISTCONF_FAMILIES_PATH"
@@ -59,6 +60,9 @@ class FamilySource:
     def error(self, loc: Iterable[Any], message: str) -> FamilyValidationError:
         """A `FamilyValidationError` with one problem at field ``loc``."""
         return FamilyValidationError([self.problem(loc, message)])
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 def family_search_path() -> list[Path]:
@@ -219,89 +223,8 @@ def list_families() -> list[str]:
     return sorted(names)
 
 
-# --- class cache -------------------------------------------------------------------
-
-_lock = threading.RLock()
-_classes: dict[str, type] = {}  # family name, file path or class name -> class
-_sources: dict[str, FamilySource] = {}  # family name -> source
-_model_types: dict[str, str] | None = None
-
-
-def _is_path(name_or_path: str | os.PathLike[str]) -> bool:
-    text = os.fspath(name_or_path)
-    return isinstance(name_or_path, os.PathLike) or text.endswith(FAMILY_SUFFIXES) or os.sep in text or "/" in text
-
-
-def _source_for(name_or_path: str | os.PathLike[str]) -> FamilySource:
-    if _is_path(name_or_path):
-        return read_family_file(name_or_path)
-    return read_family_file(find_family_file(os.fspath(name_or_path)))
-
-
-def get_family_spec(name_or_path: str | os.PathLike[str]) -> FamilySpec:
-    """The validated `FamilySpec` of a family (by name or file path)."""
-    key = os.fspath(name_or_path)
-    cls = _classes.get(key)
-    if cls is not None:
-        return cls.family_spec  # type: ignore[attr-defined]
-    return _source_for(name_or_path).spec
-
-
-def load_family(name_or_path: str | os.PathLike[str]) -> type:
-    """The synthesized ``Distributed<Name>Config`` class of a family.
-
-    ``name_or_path`` is a family name on the search path (such as ``"my_family"``) or the path
-    of a family file. The class is synthesized once and cached: every later call
-    (from any thread) returns the same object.
-    """
-    key = os.fspath(name_or_path)
-    cls = _classes.get(key)
-    if cls is not None:
-        return cls
-    with _lock:
-        cls = _classes.get(key)
-        if cls is not None:
-            return cls
-        source = _source_for(name_or_path)
-        family = source.spec.family
-        known = _sources.get(family)
-        if known is not None and known.path != source.path:
-            raise FamilyValidationError([
-                source.problem(("family",), f"family {family!r} is already loaded from {known.path}"),
-            ])
-        cls = _classes.get(family) if known is not None else None
-        if cls is None:
-            from distconf.synthesis import synthesize_config_class
-
-            cls = synthesize_config_class(source)
-            _sources[family] = source
-            _classes[family] = cls
-            _classes[cls.__name__] = cls
-            _classes[str(source.path)] = cls
-        _classes[key] = cls
-        return cls
-
-
-def field_location(cls_or_family: type | str, loc: Iterable[Any]) -> tuple[str, int, int]:
-    """``(path, line, column)`` where a field of a loaded family is written."""
-    family = cls_or_family if isinstance(cls_or_family, str) else cls_or_family.family_spec.family  # type: ignore[attr-defined]
-    source = _sources.get(family) or _source_for(family)
-    line, column = source.location(loc)
-    return str(source.path), line, column
-
-
-def field_error(config_or_cls: Any, loc: Iterable[Any], message: str) -> FamilyValidationError:
-    """A `FamilyValidationError` pointing at field ``loc`` of the family file of a config (or config class)."""
-    cls = config_or_cls if isinstance(config_or_cls, type) else type(config_or_cls)
-    loc = tuple(loc)
-    try:
-        path, line, column = field_location(cls, loc)
-    except (LookupError, FamilyValidationError, AttributeError):
-        path, line, column = str(getattr(cls, "family_source", "<family file>")), 1, 1
-    return FamilyValidationError.single(path, message, line=line, column=column, field=".".join(map(str, loc)))
-
-
-def _scan_valid_sources() -> list[FamilySource]:
+def scan_valid_sources() -> list[FamilySource]:
+    """Every valid family file on the search path (invalid ones are skipped)."""
     sources = []
     for directory in family_search_path():
         for file in _family_files(directory):
@@ -312,40 +235,7 @@ def _scan_valid_sources() -> list[FamilySource]:
     return sources
 
 
-def family_for_model_type(model_type: str) -> str:
-    """The family serving HF ``model_type`` (for `AutoDistributedConfig`)."""
-    global _model_types
-    with _lock:
-        if _model_types is None:
-            mapping: dict[str, str] = {}
-            for source in _scan_valid_sources():
-                mapping.setdefault(source.spec.model_type, source.spec.family)
-            _model_types = mapping
-        mapping = _model_types
-    if model_type not in mapping:
-        known = ", ".join(f"{fam} ({mt})" for mt, fam in sorted(mapping.items(), key=lambda kv: kv[1]))
-        raise FamilyNotFoundError(
-            f"no family serves model_type {model_type!r}; known families: {known}. "
-            f"Add a family file (see docs/adding-a-family.md) to a folder in {FAMILIES_PATH_ENV}."
-        )
-    return mapping[model_type]
-
-
-def load_family_by_class_name(class_name: str) -> type:
-    """Load the family whose synthesized class is named ``class_name`` (used by pickle)."""
-    cls = _classes.get(class_name)
-    if cls is not None:
-        return cls
-    for source in _scan_valid_sources():
-        if source.spec.class_name == class_name:
-            return load_family(source.spec.family)
-    raise FamilyNotFoundError(f"no family on the search path synthesizes {class_name}")
-
-
-def clear_cache() -> None:
-    """Forget every synthesized class (for tests and for reloading edited files)."""
-    global _model_types
-    with _lock:
-        _classes.clear()
-        _sources.clear()
-        _model_types = None
+def is_family_path(name_or_path: str | os.PathLike[str]) -> bool:
+    """True when ``name_or_path`` names a file (a path or a ``.yaml`` name) rather than a family."""
+    text = os.fspath(name_or_path)
+    return isinstance(name_or_path, os.PathLike) or text.endswith(FAMILY_SUFFIXES) or os.sep in text or "/" in text

@@ -6,7 +6,7 @@
    layers; random weights, real safetensors) and saves its distributed config with a
    ``dht_prefix`` next to it;
 2. starts a bootstrap DHT node on 127.0.0.1;
-3. starts several server *processes* (``python -m distconf.swarm_demo serve ...``).
+3. starts several server *processes* (``python -m distconf.tools.swarm_demo serve ...``).
    Each joins the DHT, reads the swarm, sizes itself with `plan_server` for its
    memory budget, picks its span with `choose_blocks` (weakest window), announces
    JOINING, loads the real weights of its blocks with `distconf.weights.load_block`,
@@ -52,7 +52,7 @@ DEMO_UPDATE_PERIOD = 2.0
 
 def demo_family(family: str | None = None) -> str:
     """The family the demo serves: ``family``, else the first built-in one with a ``tiny_config``."""
-    from distconf.loader import list_families, load_family
+    from distconf.family import list_families, load_family
 
     if family is not None:
         return family
@@ -79,7 +79,7 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = 0) -
     from transformers.utils import logging as hf_logging
 
     from distconf import load_family
-    from distconf.checker import tiny_variants
+    from distconf.tools.checker import tiny_variants
 
     cls = load_family(family)
     _, values = tiny_variants(dict(cls.family_spec.tiny_config))[0]
@@ -118,7 +118,7 @@ def serve(argv: list[str] | None = None) -> int:
     prints ``SERVING <start> <end> <throughput> <params> <checksum>``; waits for ``STOP``
     (or end of input, or ``--lifetime`` seconds) and exits 0 after announcing OFFLINE.
     """
-    p = argparse.ArgumentParser(prog="python -m distconf.swarm_demo serve")
+    p = argparse.ArgumentParser(prog="python -m distconf.tools.swarm_demo serve")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--family", required=True)
     p.add_argument("--initial-peers", nargs="+", required=True)
@@ -132,9 +132,9 @@ def serve(argv: list[str] | None = None) -> int:
     import torch
 
     from distconf import load_family
+    from distconf.blocks.weights import load_block
     from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, find_block_servers, start_local_dht
     from distconf.planning import choose_blocks, plan_server
-    from distconf.weights import load_block
 
     for peer in args.initial_peers:
         if not peer.startswith("/ip4/127.0.0.1/"):
@@ -335,7 +335,7 @@ def run_swarm_demo(
         try:
             for i in range(num_servers):
                 name = f"server-{i + 1}"
-                cmd = [sys.executable, "-m", "distconf.swarm_demo", "serve", "--model-dir", str(model_dir),
+                cmd = [sys.executable, "-m", "distconf.tools.swarm_demo", "serve", "--model-dir", str(model_dir),
                        "--family", family,
                        "--initial-peers", *peers, "--memory", str(memory), "--name", name,
                        "--lifetime", str(max(10.0, deadline - time.monotonic()))]
@@ -384,12 +384,12 @@ def run_swarm_demo(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m distconf.swarm_demo [serve ...]``: run the demo, or one server of it."""
+    """``python -m distconf.tools.swarm_demo [serve ...]``: run the demo, or one server of it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
     logging.basicConfig(level=logging.WARNING)
-    p = argparse.ArgumentParser(prog="python -m distconf.swarm_demo")
+    p = argparse.ArgumentParser(prog="python -m distconf.tools.swarm_demo")
     p.add_argument("--servers", type=int, default=3)
     p.add_argument("--family", default=None, help="family of the tiny model (default: first with a tiny_config)")
     p.add_argument("--timeout", type=float, default=90.0)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from distconf.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.family.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = [
     "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "PositionSpec", "MaskSpec", "MaskKind",
@@ -153,6 +153,12 @@ class BlockSpec(StrictModel):
     """The decoder layer a server hosts as one block, where its weights live, and how it is run."""
 
     layer_class: ClassPath = Field(description="Decoder-layer class a server instantiates for one block.")
+    adapter: ClassPath = Field(
+        default="distconf.blocks.make_block_class",
+        description="Factory building the served block class from the distributed config class; the "
+                    "default wraps layer_class in distconf's generic adapter. Resolved on first use of "
+                    "the config class's block_class, like every class path in a family file.",
+    )
     attention_class: ClassPath = Field(
         description="Attention class inside the layer (decides the KV-cache layout)."
     )

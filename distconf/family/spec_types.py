@@ -6,13 +6,13 @@ import os
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
 
-from distconf.formula import Formula, FormulaError
+from distconf.family.formula import Formula, FormulaError
 
 __all__ = [
     "StrictModel", "ClassPath", "IntOrFormula", "FormulaText", "Identifier", "ScalarValue",
-    "trusted_module_prefixes", "TRUSTED_MODULES_ENV", "FORMULA_MARKER",
+    "trusted_module_prefixes", "TRUSTED_MODULES_ENV",
 ]
 
 TRUSTED_MODULES_ENV = "DISTCONF_TRUSTED_MODULES"
@@ -23,7 +23,7 @@ _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 class StrictModel(BaseModel):
     """Base of every family-file model: unknown keys rejected, frozen, typed strictly."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True)
 
 
 def trusted_module_prefixes() -> tuple[str, ...]:
@@ -56,41 +56,45 @@ ClassPath = Annotated[
 ]
 
 
-def _check_formula(value: Any) -> str:
+def _to_formula(value: Any) -> Formula:
+    if isinstance(value, Formula):
+        return value
     if not isinstance(value, str):
         raise ValueError("expected a formula string")
     try:
-        return Formula(value).source
+        return Formula(value)
     except FormulaError as exc:
         raise ValueError(f"unsafe or invalid formula: {exc}") from None
 
 
+_FORMULA_DOC = ("A safe expression over config fields: names, numbers, + - * // / %, comparisons, "
+                "and/or/not, `x if c else y`, min(), max().")
+
 FormulaText = Annotated[
-    str,
-    PlainValidator(_check_formula),
-    WithJsonSchema({
-        "type": "string",
-        "description": "A safe expression over config fields: names, numbers, + - * // / %, comparisons, "
-                       "and/or/not, `x if c else y`, min(), max().",
-    }),
+    Formula,
+    PlainValidator(_to_formula),
+    PlainSerializer(lambda f: f.source, return_type=str),
+    WithJsonSchema({"type": "string", "description": _FORMULA_DOC}),
 ]
+"""A formula field: written as text in the file, held as a compiled `Formula` (parsed once)."""
 
 
-def _int_or_formula(value: Any) -> int | str:
+def _int_or_formula(value: Any) -> int | Formula:
     if isinstance(value, bool):
         raise ValueError("expected a positive integer or a formula string, got a boolean")
     if isinstance(value, int):
         if value < 1:
             raise ValueError(f"expected a positive integer, got {value}")
         return value
-    if isinstance(value, str):
-        return _check_formula(value)
+    if isinstance(value, (str, Formula)):
+        return _to_formula(value)
     raise ValueError(f"expected a positive integer or a formula string, got {type(value).__name__}")
 
 
 IntOrFormula = Annotated[
-    int | str,
+    int | Formula,
     PlainValidator(_int_or_formula),
+    PlainSerializer(lambda v: v if isinstance(v, int) else v.source),
     WithJsonSchema({
         "oneOf": [
             {"type": "integer", "minimum": 1},
@@ -98,6 +102,7 @@ IntOrFormula = Annotated[
         ]
     }),
 ]
+"""A positive integer, or a formula over config fields (held compiled)."""
 
 Identifier = Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")]
 
@@ -105,15 +110,3 @@ ScalarValue = Annotated[
     int | float | bool | str | None,
     Field(description="A JSON scalar: number, boolean, string or null."),
 ]
-
-
-class _FormulaMarker:
-    """Annotated metadata tagging a field as a formula (found by `iter_formulas`)."""
-
-    def __repr__(self) -> str:
-        return "FORMULA_MARKER"
-
-
-FORMULA_MARKER = _FormulaMarker()
-FormulaText = Annotated[FormulaText, FORMULA_MARKER]
-IntOrFormula = Annotated[IntOrFormula, FORMULA_MARKER]

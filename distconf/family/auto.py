@@ -1,4 +1,4 @@
-"""`AutoDistributedConfig`: pick the family from the ``model_type`` of a config."""
+"""`AutoDistributedConfig` and `load_preset`: pick the family from a config's ``model_type``."""
 
 from __future__ import annotations
 
@@ -7,16 +7,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distconf.loader import family_for_model_type, load_family
+from distconf.family.presets import preset_model_type
+from distconf.family.registry import family_for_model_type, load_family
 
-__all__ = ["AutoDistributedConfig"]
+__all__ = ["AutoDistributedConfig", "load_preset", "read_model_type"]
 
 
-def _read_model_type(name: str, preset: bool, kwargs: dict[str, Any]) -> str:
+def read_model_type(name: str, preset: bool = False, kwargs: dict[str, Any] | None = None) -> str:
+    """The ``model_type`` of a preset, a local model folder or ``config.json``, or a hub id."""
     if preset:
-        from distconf.presets import preset_model_type
-
         return preset_model_type(name)
+    kwargs = kwargs or {}
     path = Path(name)
     file = path / "config.json" if path.is_dir() else path
     if file.is_file():
@@ -27,7 +28,7 @@ def _read_model_type(name: str, preset: bool, kwargs: dict[str, Any]) -> str:
 
         hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token") if k in kwargs}
         data, _ = PreTrainedConfig.get_config_dict(name, **hub_kwargs)
-    if "model_type" not in data:
+    if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{name}: config has no model_type, cannot choose a family")
     return str(data["model_type"])
 
@@ -47,5 +48,10 @@ class AutoDistributedConfig:
     def from_pretrained(cls, model_name_or_path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> Any:
         """Read ``model_type`` from the config and delegate to that family's ``from_pretrained``."""
         name = os.fspath(model_name_or_path)
-        model_type = _read_model_type(name, bool(kwargs.get("preset")), kwargs)
+        model_type = read_model_type(name, bool(kwargs.get("preset")), kwargs)
         return cls.family_class(model_type).from_pretrained(model_name_or_path, *args, **kwargs)
+
+
+def load_preset(hub_id: str, **kwargs: Any) -> Any:
+    """Load a shipped preset (a real model's ``config.json``) as its family's distributed config."""
+    return AutoDistributedConfig.from_pretrained(hub_id, preset=True, **kwargs)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.errors import ConfigValueError
-from distconf.formula import Formula, FormulaError
+from distconf.family.formula import Formula, FormulaError
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 
@@ -31,7 +31,7 @@ def _family(config: Any) -> str:
     return spec.family if spec is not None else type(config).__name__
 
 
-def _value(config: Any, field: str, value: int | str | None, default: Any) -> int:
+def _value(config: Any, field: str, value: int | Formula | None, default: Any) -> int:
     """Evaluate one ``kv_cache`` field (int, formula or default callable) to a positive int."""
     source = f"kv_cache.{field}"
     try:
@@ -40,7 +40,7 @@ def _value(config: Any, field: str, value: int | str | None, default: Any) -> in
         elif isinstance(value, int):
             result = value
         else:
-            result = Formula(value).evaluate_on(config)
+            result = value.evaluate_on(config)
     except (FormulaError, AttributeError, TypeError, ZeroDivisionError) as exc:
         raise ConfigValueError(f"family {_family(config)!r}: {source}: {exc}") from None
     if isinstance(result, bool) or not isinstance(result, int) or result < 1:

@@ -486,7 +486,7 @@ def _field_for(config: Any, value: int, *, heads: bool = False) -> int | str:
 
 def _kv_cache_section(config: Any, groups: int | str, measured: tuple[int, int, int, int] | None,
                       review: list[str], facts: list[str]) -> dict[str, Any]:
-    from distconf.formula import Formula, FormulaError
+    from distconf.family.formula import Formula, FormulaError
 
     if measured is None:
         review.append("could not read the tiny model's cache; check kv_cache by hand")

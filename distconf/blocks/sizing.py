@@ -14,26 +14,29 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any
 
-from distconf.kvcache import KVGeometry, kv_geometry
+from distconf.blocks.build import build_block
+from distconf.blocks.kvcache import KVGeometry, kv_geometry
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "block_size_bytes", "block_param_count", "layer_param_counts", "kv_cache_bytes_per_token", "bytes_per_value",
-    "kv_geometry", "KVGeometry", "SIZE_MARGIN",
+    "kv_geometry", "KVGeometry", "SIZE_MARGIN", "QUANT_BYTES",
 ]
 
 SIZE_MARGIN = 1.01
-_QUANT_BYTES = {"int8": 1.0, "nf4": 4.25 / 8}
+"""Safety margin on a block's parameter bytes (Petals 2.x reserves 1 % more than the parameters)."""
+QUANT_BYTES: dict[str, float] = {"int8": 1.0, "nf4": 4.25 / 8}
+"""Bytes per parameter of each supported quantization (the one home of this table)."""
 
 
 def bytes_per_value(dtype: torch.dtype | None = None, quant: str | None = None) -> float:
     """Bytes per parameter for ``dtype`` (default bfloat16) or a quantization (``int8``, ``nf4``)."""
     if quant is not None:
-        if quant not in _QUANT_BYTES:
+        if quant not in QUANT_BYTES:
             raise ValueError(f"quant={quant!r} is not supported; use None, 'int8' or 'nf4'")
-        return _QUANT_BYTES[quant]
+        return QUANT_BYTES[quant]
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
@@ -56,8 +59,6 @@ def layer_param_counts(config: Any) -> tuple[int, ...]:
     key = (type(config), _fingerprint(config))
     counts = _counts.get(key)
     if counts is None:
-        from distconf.blocks import build_block
-
         counts = tuple(sum(p.numel() for p in build_block(config, i, device="meta").parameters())
                        for i in range(config.num_hidden_layers))
         with _counts_lock:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 __all__ = ["data_dir", "builtin_families_dir", "presets_dir", "schema_path"]
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # the distconf package
 
 
 @cache

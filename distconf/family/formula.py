@@ -15,7 +15,7 @@ import ast
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH"]
+__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "evaluate_on"]
 
 MAX_FORMULA_LENGTH = 500
 _MAX_CONSTANT = 10**12
@@ -154,8 +154,16 @@ class Formula:
     def __repr__(self) -> str:
         return f"Formula({self.source!r})"
 
+    def __str__(self) -> str:
+        return self.source
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Formula) and other.source == self.source
 
     def __hash__(self) -> int:
         return hash(self.source)
+
+
+def evaluate_on(value: int | Formula, obj: object) -> Any:
+    """An integer as it is, or a formula evaluated on ``obj`` (an ``int | Formula`` family field)."""
+    return value.evaluate_on(obj) if isinstance(value, Formula) else value

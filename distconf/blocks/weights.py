@@ -23,6 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from distconf.blocks.build import build_block
+from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key, stacking_operations
+
 if TYPE_CHECKING:
     import torch
 
@@ -127,13 +130,7 @@ def _conversions(config: Any) -> tuple[list[Any], list[Any]]:
     spec = type(config).family_spec
     if spec.block.checkpoint_conversion != "transformers":
         return [], []
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-    mapping = get_checkpoint_conversion_mapping(spec.model_type) or []
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    return renamings, converters
+    return checkpoint_conversions(spec.model_type)
 
 
 class _Reader:
@@ -205,8 +202,6 @@ class _Reader:
 
 def _expected(config: Any, layer_idx: int, block: Any = None) -> dict[str, tuple[int, ...]]:
     if block is None:
-        from distconf.blocks import build_block
-
         block = build_block(config, layer_idx, device="meta")
     return {name: tuple(t.shape) for name, t in block.state_dict().items()}
 
@@ -235,7 +230,7 @@ def load_block_weights(model_dir: str | Path, config: Any, layer_idx: int, *,
             missing=sorted(expected), field="block.prefix",
         )
     renamings, converters = _conversions(config)
-    from transformers.core_model_loading import rename_source_key
+    rename_source_key = rename_checkpoint_key
 
     reader = _Reader()
     state: dict[str, torch.Tensor] = {}
@@ -326,8 +321,7 @@ def _plan_stream(converter: Any, by_pattern: dict[str, list[str]], reader: _Read
     dim, names per source pattern), or None to fall back to running the ops. Streaming
     keeps peak memory at the result plus one source tensor instead of three copies.
     """
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
+    MergeModulelist, Concatenate = stacking_operations()
     ops = converter.operations
     if not ops or type(ops[0]) is not MergeModulelist or len(ops) > 2:
         return None
@@ -397,8 +391,6 @@ def _raise(model_dir: Any, prefix: str, layer_idx: int, missing: list[str], unex
 def load_block(model_dir: str | Path, config: Any, layer_idx: int, *, dtype: torch.dtype | None = None,
                device: Any = "cpu") -> Any:
     """Build block ``layer_idx`` on the meta device and fill it with its checkpoint weights."""
-    from distconf.blocks import build_block
-
     block = build_block(config, layer_idx, device="meta", dtype=dtype)
     state = load_block_weights(model_dir, config, layer_idx, dtype=dtype, block=block)
     if device not in (None, "cpu"):

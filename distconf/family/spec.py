@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from distconf.spec_block import BlockSpec, KVCacheSpec
-from distconf.spec_types import ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER
+from distconf.family.spec_block import BlockSpec, KVCacheSpec
+from distconf.family.spec_types import ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
 
@@ -44,13 +45,13 @@ class DhtPrefixRule(StrictModel):
     @field_validator("replace")
     @classmethod
     def _dot_replaced(cls, value: dict[str, str]) -> dict[str, str]:
-        if "." not in value or "." in value["."]:
-            raise ValueError("must replace '.' (the block uid delimiter) with a string without '.'")
+        if UID_DELIMITER not in value:
+            raise ValueError(f"must replace {UID_DELIMITER!r} (the block uid delimiter)")
         for old, new in value.items():
             if not old:
                 raise ValueError("cannot replace the empty string")
-            if " " in new or "." in new:
-                raise ValueError(f"replacement {new!r} for {old!r} may not contain '.' or spaces")
+            if UID_DELIMITER in new or CHAIN_DELIMITER in new or any(c.isspace() for c in new):
+                raise ValueError(f"replacement {new!r} for {old!r} may not contain {UID_DELIMITER!r} or whitespace")
         return value
 
 
@@ -92,10 +93,10 @@ class FamilySpec(StrictModel):
     kv_groups: IntOrFormula = Field(
         description="Query heads per KV head: an integer, or a formula over config fields."
     )
-    original_kv_groups: int | None = Field(
+    petals_kv_groups: int | None = Field(
         default=None, ge=1,
-        description="KV groups the original hand-written config used, when it differs from kv_groups. "
-                    "Informational: `distconf plan` shows what the original cache formula would reserve.",
+        description="KV groups Petals 2.x's hand-written config uses, when it differs from kv_groups. "
+                    "Informational: `distconf plan` shows what Petals' cache formula would reserve.",
     )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec,
                                   description="How many values per token one block keeps in its KV cache.")

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
-from distconf.loader import field_error
 
 __all__ = ["CheckResult", "CheckFailure", "check_family", "tiny_variants", "TOLERANCE"]
 
@@ -78,7 +77,7 @@ class CheckResult:
 
 
 def _fail(cls: type, loc: tuple[str, ...], message: str) -> CheckFailure:
-    problem = field_error(cls, loc, message).problems[0]
+    problem = cls.family_source.problem(loc, message)
     return CheckFailure(problem.field, message, f"{problem.path}:{problem.line}:{problem.column}")
 
 
@@ -101,7 +100,7 @@ def _crash_failure(cls: type, spec: Any, exc: Exception) -> CheckFailure:
     """Name the most likely field when running a block raised an exception."""
     import inspect
 
-    from distconf.synthesis import import_object
+    from distconf.family.synthesis import import_object
 
     message = f"{type(exc).__name__}: {exc}"
     call, position = spec.block.call, spec.block.position
@@ -131,7 +130,7 @@ def tiny_variants(tiny: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _find_layer_module(model: Any, config: Any, layer_idx: int) -> Any:
-    from distconf.weights import layer_prefixes
+    from distconf.blocks.weights import layer_prefixes
 
     modules = dict(model.named_modules())
     for prefix in layer_prefixes(config, layer_idx):
@@ -170,7 +169,7 @@ def _check_attention_gets_cache(cls: type, block: Any, attn_class: type, config:
     """The attention class must be the module the KV cache is handed to (not just any submodule)."""
     import torch
 
-    from distconf.kvcache import BlockKVCache
+    from distconf.blocks.kvcache import BlockKVCache
 
     got_cache: list[bool] = []
 
@@ -194,9 +193,9 @@ def _check_variant(cls: type, variant: str, values: dict[str, Any], result: Chec
     from transformers import AutoModelForCausalLM
 
     from distconf.blocks import build_block
-    from distconf.kvcache import kv_geometry
-    from distconf.sizing import block_size_bytes, kv_cache_bytes_per_token
-    from distconf.weights import BlockWeightsError, checkpoint_files, layer_keys, load_block
+    from distconf.blocks.kvcache import kv_geometry
+    from distconf.blocks.sizing import block_size_bytes, kv_cache_bytes_per_token
+    from distconf.blocks.weights import BlockWeightsError, checkpoint_files, layer_keys, load_block
 
     spec = cls.family_spec
     base_cls = next(k for k in cls.__mro__[1:] if k.__module__.startswith("transformers."))
@@ -371,7 +370,7 @@ def check_family(name_or_path: str | Path) -> list[CheckResult]:
     """Check every tiny-config variant of a family; failures are recorded, not raised."""
     import time
 
-    from distconf.loader import load_family
+    from distconf.family import load_family
 
     try:
         cls = load_family(name_or_path)

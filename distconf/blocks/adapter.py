@@ -1,0 +1,242 @@
+"""The generic block adapter: one ``forward`` for every family's decoder layer.
+
+A served block is ``Distributed<Name>Block(BlockAdapter, <family's decoder layer>)``
+(built by `distconf.blocks.build`); it keeps the layer's parameter names, so checkpoint
+tensors load directly, and is called the same way for every family::
+
+    hidden_states, cache = block(hidden_states, layer_past=cache, use_cache=True)
+
+``hidden_states`` is ``[batch, seq, hidden]``; ``cache`` is ``(key, value)``, each
+``[batch, num_kv_heads, tokens, head_dim]``, holding only the real KV heads. Positions
+(rotary or ALiBi), the mask and the layer's keyword names all come from the family
+file's ``block`` section, read directly from the spec; `LayerSettings` holds only what
+is resolved once per layer (its mask kind, window, position functions, KV geometry).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from distconf.blocks.hf_compat import build_attention_mask
+from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
+from distconf.errors import ConfigValueError
+from distconf.family.formula import FormulaError
+from distconf.family.spec_block import BlockSpec
+from distconf.family.synthesis import import_object
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BlockAdapter", "LayerSettings", "layer_settings", "prepare_config"]
+
+
+def import_named(config_cls: type, loc: tuple[str, ...], path: str) -> Any:
+    """Import the object a family file names at field ``loc``; a failure is reported at that field."""
+    try:
+        return import_object(path)
+    except ImportError as exc:
+        raise config_cls.family_source.error(loc, str(exc)) from None  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """What the adapter resolves once per layer; everything else is read from ``spec``."""
+
+    spec: BlockSpec
+    config: Any
+    layer_idx: int
+    mask_kind: str
+    sliding_window: int | None
+    rotary_class: type | None
+    rotary_layer_type: str | None
+    alibi_function: Any
+    geometry: KVGeometry
+    layer_writes: str
+
+    @property
+    def alibi_in_mask(self) -> bool:
+        """ALiBi is folded into a float mask (and the mask is then always materialized)."""
+        return self.spec.position.alibi_in_mask and self.alibi_function is not None
+
+
+def _layer_type(config: Any, field: str | None, layer_idx: int) -> str | None:
+    if field is None:
+        return None
+    types = getattr(config, field, None)
+    if types is None:
+        return None
+    try:
+        return str(types[layer_idx])
+    except (IndexError, TypeError):
+        raise ConfigValueError(f"{field}={types!r} has no entry for layer {layer_idx}") from None
+
+
+def _evaluate(config_cls: type, loc: tuple[str, ...], formula: Any, config: Any) -> Any:
+    try:
+        return formula.evaluate_on(config)
+    except FormulaError as exc:
+        raise config_cls.family_source.error(loc, str(exc)) from None  # type: ignore[attr-defined]
+
+
+def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSettings:
+    """Resolve the family file's ``block`` section for layer ``layer_idx`` of ``config``."""
+    spec = block_cls.family_spec
+    block, position, mask = spec.block, spec.block.position, spec.block.mask
+    layer_type = _layer_type(config, mask.layer_types_field, layer_idx)
+    kind = mask.kind
+    if layer_type is not None:
+        if layer_type not in mask.layer_kinds:
+            raise block_cls.family_source.error(
+                ("block", "mask", "layer_kinds"),
+                f"layer {layer_idx} has type {layer_type!r}, which block.mask.layer_kinds does not map")
+        kind = mask.layer_kinds[layer_type]
+    window = None
+    if kind == "sliding_window":
+        window = _evaluate(block_cls, ("block", "mask", "sliding_window"), mask.sliding_window, config)
+        if window is None:
+            kind = "causal"
+    use_alibi = position.alibi_function is not None
+    if use_alibi and position.rotary_class and position.alibi_when is not None:
+        use_alibi = bool(_evaluate(block_cls, ("block", "position", "alibi_when"), position.alibi_when, config))
+    rotary_class = None
+    if position.rotary_class and not use_alibi:
+        rotary_class = import_named(block_cls, ("block", "position", "rotary_class"), position.rotary_class)
+    alibi_function = None
+    if use_alibi:
+        alibi_function = import_named(block_cls, ("block", "position", "alibi_function"), position.alibi_function)
+    return LayerSettings(
+        spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window,
+        rotary_class=rotary_class,
+        rotary_layer_type=layer_type if position.rotary_layer_type_argument else None,
+        alibi_function=alibi_function, geometry=kv_geometry(config), layer_writes=spec.kv_cache.layer_writes,
+    )
+
+
+def prepare_config(config: Any) -> None:
+    """Give a config what a transformers model would set before building its layers.
+
+    A config not yet used by a model has no attention implementation (the layer would
+    silently run unmasked eager attention) and no experts implementation.
+    """
+    spec = getattr(type(config), "family_spec", None)
+    if getattr(config, "_attn_implementation", None) is None:
+        config._attn_implementation = (spec.block.attn_implementation if spec else None) or "sdpa"
+    if getattr(config, "_experts_implementation", "unset") is None:
+        config._experts_implementation = "eager"  # a standalone layer gets no dispatch from a model
+
+
+class BlockAdapter:
+    """Mixin placed before the decoder-layer class: one ``forward`` for every family."""
+
+    family_spec: Any
+    config_class: type
+    layer_class: type
+    _distconf: LayerSettings
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Construct the decoder layer with the family's constructor arguments, then the adapter."""
+        spec = type(self).family_spec.block.constructor
+        layer_class = type(self).layer_class
+        bound = inspect.signature(layer_class.__init__).bind_partial(self, *args, **kwargs).arguments
+        config = bound.get(spec.config_argument)
+        if config is None:
+            raise TypeError(f"{type(self).__name__} needs the config as {spec.config_argument!r} "
+                            "(block.constructor.config_argument)")
+        layer_idx = bound.get(spec.layer_idx_argument) if spec.layer_idx_argument else None
+        prepare_config(config)
+        super().__init__(*args, **kwargs)
+        self._distconf = layer_settings(type(self), config, layer_idx if isinstance(layer_idx, int) else 0)
+        self._distconf_rotary: dict[Any, Any] = {}
+
+    @property
+    def layer_idx_in_model(self) -> int:
+        """Index of this block in the model."""
+        return self._distconf.layer_idx
+
+    def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        settings = self._distconf
+        key = hidden_states.device
+        rotary = self._distconf_rotary.get(key)
+        if rotary is None:
+            import torch
+
+            with torch.device(key):
+                rotary = settings.rotary_class(config=settings.config)
+            self._distconf_rotary[key] = rotary
+        if settings.rotary_layer_type is not None:
+            return rotary(hidden_states, position_ids, settings.rotary_layer_type)
+        return rotary(hidden_states, position_ids)
+
+    def _mask(self, hidden_states: torch.Tensor, past: int) -> Any:
+        settings = self._distconf
+        batch, seq = hidden_states.shape[:2]
+        return build_attention_mask(
+            settings.spec.attn_implementation or settings.config._attn_implementation,
+            batch_size=batch, q_length=seq, past=past,
+            window=settings.sliding_window if settings.mask_kind == "sliding_window" else None,
+            allow_skip=settings.spec.mask.allow_skip and not settings.alibi_in_mask,
+            dtype=hidden_states.dtype, config=settings.config, device=hidden_states.device,
+        )
+
+    def _alibi(self, hidden_states: torch.Tensor, past: int, mask: Any) -> tuple[Any, Any]:
+        """The ALiBi bias for the layer's alibi argument, and the mask with the bias folded in when asked."""
+        import torch
+
+        settings = self._distconf
+        batch, seq = hidden_states.shape[:2]
+        ones = torch.ones((batch, past + seq), device=hidden_states.device, dtype=torch.long)
+        alibi = settings.alibi_function(ones, settings.config.num_attention_heads, hidden_states.dtype)
+        if settings.alibi_in_mask and mask is not None:
+            min_value = torch.finfo(hidden_states.dtype).min
+            if mask.dtype == torch.bool:
+                mask = torch.where(mask, torch.zeros((), device=mask.device, dtype=hidden_states.dtype), min_value)
+            bias = alibi.reshape(batch, -1, *alibi.shape[1:]) / math.sqrt(settings.geometry.key_head_dim)
+            mask = torch.masked_fill(bias, mask < -1, min_value)
+        return alibi, mask
+
+    def layer_kwargs(self, hidden_states: torch.Tensor, past: int = 0, cache: Any = None) -> dict[str, Any]:
+        """Keyword arguments the decoder layer gets for ``hidden_states`` after ``past`` cached tokens.
+
+        Exactly what a transformers model passes to the layer: positions, rotary
+        embeddings or ALiBi, the mask, and ``cache`` under the family's keyword.
+        """
+        import torch
+
+        settings = self._distconf
+        call = settings.spec.call
+        kwargs: dict[str, Any] = dict(call.extra)
+        kwargs[call.cache_argument] = cache
+        position_ids = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        if call.position_ids_argument:
+            kwargs[call.position_ids_argument] = position_ids
+        if settings.rotary_class is not None and call.position_embeddings_argument:
+            kwargs[call.position_embeddings_argument] = self._rotary(hidden_states, position_ids)
+        mask = self._mask(hidden_states, past) if call.mask_argument else None
+        alibi = None
+        if settings.alibi_function is not None:
+            alibi, mask = self._alibi(hidden_states, past, mask)
+        if call.alibi_argument:
+            kwargs[call.alibi_argument] = alibi
+        if call.mask_argument:
+            kwargs[call.mask_argument] = mask
+        return kwargs
+
+    def forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run the block on ``[batch, seq, hidden]`` hidden states.
+
+        ``layer_past`` is the ``(key, value)`` cache of earlier tokens (or None). Returns
+        the new hidden states and, if ``use_cache``, the cache including these tokens.
+        """
+        settings = self._distconf
+        past = int(layer_past[0].shape[-2]) if layer_past is not None else 0
+        cache = (BlockKVCache(layer_past, settings.geometry.num_kv_heads, settings.layer_writes)
+                 if (use_cache or layer_past) else None)
+        output = super().forward(hidden_states, **self.layer_kwargs(hidden_states, past, cache))  # type: ignore[misc]
+        if isinstance(output, (tuple, list)):
+            output = output[0]
+        present = cache.present if (use_cache and cache is not None) else None
+        return output, present

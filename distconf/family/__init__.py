@@ -1,0 +1,15 @@
+"""The family core: family files, their validation, and the synthesized config classes.
+
+The modules form one chain, each importing only the ones before it::
+
+    formula, yamlsafe -> spec_types -> spec_block -> spec -> naming, mixins
+      -> source (read + validate, with locations) -> presets -> synthesis
+      -> registry (class cache, pickle home) -> auto -> schema
+
+Nothing here imports torch or transformers until a class is synthesized.
+"""
+
+from distconf.family.registry import get_family_spec, load_family
+from distconf.family.source import FamilySource, list_families, read_family_file, validate_paths
+
+__all__ = ["FamilySource", "get_family_spec", "list_families", "load_family", "read_family_file", "validate_paths"]
