@@ -1,10 +1,11 @@
-"""Loader benchmark (issue 2): synthesis, cached lookup, from_pretrained overhead, validate wall time.
+"""Family-core benchmark: synthesis, cached lookup, from_pretrained overhead, validate wall time.
 
 Prints medians of repeated runs, each measured side by side with its reference in this one run:
 - first ``load_family`` per family (transformers already imported; file read + validate + synthesize),
 - a cached ``load_family`` call,
 - ``from_pretrained`` of the synthesized class vs the plain HF class on the same local folder (ratio),
 - wall time of ``distconf validate families`` vs ``python -c "import transformers"``.
+Side-by-side measures alternate within each round, so a change of machine load affects both alike.
 Targets: synthesis < 5 ms, cached < 20 us, from_pretrained ratio <= 1.3, validate < 0.5 s.
 """
 
@@ -28,6 +29,17 @@ def median_time(fn, repeat: int) -> float:
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def paired_median_times(fns: list, repeat: int) -> list[float]:
+    """Median time of each of ``fns``, run in turn within each round (so load changes hit them alike)."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, times in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in samples]
 
 
 def first_loadable_preset(hub_ids: list[str]):
@@ -71,10 +83,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         preset = first_loadable_preset(list_presets())
         cls = type(preset)
-        base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("transformers."))
+        base = cls.hf_config_class
         base(**{k: v for k, v in preset.to_diff_dict().items() if k != "model_type"}).save_pretrained(tmp)
-        plain = median_time(lambda: base.from_pretrained(tmp), 200)
-        ours = median_time(lambda: cls.from_pretrained(tmp), 200)
+        plain, ours = paired_median_times([lambda: base.from_pretrained(tmp), lambda: cls.from_pretrained(tmp)], 200)
         print(f"{base.__name__ + '.from_pretrained (HF)':<52}{plain * 1e3:>10.2f}ms")
         print(f"{cls.__name__ + '.from_pretrained':<52}{ours * 1e3:>10.2f}ms")
         print(f"{'  ratio distconf / HF':<52}{ours / plain:>12.2f}{'<= 1.3':>12}")
@@ -82,9 +93,11 @@ def main() -> None:
     def run(args: list[str]) -> None:
         subprocess.run(args, check=True, capture_output=True, cwd=REPO)
 
-    validate = median_time(lambda: run([sys.executable, "-m", "distconf", "validate", "-q", "families"]), 7)
-    imp = median_time(lambda: run([sys.executable, "-c", "import transformers"]), 7)
-    imp_cfg = median_time(lambda: run([sys.executable, "-c", f"import transformers; transformers.{base.__name__}"]), 5)
+    validate, imp, imp_cfg = paired_median_times([
+        lambda: run([sys.executable, "-m", "distconf", "validate", "-q", "families"]),
+        lambda: run([sys.executable, "-c", "import transformers"]),
+        lambda: run([sys.executable, "-c", f"import transformers; transformers.{base.__name__}"]),
+    ], 7)
     print(f"{'distconf validate families (wall, new process)':<52}{validate:>11.3f}s{'< 0.5 s':>12}")
     label_imp = 'python -c "import transformers" (wall)'
     label_cfg = f'python -c "...; transformers.{base.__name__}" (wall)'

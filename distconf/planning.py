@@ -198,7 +198,7 @@ def plan_server(
     block_bytes: int | None = None,
     kv_bytes_per_token: int | None = None,
 ) -> ServerPlan:
-    """How many blocks of ``config``'s model fit in ``memory_bytes`` (reference-facts 2).
+    """How many blocks of ``config``'s model fit in ``memory_bytes``.
 
     ``blocks = floor((memory - autograd reserve) / (block size + cache per block))``,
     capped at the layer count, where cache per block = KV bytes per token (correct

@@ -1,4 +1,4 @@
-"""DHT prefix derivation (reference-facts 1.1) for the four seed families."""
+"""DHT prefix derivation for the four seed families, as Petals 2.x derives it."""
 
 from __future__ import annotations
 

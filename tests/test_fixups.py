@@ -1,4 +1,4 @@
-"""After-load fix-ups, pinned revisions, notices and the return_unused_kwargs tuple (reference-facts 1.2)."""
+"""After-load fix-ups, pinned revisions, notices and the return_unused_kwargs tuple."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def test_preset_values_match_public_configs() -> None:
     assert (mx.num_attention_heads, mx.num_key_value_heads, mx.num_local_experts) == (32, 8, 8)
     assert (mx.num_experts_per_tok, mx.vocab_size, mx.max_position_embeddings) == (2, 32000, 32768)
     assert mx.rope_parameters["rope_theta"] == 1e6
-    assert mx.num_key_value_groups == 4  # corrected: the original used 1
+    assert mx.num_key_value_groups == 4  # corrected: Petals 2.x uses 1
 
 
 def test_preset_files_are_plain_config_json() -> None:

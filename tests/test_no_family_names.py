@@ -29,7 +29,7 @@ def test_no_family_name_in_python_code() -> None:
     offenders = []
     for path in sorted(REPO.rglob("*.py")):
         rel = path.relative_to(REPO)
-        if rel.parts[0] in ("tests", ".venv", "notes", "build", "dist") or rel.parts[0].startswith("."):
+        if rel.parts[0] in ("tests", ".venv", "build", "dist") or rel.parts[0].startswith("."):
             continue
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             match = pattern.search(line)

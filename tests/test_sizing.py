@@ -33,7 +33,7 @@ def test_geometry_of_presets() -> None:
     assert kv_geometry(load_preset("tiiuae/falcon-40b")).num_kv_heads == 8  # compressed, not 128
     assert kv_geometry(load_preset("tiiuae/falcon-7b")).num_kv_heads == 1
     mixtral = kv_geometry(load_preset("mistralai/Mixtral-8x7B-v0.1"))
-    assert (mixtral.num_kv_heads, mixtral.key_head_dim) == (8, 128)  # not the original's 32 heads
+    assert (mixtral.num_kv_heads, mixtral.key_head_dim) == (8, 128)  # not Petals 2.x's 32 heads
     bloom = kv_geometry(load_preset("bigscience/bloom"))
     assert (bloom.num_kv_heads, bloom.key_head_dim, bloom.values_per_token) == (112, 128, 28672)
 

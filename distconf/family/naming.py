@@ -8,12 +8,10 @@ delimiter nor any whitespace. The family file's ``dht_prefix`` rule, the mixin f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from distconf.errors import ConfigValueError
-
-if TYPE_CHECKING:
-    from distconf.family.spec import DhtPrefixRule
 
 __all__ = [
     "UID_DELIMITER", "CHAIN_DELIMITER", "dht_prefix_problem", "check_dht_prefix", "derive_dht_prefix",
@@ -24,6 +22,15 @@ UID_DELIMITER = "."
 """Separates the DHT prefix from the block index in a block uid (Petals' UID_DELIMITER)."""
 CHAIN_DELIMITER = " "
 """Separates the uids of a chain of blocks in one request (Petals' CHAIN_DELIMITER)."""
+
+
+class PrefixRule(Protocol):
+    """What `derive_dht_prefix` reads of a family's ``dht_prefix`` rule (`distconf.family.spec.DhtPrefixRule`)."""
+
+    name: str
+    suffix: str
+    keep_existing_suffix: bool
+    replace: Mapping[str, str]
 
 
 def dht_prefix_problem(prefix: object) -> str | None:
@@ -45,7 +52,7 @@ def check_dht_prefix(prefix: str) -> str:
     return prefix
 
 
-def derive_dht_prefix(rule: DhtPrefixRule, model_name: str) -> str:
+def derive_dht_prefix(rule: PrefixRule, model_name: str) -> str:
     """Apply a family's ``dht_prefix`` rule to a hub id such as ``org/Model-70b-v1.5``."""
     prefix = str(model_name)
     if rule.name == "repo":

@@ -1,0 +1,275 @@
+"""The package imports one way: errors/family -> blocks -> dht/planning -> server/client -> cli/tools.
+
+The import graph is read from the source with `ast` (every import statement, including
+those inside functions and under ``if TYPE_CHECKING``), so a lazy import that points the
+wrong way is caught as well as a top-level one. Two properties are checked:
+
+- no cycle, anywhere in ``distconf`` (a cycle is named module by module, with the lines at fault);
+- every import goes to the same layer or an earlier one.
+
+Edges: ``import a.b.c`` is an edge to ``a.b.c``; ``from a.b import c`` is an edge to
+``a.b.c`` when that is a module, else to ``a.b``; relative imports are resolved. The
+implicit import of a package's ``__init__`` by a submodule import (``a.b`` when importing
+``a.b.c``) is not an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "distconf"
+
+# Layer of each top-level part of the package (a later layer may import an earlier one, never the reverse).
+# ``distconf`` itself (the package __init__) re-exports the core only, so it is in the bottom layer.
+LAYERS: dict[str, int] = {
+    "distconf": 0, "distconf.errors": 0, "distconf.family": 0,
+    "distconf.blocks": 1,
+    "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2,
+    "distconf.server": 3, "distconf.client": 3,
+    "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.__main__": 4,
+}
+LAYER_NAMES = {0: "errors/family", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor"}
+
+
+def module_files(root: Path = REPO / PACKAGE) -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package's ``__init__`` under the package name)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The longest prefix of ``name`` that is a module of the package, or None (outside the package)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(module: str, source: str, modules: set[str], is_package: bool) -> dict[str, tuple[int, bool]]:
+    """Modules of the package that ``module`` imports anywhere in ``source``.
+
+    Each maps to ``(line, type_only)``: the first line importing it, and whether every
+    import of it sits under ``if TYPE_CHECKING:``.
+    """
+    tree = ast.parse(source)
+    type_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+                 for statement in node.body for inner in ast.walk(statement)}
+    found: dict[str, tuple[int, bool]] = {}
+
+    def add(target: str | None, node: ast.stmt) -> None:
+        if target is None or target == module:
+            return
+        line, only_types = found.get(target, (node.lineno, True))
+        found[target] = (min(line, node.lineno), only_types and id(node) in type_only)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(_resolve(alias.name, modules), node)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                submodule = f"{origin}.{alias.name}"
+                add(submodule if submodule in modules else _resolve(origin, modules), node)
+    return found
+
+
+Graph = dict[str, dict[str, str]]
+"""module -> {imported module: ``path:line`` of its first import}."""
+
+
+def import_graph(root: Path = REPO / PACKAGE) -> Graph:
+    """The package's import graph, read from its source.
+
+    Imports under ``if TYPE_CHECKING:`` count: a one-way design has no back-reference, not
+    even for annotations (their place is marked "under TYPE_CHECKING" in failure messages).
+    """
+    files = module_files(root)
+    names = set(files)
+    graph: Graph = {}
+    for name, path in files.items():
+        found = imports_of(name, path.read_text(encoding="utf-8"), names, path.name == "__init__.py")
+        graph[name] = {
+            target: f"{path.relative_to(root.parent)}:{line}" + (" under TYPE_CHECKING" if type_only else "")
+            for target, (line, type_only) in found.items()
+        }
+    return graph
+
+
+def describe_cycle(cycle: list[str], graph: Graph) -> str:
+    """``a -> b -> a`` followed by where each of those imports is written."""
+    return " -> ".join(cycle) + "  (" + ", ".join(graph[a][b] for a, b in pairwise(cycle)) + ")"
+
+
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected component that has one (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    components.append(sorted(component))
+    return [_cycle_in(component, graph) for component in components]
+
+
+def _cycle_in(component: list[str], graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """A shortest cycle through the first module of a strongly connected component (breadth-first)."""
+    members = set(component)
+    start = component[0]
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph.get(node, ())):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
+                if child in members and child not in parent:
+                    parent[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover - a component always has one
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a module: that of its longest listed prefix (None when unlisted)."""
+    found = _resolve(module, set(LAYERS))
+    return None if found is None else LAYERS[found]
+
+
+def layer_violations(graph: Graph) -> list[str]:
+    """Every import from an earlier layer to a later one, with where it is written."""
+    problems = []
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            low, high = layer_of(module), layer_of(target)
+            if low is not None and high is not None and high > low:
+                problems.append(f"{module} ({LAYER_NAMES[low]}) imports {target} ({LAYER_NAMES[high]}) "
+                                f"at {graph[module][target]}")
+    return problems
+
+
+# --- self-tests: the machinery can fail ------------------------------------------------------------------
+
+
+def test_cycle_finder_names_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
+    cycles = find_cycles(graph)
+    assert sorted(cycles) == [["a", "b", "c", "a"], ["e", "e"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_edges_read_from_source(tmp_path) -> None:
+    pkg = tmp_path / PACKAGE
+    for name in ("family", "blocks"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from distconf.family import core\n")
+    (pkg / "family" / "core.py").write_text(
+        "def later():\n    from distconf.blocks import build\n    return build\n")
+    (pkg / "family" / "other.py").write_text("from . import core\nfrom .core import later\n")
+    (pkg / "family" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from distconf.family.other import later\n")
+    (pkg / "blocks" / "build.py").write_text("import distconf.family.core\nimport torch\n")
+    graph = import_graph(pkg)
+    assert set(graph["distconf"]) == {"distconf.family.core"}
+    assert set(graph["distconf.family.core"]) == {"distconf.blocks.build"}  # inside a function; submodule by name
+    assert set(graph["distconf.family.other"]) == {"distconf.family.core"}  # relative imports resolved
+    assert set(graph["distconf.blocks.build"]) == {"distconf.family.core"}  # outside packages ignored
+    assert set(graph["distconf.family.typed"]) == {"distconf.family.other"}  # type-only imports count
+    assert graph["distconf.family.typed"]["distconf.family.other"].endswith("typed.py:3 under TYPE_CHECKING")
+    assert find_cycles(graph) == [["distconf.blocks.build", "distconf.family.core", "distconf.blocks.build"]]
+    assert layer_violations(graph) == [
+        "distconf.family.core (errors/family) imports distconf.blocks.build (blocks) at distconf/family/core.py:2"]
+    cycle = describe_cycle(find_cycles(graph)[0], graph)
+    assert cycle.endswith("(distconf/blocks/build.py:1, distconf/family/core.py:2)")
+
+
+# --- the package ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return import_graph()
+
+
+def test_graph_sees_the_package(graph) -> None:
+    assert {"distconf.family.registry", "distconf.blocks.build", "distconf.dht.discovery"} <= set(graph)
+    assert "distconf.family.spec" in graph["distconf.family.source"]
+    assert "distconf.family.registry" in graph["distconf"]
+
+
+def test_no_import_cycle(graph) -> None:
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(describe_cycle(cycle, graph) for cycle in cycles)
+
+
+def test_every_module_has_a_layer(graph) -> None:
+    unlisted = sorted(m for m in graph if layer_of(m) is None)
+    assert not unlisted, f"modules outside every layer (add them to LAYERS in tests/test_layering.py): {unlisted}"
+
+
+def test_imports_point_to_earlier_layers(graph) -> None:
+    problems = layer_violations(graph)
+    assert not problems, "imports against the layer order:\n" + "\n".join(problems)
