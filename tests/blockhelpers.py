@@ -26,8 +26,7 @@ def family_config(family: str, variant: int = 0, **overrides: Any) -> tuple[Any,
     cls = load_family(family)
     _, values = tiny_variants(cls.family_spec.tiny_config)[variant]
     values = {**values, **overrides}
-    hf_cls = next(k for k in cls.__mro__[1:] if k.__module__.startswith("transformers."))
-    return cls(**values), hf_cls(**values), values
+    return cls(**values), cls.hf_config_class(**values), values
 
 
 def hf_model(hf_config: Any, seed: int = 0) -> Any:

@@ -14,8 +14,8 @@ from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_d
 def test_swarm_demo_runs_end_to_end(tmp_path):
     """Servers in separate processes load real weights, place and announce; a client routes."""
     proc = subprocess.run(
-        [sys.executable, "-m", "distconf.tools.swarm_demo", "--timeout", "100", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=160,
+        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "200", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=260,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -78,7 +78,7 @@ def test_plan_command_side_by_side(capsys, tmp_path):
     from distconf import load_preset
     from distconf.cli import main
 
-    # a local model directory of a family whose file records the original's fixed KV groups (1)
+    # a local model directory of a family whose file records Petals 2.x's fixed KV groups (1)
     load_preset("mistralai/Mixtral-8x7B-v0.1").save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--memory", "24GiB"]) == 0
     out = capsys.readouterr().out

@@ -1,9 +1,13 @@
 """The ``distconf`` command line.
 
 Each subcommand lives in a module ``distconf/cli/cmd_<name>.py`` exposing
-``register(subparsers)``; modules are discovered automatically. Heavy imports
-(torch, transformers, hivemind) happen inside the handlers only, so
-``distconf validate`` stays fast.
+``register(subparsers)`` and a handler ``run(args) -> int``; `COMMANDS` lists them in the
+order ``distconf --help`` shows them. Heavy imports (torch, transformers, hivemind)
+happen inside the handlers only, so ``distconf validate`` stays fast.
+
+A user mistake (a family that does not exist, an invalid family file, a bad config value,
+a file that cannot be read) ends as one error line on stderr and exit code 1; ``-v``
+also prints the traceback.
 """
 
 from __future__ import annotations
@@ -11,11 +15,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import pkgutil
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+logger = logging.getLogger(__name__)
+
+COMMANDS: tuple[str, ...] = (
+    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "swarm", "demo", "schema",
+)
+"""Subcommands, in help order; command ``x`` is the module ``distconf.cli.cmd_x``."""
+
+USER_ERRORS: tuple[type[BaseException], ...] = (FamilyValidationError, FamilyNotFoundError, ConfigValueError, OSError)
+"""Errors a command may end with that are the user's to fix: reported in one line, no traceback."""
 
 _DESCRIPTION = """\
 Declarative model-family configs for peer-to-peer LLM inference.
@@ -34,8 +49,12 @@ examples:
   distconf new x --from-config config.json    draft a family file for a new model
   distconf show FAMILY --preset ORG/MODEL     a family applied to a shipped real config
   distconf plan ORG/MODEL --memory 24GiB      blocks and cache a server can hold
+  distconf serve ./model --initial-peers ADDR --memory 8GiB   serve blocks to a swarm
+  distconf generate ./model --initial-peers ADDR 'A cat sat'  generate text through a swarm
   distconf swarm --initial-peers ADDR --model PREFIX   coverage of a running swarm
+  distconf demo                               built-in families, presets and a local swarm
   distconf schema --check                     is schemas/family.schema.json current?
+  distconf COMMAND --help                     what a command does, with examples
 
 environment:
   DISTCONF_FAMILIES_PATH    extra folders of family files (os.pathsep-separated)
@@ -45,18 +64,28 @@ environment:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every discovered subcommand."""
+    """The argument parser with every subcommand of `COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="distconf", description=_DESCRIPTION, epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log debug messages, and print the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    package = importlib.import_module(__name__)
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"{__name__}.{info.name}").register(subparsers)
+    for name in COMMANDS:
+        importlib.import_module(f"{__name__}.cmd_{name}").register(subparsers)
     return parser
+
+
+def error_message(exc: BaseException) -> str:
+    """The text a user sees for one of `USER_ERRORS` (file-located problems one per line)."""
+    if isinstance(exc, FamilyValidationError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    if isinstance(exc, LookupError) and len(exc.args) == 1:
+        return str(exc.args[0])  # str() of a KeyError-like error would add quotes
+    return str(exc) or type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except USER_ERRORS as exc:
+        logger.debug("distconf %s failed", args.command, exc_info=True)
+        print(f"distconf {args.command}: {error_message(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from distconf.cli.helptext import add_command
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``check`` subcommand."""
-    p = subparsers.add_parser(
-        "check", help="run each family's tiny model through its blocks and compare with transformers",
+    p = add_command(
+        subparsers, "check", summary="run each family's tiny model through its blocks and compare with transformers",
         description="For each family (name or family-file path; default: every family on the search path): "
                     "build its tiny_config model with transformers, save it as a sharded safetensors "
                     "checkpoint, load every block through the family file alone, and compare hidden states "
-                    "(full sequence and token by token with the KV cache), the KV cache held per token and "
-                    "the block size. Exit 1 naming the family-file field to fix on any mismatch.",
+                    "(full sequence, token by token with the KV cache, and in multi-token steps), the KV cache "
+                    "held per token and the block size. Exit 1 naming the family-file field to fix "
+                    "(path:line:column) on any mismatch.",
+        examples=[("distconf check", "every family on the search path"),
+                  ("distconf check FAMILY", "one family, by name"),
+                  ("distconf check my_families/x.yaml", "a family file being written")],
     )
     p.add_argument("families", nargs="*", metavar="FAMILY|PATH", help="family names or family-file paths")
     p.set_defaults(func=run)
@@ -32,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from distconf.cli.table import format_table
-    from distconf.family.source import list_families
+    from distconf.family.source import find_family_file, is_family_path, list_families
     from distconf.tools.checker import TOLERANCE, check_family
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -45,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
         pass
     targets = args.families or list_families()
     if not targets:
-        print("no families found", file=sys.stderr)
+        print("distconf check: no families found", file=sys.stderr)
         return 1
+    for target in targets:  # a misspelt name fails now, not after checking the others
+        if not is_family_path(target):
+            find_family_file(target)
     start = time.perf_counter()
     results = []
     for target in targets:

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 
+from distconf.cli.helptext import add_command
 from distconf.cli.table import format_table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``list`` subcommand."""
-    p = subparsers.add_parser("list", help="list the families on the search path",
-                              description="List every family file on the search path (built-ins first, "
-                                          "then DISTCONF_FAMILIES_PATH) with its model_type and class.")
+    p = add_command(
+        subparsers, "list", summary="list the families on the search path",
+        description="List every family file on the search path (built-ins first, then the folders of "
+                    "DISTCONF_FAMILIES_PATH) with its model_type, class and file. An invalid file is listed as "
+                    "INVALID with its first problem, and the exit code is 1.",
+        examples=[("distconf list", "the built-in families"),
+                  ("DISTCONF_FAMILIES_PATH=my_families distconf list", "with your own family files too")],
+    )
     p.set_defaults(func=run)
 
 

@@ -8,23 +8,30 @@ import os
 import sys
 from typing import Any
 
+from distconf.cli.helptext import add_command, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``plan`` subcommand."""
-    p = subparsers.add_parser(
-        "plan", help="capacity plan: blocks, cache tokens and bytes for a server with given memory",
-        description="Plan a server for a model (a shipped preset, see `distconf list`, or a local "
+    p = add_command(
+        subparsers, "plan", summary="capacity plan: blocks, cache tokens and bytes for a server with given memory",
+        description="Plan a server for a model (a shipped preset, see `distconf demo`, or a local "
                     "model directory): how many blocks fit in MEMORY, how many attention-cache tokens they hold, "
                     "and the bytes of each part, with the correct KV geometry. Shown side by side with what the "
-                    "Petals 2.x formula (2 * hidden_size / num_key_value_groups values per token) reserves.",
+                    "Petals 2.x formula (2 * hidden_size / num_key_value_groups values per token) reserves. "
+                    "Exit 1 if not one block fits.",
+        examples=[("distconf plan ORG/MODEL --memory 24GiB", "a shipped preset, bfloat16"),
+                  ("distconf plan ~/models/my-model --memory 80GB --quant nf4", "a local model, 4-bit weights"),
+                  ("distconf plan ORG/MODEL --memory 48GiB --num-devices 2 --json", "two devices, as JSON")],
     )
-    p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf list`) or a model directory")
+    p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf demo`) or a model directory")
     p.add_argument("--memory", required=True, help="memory for the server, e.g. 24GiB, 80GB, 512MiB")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute and cache dtype")
     p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization")
     p.add_argument("--attn-cache-tokens", type=int, default=None,
                    help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
-    p.add_argument("--num-devices", type=int, default=1, help="devices sharing the blocks (tensor parallel)")
+    p.add_argument("--num-devices", type=positive_int, default=1,
+                   help="devices sharing the blocks (tensor parallel; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 

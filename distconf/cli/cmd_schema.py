@@ -6,13 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from distconf.cli.helptext import add_command
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``schema`` subcommand."""
-    p = subparsers.add_parser(
-        "schema", help="generate schemas/family.schema.json from the pydantic model",
+    p = add_command(
+        subparsers, "schema", summary="generate schemas/family.schema.json from the pydantic model",
         description="Write the JSON schema of a family file, generated from distconf's pydantic models. "
                     "Editors use it through the '# yaml-language-server: $schema=' comment.",
+        examples=[("distconf schema", "rewrite the schema distconf ships"),
+                  ("distconf schema --check", "exit 1 if it is stale (CI)"),
+                  ("distconf schema -o -", "print it")],
     )
     p.add_argument("--check", action="store_true", help="exit 1 if the schema file is stale, write nothing")
     p.add_argument("-o", "--output", type=Path, default=None,

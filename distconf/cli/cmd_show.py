@@ -5,14 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from distconf.cli.helptext import add_command
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``show`` subcommand."""
-    p = subparsers.add_parser(
-        "show", help="show a family's class, block metadata and, with a config, its DHT prefix and uids",
-        description="Show the synthesized class of a family: bases, block and attention classes, state-dict "
-                    "prefix, KV groups. With --config, --preset or --name also the loaded config's KV groups, "
-                    "derived DHT prefix, block uid range and block/KV sizes.",
+    p = add_command(
+        subparsers, "show", summary="show a family's class, block metadata and, with a config, its DHT prefix and uids",
+        description="Show the synthesized class of a family: file, bases, block and attention classes, state-dict "
+                    "prefix, KV groups. With --config or --preset also the loaded config's KV groups, derived DHT "
+                    "prefix, block uid range and block/KV sizes; --name derives the DHT prefix as if the config "
+                    "came from that hub id.",
+        examples=[("distconf show FAMILY", "the class a family file synthesizes"),
+                  ("distconf show --preset ORG/MODEL", "a shipped real config (family from its model_type)"),
+                  ("distconf show --config ~/models/my-model/", "a local model folder or config.json"),
+                  ("distconf show --preset ORG/MODEL --name ORG/MODEL-chat", "DHT prefix of another hub id")],
     )
     p.add_argument("family", nargs="?", help="family name or family file (inferred from --config/--preset if omitted)")
     p.add_argument("--config", metavar="DIR_OR_FILE", help="a local model folder or config.json")

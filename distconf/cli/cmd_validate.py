@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from distconf.cli.helptext import add_command
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``validate`` subcommand."""
-    p = subparsers.add_parser(
-        "validate", help="validate family files (exit 0 valid, 1 invalid, 2 usage)",
+    p = add_command(
+        subparsers, "validate", summary="validate family files (exit 0 valid, 1 invalid, 2 usage)",
         description="Validate family files against the schema: every problem of every file is reported as "
-                    "path:line:column: field: message. Without PATH, validates the built-in families. "
-                    "Does not import torch unless --resolve is given.",
+                    "path:line:column: field: message. Without PATH, validates the built-in families; a folder "
+                    "stands for the *.yaml files in it. Does not import torch unless --resolve is given.",
+        examples=[("distconf validate", "the built-in families"),
+                  ("distconf validate my_families/ extra.yaml", "files and folders, every problem at once"),
+                  ("distconf validate --resolve my_families/", "also import the classes the files name")],
     )
     p.add_argument("paths", nargs="*", metavar="PATH", help="family files or folders of them")
     p.add_argument("--resolve", action="store_true",

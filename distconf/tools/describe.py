@@ -1,8 +1,7 @@
-"""Human-readable summaries of a family and of a loaded config (used by the CLI)."""
+"""Human-readable summaries of a family and of a loaded config (used by ``distconf show``)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 __all__ = ["describe_class", "describe_config", "size_summary"]
@@ -17,7 +16,7 @@ def describe_class(cls: type) -> list[tuple[str, str]]:
     spec = cls.family_spec  # type: ignore[attr-defined]
     return [
         ("family", spec.family),
-        ("file", str(cls.family_source)),  # type: ignore[attr-defined]
+        ("file", str(cls.family_source.path)),  # type: ignore[attr-defined]
         ("class", _qualname(cls)),
         ("bases", ", ".join(_qualname(b) for b in cls.__bases__)),
         ("model_type", spec.model_type),
@@ -30,23 +29,22 @@ def describe_class(cls: type) -> list[tuple[str, str]]:
 
 
 def size_summary(config: Any) -> list[tuple[str, str]]:
-    """Block sizes and KV bytes per token, when the sizing module is available."""
-    try:
-        sizing = importlib.import_module("distconf.sizing")
-        import torch
-    except ImportError:
-        return []
+    """Block sizes (bf16, int8, nf4) and KV bytes per token (bf16) of a loaded config."""
+    import torch
+
+    from distconf.blocks.sizing import block_size_bytes, kv_cache_bytes_per_token
+
     rows = []
     for label, quant in (("bf16", None), ("int8", "int8"), ("nf4", "nf4")):
-        size = sizing.block_size_bytes(config, dtype=torch.bfloat16, quant=quant)
+        size = block_size_bytes(config, dtype=torch.bfloat16, quant=quant)
         rows.append((f"block size ({label})", f"{size / 2**20:,.1f} MiB"))
-    kv = sizing.kv_cache_bytes_per_token(config, torch.bfloat16)
+    kv = kv_cache_bytes_per_token(config, torch.bfloat16)
     rows.append(("KV bytes/token/block (bf16)", f"{kv:,}"))
     return rows
 
 
 def describe_config(config: Any) -> list[tuple[str, str]]:
-    """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids."""
+    """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids, sizes."""
     n = config.num_hidden_layers
     rows = [
         ("model", str(getattr(config, "_name_or_path", "") or "-")),

@@ -1,0 +1,34 @@
+"""Subcommand parsers with a wrapped description and a verbatim block of examples."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Sequence
+
+__all__ = ["add_command", "positive_int"]
+
+_WIDTH = 88
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
+                examples: Sequence[tuple[str, str]]) -> argparse.ArgumentParser:
+    """Add subcommand ``name``: ``summary`` in ``distconf --help``, and in ``distconf NAME --help`` the
+    ``description`` (paragraphs separated by blank lines, each wrapped) followed by ``examples``
+    ((command line, what it does) pairs, shown verbatim)."""
+    text = "\n\n".join(textwrap.fill(" ".join(p.split()), _WIDTH) for p in description.split("\n\n"))
+    width = max(len(command) for command, _ in examples)
+    lines = [f"  {command.ljust(width)}  {what}".rstrip() for command, what in examples]
+    return subparsers.add_parser(name, help=summary, description=text, epilog="examples:\n" + "\n".join(lines),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def positive_int(text: str) -> int:
+    """Argparse type: an integer >= 1 (argparse reports the message and exits 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
+    return value

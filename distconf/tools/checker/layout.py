@@ -1,0 +1,116 @@
+"""Step 2 of the check: the family's checkpoint layout, and the blocks built from it alone.
+
+``block.prefix`` must select exactly the tensors of each layer, the model's module there
+must be a ``block.layer_class``, and every block loaded through the family file must hold
+the layer's parameters and a ``block.attention_class`` that receives the KV cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distconf.errors import FamilyValidationError
+from distconf.tools.checker.failures import located_failure
+from distconf.tools.checker.reference import Reference
+
+__all__ = ["attention_class", "check_layer_tensors", "load_blocks", "check_attention_gets_cache",
+           "check_meta_build"]
+
+
+def attention_class(cls: type) -> type:
+    """The family's attention class, or a failure at ``block.attention_class``."""
+    try:
+        return cls.attn_class  # type: ignore[attr-defined]
+    except FamilyValidationError as exc:
+        raise located_failure(cls, ("block", "attention_class"), str(exc)) from None
+
+
+def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path]) -> None:
+    """Each layer is a ``block.layer_class`` at ``block.prefix``; layers claim disjoint tensors, none beyond."""
+    from distconf.blocks.weights import layer_keys
+
+    spec = cls.family_spec  # type: ignore[attr-defined]
+    layer_class = cls.block_class.layer_class  # type: ignore[attr-defined]
+    config = reference.config
+    claimed: set[str] = set()
+    for i in range(reference.layers):
+        hf_layer = reference.layer(i)
+        if hf_layer is None:
+            raise located_failure(cls, ("block", "prefix"),
+                                  f"the model has no module at {spec.block.prefix}.{i} (nor with/without the base "
+                                  f"prefix {spec.block.base_model_prefix!r})")
+        if not isinstance(hf_layer, layer_class):
+            raise located_failure(cls, ("block", "layer_class"), f"the model's layer {i} is a "
+                                  f"{type(hf_layer).__name__}, not {layer_class.__name__}")
+        _, names = layer_keys(files, config, i)
+        overlap = claimed.intersection(names)
+        if overlap:
+            raise located_failure(cls, ("block", "prefix"), f"tensors claimed by two layers: {sorted(overlap)[:3]}")
+        claimed.update(names)
+    prefix0, _ = layer_keys(files, config, 0)
+    if prefix0 is None:
+        return
+    stem = prefix0[: -len("0.")]
+    indices = ((n, n[len(stem):].split(".")[0]) for n in files if n.startswith(stem))
+    beyond = [n for n, index in indices if index.isdigit() and int(index) >= reference.layers]
+    if beyond:
+        raise located_failure(cls, ("block", "prefix"), f"tensors beyond the last layer: {beyond[:3]}")
+
+
+def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: type) -> list[Any]:
+    """Load every block from the checkpoint through the family file; compare parameter counts."""
+    import torch
+
+    from distconf.blocks.weights import BlockWeightsError, load_block
+
+    blocks = []
+    for i in range(reference.layers):
+        try:
+            block = load_block(directory, reference.config, i, dtype=torch.float32)
+        except BlockWeightsError as exc:
+            raise located_failure(cls, tuple((exc.field or "block.prefix").split(".")), str(exc)) from None
+        if not any(isinstance(m, attn_class) for m in block.modules()):
+            found = sorted({type(m).__name__ for m in block.modules() if "atten" in type(m).__name__.lower()})
+            raise located_failure(cls, ("block", "attention_class"),
+                                  f"no {attn_class.__name__} inside block {i} (attention-like modules: "
+                                  f"{', '.join(found) or 'none'})")
+        hf_params = sum(p.numel() for p in reference.layer(i).parameters())
+        params = sum(p.numel() for p in block.parameters())
+        if params != hf_params:
+            raise located_failure(cls, ("block", "constructor"),
+                                  f"block {i} has {params} parameters, the model's layer {hf_params}")
+        blocks.append(block)
+    return blocks
+
+
+def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_size: int) -> None:
+    """The attention class must be the module the KV cache is handed to (not just any submodule)."""
+    import torch
+
+    from distconf.blocks.kvcache import BlockKVCache
+
+    got_cache: list[bool] = []
+
+    def pre(module: Any, args: Any, kwargs: Any) -> None:
+        got_cache.append(any(isinstance(v, BlockKVCache) for v in (*args, *kwargs.values())))
+
+    hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]
+    try:
+        with torch.no_grad():
+            block(torch.zeros(1, 2, hidden_size), use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    if not any(got_cache):
+        raise located_failure(cls, ("block", "attention_class"), f"{attn_class.__name__} occurs in the block but "
+                              "is not the module that receives the KV cache")
+
+
+def check_meta_build(cls: type, config: Any) -> None:
+    """Building a block on the meta device (as sizing does) must allocate no real tensors."""
+    from distconf.blocks import build_block
+
+    meta = build_block(config, 0, device="meta")
+    if any(not p.is_meta for p in meta.parameters()):
+        raise located_failure(cls, ("block", "layer_class"), "building on the meta device allocated real tensors")

@@ -1,0 +1,116 @@
+"""Step 1 of the check: the Hugging Face reference model of a tiny config, and its hidden states.
+
+The reference is built from the family's HF config class (``cls.hf_config_class``), not
+from the distributed class, so it is exactly what transformers does for that config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distconf.tools.checker.failures import located_failure
+
+__all__ = ["SEQ_LEN", "BATCH", "tiny_variants", "Reference", "build_reference", "save_sharded",
+           "find_layer_module", "record_layer_io"]
+
+SEQ_LEN = 9
+"""Tokens per sequence of the reference run."""
+BATCH = 2
+"""Sequences of the reference run."""
+_WEIGHT_NOISE = 0.05  # on top of the initializer, so zero-initialized biases and norms matter too
+
+
+def tiny_variants(tiny: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Expand a ``tiny_config`` into named variants (``variants`` entries applied on the base)."""
+    base = {k: v for k, v in tiny.items() if k != "variants"}
+    extra = tiny.get("variants") or []
+    if not extra:
+        return [("tiny", base)]
+    out = []
+    for entry in extra:
+        name = ",".join(f"{k}={v}" for k, v in entry.items()) or "base"
+        out.append((name, {**base, **entry}))
+    return out
+
+
+@dataclass
+class Reference:
+    """A tiny HF causal LM (float32, eval mode) and the distributed config of the same values."""
+
+    config: Any
+    model: Any
+
+    @property
+    def layers(self) -> int:
+        """Decoder layers of the model."""
+        return int(self.config.num_hidden_layers)
+
+    def layer(self, layer_idx: int) -> Any:
+        """The model's decoder layer ``layer_idx`` (found through the family prefix), or None."""
+        return find_layer_module(self.model, self.config, layer_idx)
+
+
+def build_reference(cls: type, values: dict[str, Any]) -> Reference:
+    """Build the distributed config and the HF model of ``values`` (random, perturbed weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        config = cls(**values)
+        reference_config = cls.hf_config_class(**values)  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise located_failure(cls, ("tiny_config",), f"cannot build the config: {exc}") from None
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(reference_config).float().eval()
+    except Exception as exc:
+        raise located_failure(cls, ("config_class",),
+                              f"cannot build a causal LM from the tiny config: {exc}") from None
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * _WEIGHT_NOISE)
+    return Reference(config, model)
+
+
+def save_sharded(model: Any, directory: Path) -> None:
+    """Save ``model`` as safetensors in about four shards (so prefixes are read across files)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(directory, max_shard_size=max(total // 4, 4096))
+
+
+def find_layer_module(model: Any, config: Any, layer_idx: int) -> Any:
+    """The module of ``model`` at the family prefix of layer ``layer_idx``, or None."""
+    from distconf.blocks.weights import layer_prefixes
+
+    modules = dict(model.named_modules())
+    for prefix in layer_prefixes(config, layer_idx):
+        module = modules.get(prefix.rstrip("."))
+        if module is not None:
+            return module
+    return None
+
+
+def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
+    """Run the HF model on random tokens; return the first layer's input and every layer's output."""
+    import torch
+
+    records: dict[int, list[tuple[Any, Any]]] = {i: [] for i in range(reference.layers)}
+    hooks = []
+    for i in range(reference.layers):
+        def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            records[i].append((hidden.detach().clone(), out.detach().clone()))
+        hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    try:
+        with torch.no_grad():
+            reference.model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return records[0][0][0], [records[i][0][1] for i in range(reference.layers)]

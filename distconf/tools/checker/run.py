@@ -1,0 +1,91 @@
+"""The check of a family: every tiny-config variant through steps 1-4, failures recorded per variant."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from distconf.errors import FamilyValidationError
+from distconf.tools.checker.failures import CheckFailure, crash_failure, located_failure, validation_failure
+from distconf.tools.checker.layout import (
+    attention_class,
+    check_attention_gets_cache,
+    check_layer_tensors,
+    check_meta_build,
+    load_blocks,
+)
+from distconf.tools.checker.reference import build_reference, record_layer_io, save_sharded, tiny_variants
+from distconf.tools.checker.result import CheckResult
+from distconf.tools.checker.runs import compare_cached, compare_full
+from distconf.tools.checker.sizes import check_block_sizes, check_kv_cache
+
+__all__ = ["check_family", "check_variant"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> None:
+    """Check one tiny config of ``cls``; fill ``result`` and raise `CheckFailure` on the first mismatch."""
+    from distconf.blocks.weights import checkpoint_files
+
+    reference = build_reference(cls, values)
+    result.layers = reference.layers
+    attn_class = attention_class(cls)
+    with tempfile.TemporaryDirectory(prefix="distconf-check-") as tmp:
+        directory = Path(tmp)
+        save_sharded(reference.model, directory)
+        files = checkpoint_files(directory)
+        result.shards = len(set(files.values()))
+        check_layer_tensors(cls, reference, files)
+        blocks = load_blocks(cls, directory, reference, attn_class)
+    result.params_per_block = sum(p.numel() for p in blocks[0].parameters())
+    check_attention_gets_cache(cls, blocks[0], attn_class, reference.config.hidden_size)
+
+    ref_in, ref_out = record_layer_io(reference)
+    compare_full(cls, blocks, ref_in, ref_out, result)
+    caches = compare_cached(cls, blocks, ref_in, ref_out, result)
+    check_kv_cache(cls, reference.config, caches, result)
+    check_block_sizes(cls, reference.config, blocks, result)
+    check_meta_build(cls, reference.config)
+
+
+def check_family(name_or_path: str | Path) -> list[CheckResult]:
+    """Check every tiny-config variant of a family; failures are recorded, not raised.
+
+    A family name that is on no search path raises `FamilyNotFoundError` (a usage mistake,
+    not a defect of a family file).
+    """
+    from distconf.family import load_family
+
+    try:
+        cls = load_family(name_or_path)
+    except FamilyValidationError as exc:
+        result = CheckResult(str(name_or_path), "-")
+        result.failure = validation_failure(exc)
+        return [result]
+    spec = cls.family_spec
+    if not spec.tiny_config:
+        result = CheckResult(spec.family, "-")
+        result.failure = located_failure(cls, ("tiny_config",),
+                                         "no tiny_config: add a few-layer, small-dimension config")
+        return [result]
+    return [_check_one(cls, variant, values) for variant, values in tiny_variants(spec.tiny_config)]
+
+
+def _check_one(cls: type, variant: str, values: dict[str, Any]) -> CheckResult:
+    result = CheckResult(cls.family_spec.family, variant)  # type: ignore[attr-defined]
+    start = time.perf_counter()
+    try:
+        check_variant(cls, values, result)
+    except CheckFailure as exc:
+        result.failure = exc
+    except FamilyValidationError as exc:
+        result.failure = validation_failure(exc)
+    except Exception as exc:
+        logger.debug("check of %s [%s] crashed", result.family, variant, exc_info=True)
+        result.failure = crash_failure(cls, exc)
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,80 @@
+"""Step 4 of the check: the KV cache the blocks really hold, and their size, against the family's formulas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distconf.blocks.sizing import SIZE_MARGIN
+from distconf.tools.checker.failures import CheckFailure, located_failure
+from distconf.tools.checker.reference import BATCH, SEQ_LEN
+from distconf.tools.checker.result import CheckResult
+
+__all__ = ["check_kv_cache", "check_block_sizes", "loaded_block_bytes"]
+
+
+def check_kv_cache(cls: type, config: Any, caches: list[Any], result: CheckResult) -> None:
+    """Bytes per token each block caches must equal ``kv_cache_bytes_per_token``; else name the wrong field."""
+    import torch
+
+    from distconf.blocks.sizing import kv_cache_bytes_per_token
+
+    declared = kv_cache_bytes_per_token(config, torch.float32)
+    result.kv_declared = declared
+    held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in caches]
+    worst = max(range(len(caches)), key=lambda i: abs(held[i] - declared))
+    result.kv_actual = held[worst]
+    if held[worst] != declared:
+        key, value = caches[worst]
+        raise _geometry_failure(cls, config, key, value, held[worst], declared)
+
+
+def _geometry_failure(cls: type, config: Any, key: Any, value: Any, actual: int, declared: int) -> CheckFailure:
+    """The field of the family's KV section that explains a cache of the wrong size."""
+    from distconf.blocks.kvcache import kv_geometry
+
+    geometry = kv_geometry(config)
+    if key.shape[1] != geometry.num_kv_heads:
+        return _kv_heads_failure(cls, config, key.shape[1], geometry.num_kv_heads)
+    if key.shape[-1] != geometry.key_head_dim:
+        return located_failure(cls, ("kv_cache", "key_head_dim"), f"blocks cache keys of {key.shape[-1]} values "
+                               f"per head, declared {geometry.key_head_dim}")
+    if value.shape[-1] != geometry.value_head_dim:
+        return located_failure(cls, ("kv_cache", "value_head_dim"), f"blocks cache values of {value.shape[-1]} "
+                               f"values per head, declared {geometry.value_head_dim}")
+    return located_failure(cls, ("kv_cache", "values_per_token"),
+                           f"blocks cache {actual} bytes per token, the family declares {declared}")
+
+
+def _kv_heads_failure(cls: type, config: Any, cached: int, declared: int) -> CheckFailure:
+    """Blocks cache ``cached`` KV heads, the family declares ``declared``: blame kv_cache or kv_groups."""
+    kv_cache = cls.family_spec.kv_cache  # type: ignore[attr-defined]
+    loc = ("kv_cache", "num_kv_heads") if kv_cache.num_kv_heads is not None else ("kv_groups",)
+    if cached == config.num_attention_heads and declared < cached and kv_cache.layer_writes == "kv_heads":
+        hint = " (the layer writes every KV head once per query head: set kv_cache.layer_writes: repeat_interleave)"
+    elif kv_cache.num_kv_heads is None and cached < declared:
+        hint = (" (if the attention caches a compressed or latent representation, declare "
+                "kv_cache.num_kv_heads, kv_cache.key_head_dim and kv_cache.value_head_dim)")
+    else:
+        hint = ""
+    return located_failure(cls, loc, f"blocks cache {cached} KV heads but the family declares {declared}{hint}")
+
+
+def loaded_block_bytes(block: Any) -> int:
+    """Bytes a loaded block takes by the sizing rule: its parameter bytes x `SIZE_MARGIN`."""
+    return int(sum(p.numel() * p.element_size() for p in block.parameters()) * SIZE_MARGIN)
+
+
+def check_block_sizes(cls: type, config: Any, blocks: list[Any], result: CheckResult) -> None:
+    """``block_size_bytes`` (meta build) must equal the size of every loaded block."""
+    import torch
+
+    from distconf.blocks.sizing import block_size_bytes
+
+    for i, block in enumerate(blocks):
+        declared = block_size_bytes(config, torch.float32, layer_idx=i)
+        actual = loaded_block_bytes(block)
+        if declared != actual:
+            raise located_failure(cls, ("block", "constructor"), f"block_size_bytes gives {declared} for block {i}, "
+                                  f"the loaded block takes {actual}")
+    result.size_declared = block_size_bytes(config, torch.float32)
+    result.size_actual = max(loaded_block_bytes(b) for b in blocks)

@@ -1,0 +1,32 @@
+"""``python -m distconf.tools.demo [serve ...]``: run the local swarm demo, or one server of it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from distconf.tools.demo.orchestrator import run_swarm_demo
+from distconf.tools.demo.server import serve
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo (``--servers``, ``--family``, ``--timeout``, ``--workdir``), or ``serve ...`` one server."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
+    logging.basicConfig(level=logging.WARNING)
+    p = argparse.ArgumentParser(prog="python -m distconf.tools.demo",
+                                description="A local swarm on 127.0.0.1 serving a tiny model (see `distconf demo`).")
+    p.add_argument("--servers", type=int, default=3, help="server processes to start (default: 3)")
+    p.add_argument("--family", default=None, help="family of the tiny model (default: first with a tiny_config)")
+    p.add_argument("--timeout", type=float, default=180.0, help="hard bound on the whole demo, seconds (default 180)")
+    p.add_argument("--workdir", default=None, help="where to write the checkpoint and server logs (default: temp)")
+    args = p.parse_args(argv)
+    return run_swarm_demo(args.servers, family=args.family, workdir=args.workdir, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

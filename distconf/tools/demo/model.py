@@ -1,0 +1,73 @@
+"""The demo's tiny model: which family, its DHT prefix, its checkpoint and a server memory budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEMO_LAYERS", "BLOCKS_PER_SERVER", "DEMO_DTYPE", "demo_family", "demo_prefix", "make_tiny_checkpoint",
+           "memory_for"]
+
+DEMO_LAYERS = 8
+"""Blocks of the demo model (the family's tiny config, with this many layers)."""
+BLOCKS_PER_SERVER = 3
+"""Blocks each server's memory budget is sized for."""
+DEMO_DTYPE = "float32"
+"""Dtype the servers plan for, load and run in."""
+
+
+def demo_family(family: str | None = None) -> str:
+    """The family the demo serves: ``family``, else the first built-in one with a ``tiny_config``."""
+    from distconf.family import list_families, load_family
+
+    if family is not None:
+        return family
+    for name in list_families():
+        if load_family(name).family_spec.tiny_config:
+            return name
+    raise LookupError("no family file has a tiny_config to build a demo model from")
+
+
+def demo_prefix(family: str) -> str:
+    """DHT prefix of the demo model of ``family`` (no '.', no space)."""
+    return f"distconf-demo-tiny-{family}".replace("_", "-")
+
+
+def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = 0) -> Any:
+    """Write a tiny random model of ``family`` (safetensors) to ``model_dir``; return its config.
+
+    The model is the family file's ``tiny_config`` (first variant) with `DEMO_LAYERS`
+    layers, built from the family's HF config class. The saved ``config.json`` is the
+    distributed config's, so it carries ``dht_prefix``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from distconf.family import load_family
+    from distconf.tools.checker import tiny_variants
+
+    cls = load_family(family)
+    _, values = tiny_variants(dict(cls.family_spec.tiny_config))[0]
+    reference = cls.hf_config_class(**values)
+    reference.num_hidden_layers = DEMO_LAYERS
+    model_dir = Path(model_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(reference)
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(model_dir, safe_serialization=True)
+    finally:
+        hf_logging.enable_progress_bar()
+    config = cls.from_pretrained(str(model_dir), dht_prefix=demo_prefix(family))
+    config.save_pretrained(model_dir)
+    return config
+
+
+def memory_for(config: Any, num_blocks: int, dtype: str) -> int:
+    """A memory budget for which `plan_server` gives exactly ``num_blocks`` blocks."""
+    from distconf.planning import plan_server
+
+    probe = plan_server(config, 2**40, dtype)
+    per_block = probe.block_bytes + probe.cache_bytes_per_block
+    return int(probe.autograd_reserve_bytes + (num_blocks + 0.5) * per_block)
