@@ -2,25 +2,73 @@
 
 `FamilyValidationError` is the one error a bad family file produces: it collects
 every problem at once, each located as ``path:line:column: field.path: message``.
+Family files are untrusted: a problem never carries more than a short excerpt of
+what the file says (`excerpt`), so validating the wrong file (a symlink to a
+credentials file, say) does not print its contents.
 """
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError"]
+__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError", "excerpt"]
+
+EXCERPT_CHARS = 40
+_MAX_FIELD_PART = 60
+_MAX_FIELD = 120
+_MAX_MESSAGE = 1000
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = EXCERPT_CHARS + 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+_REPR.maxlevel = 3
+
+
+def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
+    """``repr(value)`` cut to at most ``limit`` characters (``...`` marks a cut).
+
+    Use it for every piece of a family file (or of a config) quoted in a message.
+    Large values are never fully formatted: strings and containers are cut before
+    they are turned into text.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        shown = repr(value[: limit + 1]) if isinstance(value, (str, bytes)) else _REPR.repr(value)
+    except Exception:  # a hostile __repr__ must not hide the real error
+        shown = f"<{type(value).__name__}>"
+    return _cut(shown, limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(limit - 3, 1)] + "..."
+
+
+def _short_field(field: str) -> str:
+    parts = [_cut(part, _MAX_FIELD_PART) for part in field.split(".")] if field else []
+    return _cut(".".join(parts), _MAX_FIELD)
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One located problem in a family file."""
+    """One located problem in a family file.
+
+    ``field`` and ``message`` are cut to a bounded length on construction: callers
+    quote file content through `excerpt`, this is the backstop.
+    """
 
     path: str
     line: int
     column: int
     field: str
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "field", _short_field(str(self.field)))
+        object.__setattr__(self, "message", _cut(str(self.message), _MAX_MESSAGE))
 
     def __str__(self) -> str:
         field = self.field or "<file>"

@@ -3,10 +3,17 @@
 A formula is a Python expression restricted to: names of config fields, numbers,
 ``True``/``False``/``None``, ``+ - * // / %``, comparisons (``is``/``is not`` only
 against ``None``), ``and``/``or``/``not``, ``x if c else y``, ``min(...)`` and
-``max(...)``. Attributes, other calls, subscripts, lambdas, comprehensions and names
-starting with ``_`` are rejected when the formula is parsed. A formula is parsed
-and compiled once; evaluation is a single `eval` of the checked code object with no
-builtins.
+``max(...)``. Attributes, other calls, subscripts, lambdas, comprehensions, names
+starting with ``_`` and nesting deeper than `MAX_FORMULA_DEPTH` are rejected when the
+formula is parsed. A formula is parsed and compiled once; evaluation is a single
+`eval` of the checked code object with no builtins.
+
+Operands are numbers only: every operand of arithmetic, ordering comparisons and
+``min``/``max`` is checked at evaluation (an int of at most `MAX_OPERAND` in size, a
+float or a bool), so a name bound to a string or list (``architectures * 100000000``)
+is an error, not a gigabyte-sized value. A formula that is a single name returns that
+field's value as it is; ``==``, ``!=``, ``is None``, ``not``, ``and``/``or`` and
+``x if c else y`` work on any value. Values quoted in errors are short excerpts.
 """
 
 from __future__ import annotations
@@ -15,10 +22,17 @@ import ast
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "evaluate_on"]
+from distconf.errors import excerpt
+
+__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "MAX_FORMULA_DEPTH", "MAX_OPERAND", "evaluate_on"]
 
 MAX_FORMULA_LENGTH = 500
+MAX_FORMULA_DEPTH = 32
+"""Deepest allowed nesting of a formula's expression tree (``-(-(-x))`` is 3 levels)."""
+MAX_OPERAND = 1 << 63
+"""Largest magnitude of an integer operand (or intermediate result) of a formula."""
 _MAX_CONSTANT = 10**12
+_GUARD = "_operand"
 _FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max}
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Div, ast.Mod)
 _UNARY = (ast.UAdd, ast.USub, ast.Not)
@@ -27,6 +41,68 @@ _COMPARE = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsN
 
 class FormulaError(ValueError):
     """A formula is not allowed, or could not be evaluated."""
+
+
+class _NotANumber(Exception):
+    """An operand of a formula is not a number (raised by the operand guard, reported by `Formula`)."""
+
+
+def _operand(value: Any) -> Any:
+    """The guard wrapped around every operand: numbers (and bools) only, integers bounded."""
+    if isinstance(value, bool) or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        if -MAX_OPERAND <= value <= MAX_OPERAND:
+            return value
+        raise _NotANumber("an integer operand is beyond ±2**63")
+    raise _NotANumber(f"an operand is {_kind(value)}, not a number")
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _check_depth(tree: ast.AST) -> None:
+    """Reject trees nested deeper than `MAX_FORMULA_DEPTH` (checked without recursion)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (ast.expr_context, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)):
+            continue
+        if depth > MAX_FORMULA_DEPTH:
+            raise FormulaError(f"formula nested deeper than {MAX_FORMULA_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+
+
+class _GuardOperands(ast.NodeTransformer):
+    """Wrap each arithmetic / ordering / min-max operand in the numeric guard."""
+
+    @staticmethod
+    def _wrap(node: ast.expr) -> ast.expr:
+        return ast.Call(func=ast.Name(id=_GUARD, ctx=ast.Load()), args=[node], keywords=[])
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        node.left, node.right = self._wrap(node.left), self._wrap(node.right)
+        return node
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        self.generic_visit(node)
+        if not isinstance(node.op, ast.Not):
+            node.operand = self._wrap(node.operand)
+        return node
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops):
+            node.left = self._wrap(node.left)
+            node.comparators = [self._wrap(c) for c in node.comparators]
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        node.args = [self._wrap(a) for a in node.args]
+        return node
 
 
 class _Checker(ast.NodeVisitor):
@@ -45,8 +121,8 @@ class _Checker(ast.NodeVisitor):
             return
         if not isinstance(value, (int, float)):
             raise FormulaError(f"constant {value!r} is not allowed (numbers, True, False, None only)")
-        if abs(value) > _MAX_CONSTANT:
-            raise FormulaError(f"constant {value!r} is too large")
+        if not abs(value) <= _MAX_CONSTANT:
+            raise FormulaError(f"constant {excerpt(value)} is too large (at most {_MAX_CONSTANT})")
 
     def visit_Name(self, node: ast.Name) -> None:
         if node.id.startswith("_"):
@@ -113,24 +189,27 @@ class Formula:
             tree = ast.parse(text, mode="eval")
         except SyntaxError as exc:
             raise FormulaError(f"not a valid expression: {exc.msg}") from None
+        except (RecursionError, MemoryError):
+            raise FormulaError(f"formula nested deeper than {MAX_FORMULA_DEPTH} levels") from None
+        _check_depth(tree)
         checker = _Checker()
         checker.visit(tree)
         self.source = text
         self.names: frozenset[str] = frozenset(checker.names)
-        self._code = compile(tree, "<formula>", "eval")
+        guarded = ast.fix_missing_locations(_GuardOperands().visit(tree))
+        self._code = compile(guarded, "<formula>", "eval")
 
     def evaluate(self, values: Mapping[str, Any]) -> Any:
         """Evaluate with ``values`` bound to the names (missing names raise)."""
         missing = self.names.difference(values)
         if missing:
-            raise FormulaError(f"formula {self.source!r} needs {', '.join(sorted(missing))}")
-        scope = {"__builtins__": {}, **_FUNCTIONS}
+            raise FormulaError(f"formula {self._quoted()} needs {', '.join(sorted(missing))}")
+        scope = {"__builtins__": {}, _GUARD: _operand, **_FUNCTIONS}
         try:
-            return eval(self._code, scope, dict(values))
-        except ArithmeticError as exc:
-            raise FormulaError(f"formula {self.source!r} failed with {self._show(values)}: {exc}") from None
-        except TypeError as exc:
-            raise FormulaError(f"formula {self.source!r} failed with {self._show(values)}: {exc}") from None
+            return eval(self._code, scope, {name: values[name] for name in self.names})
+        except (ArithmeticError, TypeError, ValueError, _NotANumber) as exc:
+            reason = str(exc) if len(str(exc)) <= 120 else str(exc)[:117] + "..."
+            raise FormulaError(f"formula {self._quoted()} failed with {self._show(values)}: {reason}") from None
 
     def evaluate_on(self, obj: object) -> Any:
         """Evaluate with each name read as an attribute of ``obj`` (a config)."""
@@ -140,7 +219,7 @@ class Formula:
                 values[name] = getattr(obj, name)
             except AttributeError:
                 raise FormulaError(
-                    f"formula {self.source!r} uses {name!r}, which {type(obj).__name__} does not have"
+                    f"formula {self._quoted()} uses {name!r}, which {type(obj).__name__} does not have"
                 ) from None
         return self.evaluate(values)
 
@@ -149,7 +228,10 @@ class Formula:
         return {name: getattr(obj, name, "<missing>") for name in sorted(self.names)}
 
     def _show(self, values: Mapping[str, Any]) -> str:
-        return ", ".join(f"{k}={values[k]!r}" for k in sorted(self.names))
+        return ", ".join(f"{k}={excerpt(values[k])}" for k in sorted(self.names))
+
+    def _quoted(self) -> str:
+        return excerpt(self.source, 100)
 
     def __repr__(self) -> str:
         return f"Formula({self.source!r})"

@@ -6,13 +6,16 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from distconf.errors import ConfigValueError, excerpt
+from distconf.family.formula import Formula, FormulaError
 from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER
 from distconf.family.spec_block import BlockSpec, KVCacheSpec
-from distconf.family.spec_types import ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.family.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
 
@@ -51,7 +54,8 @@ class DhtPrefixRule(StrictModel):
             if not old:
                 raise ValueError("cannot replace the empty string")
             if UID_DELIMITER in new or CHAIN_DELIMITER in new or any(c.isspace() for c in new):
-                raise ValueError(f"replacement {new!r} for {old!r} may not contain {UID_DELIMITER!r} or whitespace")
+                raise ValueError(f"replacement {excerpt(new)} for {excerpt(old)} may not contain {UID_DELIMITER!r} "
+                                 "or whitespace")
         return value
 
 
@@ -94,7 +98,7 @@ class FamilySpec(StrictModel):
         description="Query heads per KV head: an integer, or a formula over config fields."
     )
     petals_kv_groups: int | None = Field(
-        default=None, ge=1,
+        default=None, ge=1, le=MAX_SPEC_INT,
         description="KV groups Petals 2.x's hand-written config uses, when it differs from kv_groups. "
                     "Informational: `distconf plan` shows what Petals' cache formula would reserve.",
     )
@@ -118,10 +122,59 @@ class FamilySpec(StrictModel):
     def _check_revisions(cls, value: dict[str, str]) -> dict[str, str]:
         for hub_id, commit in value.items():
             if not re.match(_HUB_ID, hub_id):
-                raise ValueError(f"{hub_id!r} is not a hub id of the form org/name")
+                raise ValueError(f"{excerpt(hub_id)} is not a hub id of the form org/name")
             if not re.fullmatch(r"[0-9a-f]{40}", commit):
-                raise ValueError(f"revision of {hub_id!r} must be a 40-hex commit hash, got {commit!r}")
+                raise ValueError(
+                    f"revision of {excerpt(hub_id)} must be a 40-hex commit hash, got {excerpt(commit, 48)}")
         return value
+
+    def kv_groups_for(self, config: object) -> int:
+        """Query heads per KV head of ``config``: ``kv_groups`` (an integer, or its formula evaluated).
+
+        Either form must give a positive integer dividing ``config.num_attention_heads``;
+        raises `ConfigValueError` (quoting the values read, as short excerpts) otherwise.
+        """
+        value: Any = self.kv_groups
+        formula = value if isinstance(value, Formula) else None
+        if formula is not None:
+            try:
+                value = formula.evaluate_on(config)
+            except FormulaError as exc:
+                raise ConfigValueError(f"family {self.family!r}: kv_groups: {exc}") from None
+        heads = getattr(config, "num_attention_heads", None)
+        if (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                or isinstance(heads, bool) or not isinstance(heads, int) or heads % value):
+            seen = (", ".join(f"{k}={excerpt(v)}" for k, v in formula.values_on(config).items())
+                    if formula is not None else f"num_attention_heads={excerpt(heads)}")
+            raise ConfigValueError(
+                f"family {self.family!r}: kv_groups {excerpt(str(self.kv_groups), 100)} gave {excerpt(value)} "
+                f"with {seen}; expected a positive integer dividing num_attention_heads={excerpt(heads)}"
+            )
+        return value
+
+    def tiny_kv_groups_problems(self) -> list[str]:
+        """kv_groups checked against the head counts written in ``tiny_config`` (and each variant).
+
+        Checked only where tiny_config itself gives ``num_attention_heads`` and every name
+        the formula reads; other values come from the config class (checked when resolved).
+        Returns one message per failing case.
+        """
+        tiny = self.tiny_config or {}
+        base = {k: v for k, v in tiny.items() if k != "variants"}
+        cases = [("tiny_config", base)]
+        variants = tiny.get("variants")
+        if isinstance(variants, list):
+            cases += [(f"tiny_config.variants.{i}", {**base, **variant})
+                      for i, variant in enumerate(variants) if isinstance(variant, dict)]
+        needed = {"num_attention_heads"} | (self.kv_groups.names if isinstance(self.kv_groups, Formula) else set())
+        problems = []
+        for where, values in cases:
+            if all(isinstance(values.get(name), (bool, int, float)) for name in needed):
+                try:
+                    self.kv_groups_for(SimpleNamespace(**{name: values[name] for name in needed}))
+                except ConfigValueError as exc:
+                    problems.append(f"with the values of {where}: {exc}")
+        return problems
 
     @property
     def class_name(self) -> str:

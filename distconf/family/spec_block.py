@@ -19,7 +19,7 @@ __all__ = [
 
 _PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
-MaskKind = Literal["causal", "sliding_window"]
+MaskKind = Literal["causal", "sliding_window", "chunked"]
 
 
 class ConstructorSpec(StrictModel):
@@ -94,6 +94,15 @@ class PositionSpec(StrictModel):
         description="Formula over config fields: true -> ALiBi, false -> rotary. Needed only when both "
                     "rotary_class and alibi_function are given.",
     )
+    alibi_arguments: dict[Identifier, FormulaText] | None = Field(
+        default=None,
+        description="Calling convention of alibi_function for models that build an additive position bias "
+                    "themselves (e.g. a bias passed as 'position_bias'): keyword arguments, each a formula "
+                    "over config fields and kv_length (tokens cached + new). The function also gets "
+                    "device=... when it takes a 'device' argument. Its result goes unchanged (any shape the "
+                    "layer slices itself, e.g. [heads, 1, max_len]) to call.alibi_argument. Null: the "
+                    "default convention alibi_function(mask_2d, num_heads, dtype) -> [batch*heads, 1, kv_len].",
+    )
     alibi_in_mask: bool = Field(
         default=False,
         description="Also fold alibi / sqrt(key_head_dim) into a float attention mask, as models do that "
@@ -106,6 +115,11 @@ class PositionSpec(StrictModel):
             raise ValueError("with both rotary_class and alibi_function, alibi_when must say which one applies")
         if self.alibi_in_mask and not self.alibi_function:
             raise ValueError("alibi_in_mask needs alibi_function")
+        if self.alibi_arguments is not None and not self.alibi_function:
+            raise ValueError("alibi_arguments needs alibi_function")
+        if self.alibi_arguments is not None and self.alibi_in_mask:
+            raise ValueError("alibi_in_mask folds the default [batch*heads, 1, kv_len] bias; it cannot be "
+                             "combined with alibi_arguments")
         if self.rotary_layer_type_argument and not self.rotary_class:
             raise ValueError("rotary_layer_type_argument needs rotary_class")
         return self
@@ -116,14 +130,20 @@ class MaskSpec(StrictModel):
 
     kind: MaskKind = Field(
         default="causal",
-        description="Mask of every layer not covered by layer_types_field: 'causal', or 'sliding_window' "
-                    "(causal and at most `sliding_window` tokens back).",
+        description="Mask of every layer not covered by layer_types_field: 'causal', 'sliding_window' "
+                    "(causal and at most `sliding_window` tokens back), or 'chunked' (causal within "
+                    "consecutive blocks of `chunk_size` tokens).",
     )
     sliding_window: FormulaText | None = Field(
         default=None,
         description="Window size of sliding-window layers, a formula over config fields (e.g. "
                     "'sliding_window'); required when any layer is a sliding-window layer. When it evaluates "
                     "to None the mask is plain causal.",
+    )
+    chunk_size: FormulaText | None = Field(
+        default=None,
+        description="Chunk size of chunked layers, a formula over config fields (e.g. 'attention_chunk_size'); "
+                    "required when any layer is chunked. When it evaluates to None the mask is plain causal.",
     )
     layer_types_field: Identifier | None = Field(
         default=None,
@@ -133,6 +153,12 @@ class MaskSpec(StrictModel):
     layer_kinds: dict[str, MaskKind] = Field(
         default_factory=lambda: {"full_attention": "causal", "sliding_attention": "sliding_window"},
         description="Layer type (value in layer_types_field) -> mask kind.",
+    )
+    boolean: Literal["masked", "attend"] | None = Field(
+        default=None,
+        description="The layer takes a boolean mask, made from the float mask as the model does: 'masked' = "
+                    "True where a position is masked (mask.to(torch.bool) on the eager float mask), 'attend' "
+                    "= True where it is attended. Null: the mask as the attention implementation builds it.",
     )
     allow_skip: bool = Field(
         default=True,
@@ -146,6 +172,10 @@ class MaskSpec(StrictModel):
             self.layer_types_field is not None and "sliding_window" in self.layer_kinds.values())
         if uses_window and self.sliding_window is None:
             raise ValueError("sliding-window layers need sliding_window (a formula such as 'sliding_window')")
+        uses_chunks = self.kind == "chunked" or (
+            self.layer_types_field is not None and "chunked" in self.layer_kinds.values())
+        if uses_chunks and self.chunk_size is None:
+            raise ValueError("chunked layers need chunk_size (a formula such as 'attention_chunk_size')")
         return self
 
 

@@ -8,12 +8,16 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
 
+from distconf.errors import excerpt
 from distconf.family.formula import Formula, FormulaError
 
 __all__ = [
     "StrictModel", "ClassPath", "IntOrFormula", "FormulaText", "Identifier", "ScalarValue",
-    "trusted_module_prefixes", "TRUSTED_MODULES_ENV",
+    "trusted_module_prefixes", "TRUSTED_MODULES_ENV", "MAX_SPEC_INT",
 ]
+
+MAX_SPEC_INT = 1 << 20
+"""Upper bound of every integer field of a family file (head counts, head sizes, groups)."""
 
 TRUSTED_MODULES_ENV = "DISTCONF_TRUSTED_MODULES"
 _BUILTIN_TRUSTED = ("transformers.", "distconf.")
@@ -35,13 +39,13 @@ def trusted_module_prefixes() -> tuple[str, ...]:
 
 def _check_class_path(value: str) -> str:
     if not _DOTTED.match(value):
-        raise ValueError(f"{value!r} is not a dotted class path such as transformers.LlamaConfig")
+        raise ValueError(f"{excerpt(value)} is not a dotted class path such as transformers.LlamaConfig")
     if any(part.startswith("__") for part in value.split(".")):
-        raise ValueError(f"{value!r}: dunder names are not allowed in class paths")
+        raise ValueError(f"{excerpt(value)}: dunder names are not allowed in class paths")
     prefixes = trusted_module_prefixes()
     if not value.startswith(prefixes):
         raise ValueError(
-            f"{value!r} is not under a trusted module ({', '.join(p.rstrip('.') for p in prefixes)}); "
+            f"{excerpt(value, 80)} is not under a trusted module ({', '.join(p.rstrip('.') for p in prefixes)}); "
             f"add its package to {TRUSTED_MODULES_ENV} to allow it"
         )
     return value
@@ -84,7 +88,9 @@ def _int_or_formula(value: Any) -> int | Formula:
         raise ValueError("expected a positive integer or a formula string, got a boolean")
     if isinstance(value, int):
         if value < 1:
-            raise ValueError(f"expected a positive integer, got {value}")
+            raise ValueError(f"expected a positive integer, got {excerpt(value)}")
+        if value > MAX_SPEC_INT:
+            raise ValueError(f"expected an integer of at most {MAX_SPEC_INT}, got {excerpt(value)}")
         return value
     if isinstance(value, (str, Formula)):
         return _to_formula(value)
@@ -97,12 +103,12 @@ IntOrFormula = Annotated[
     PlainSerializer(lambda v: v if isinstance(v, int) else v.source),
     WithJsonSchema({
         "oneOf": [
-            {"type": "integer", "minimum": 1},
+            {"type": "integer", "minimum": 1, "maximum": MAX_SPEC_INT},
             {"type": "string", "description": "A safe formula over config fields (see FormulaText)."},
         ]
     }),
 ]
-"""A positive integer, or a formula over config fields (held compiled)."""
+"""A positive integer (at most `MAX_SPEC_INT`), or a formula over config fields (held compiled)."""
 
 Identifier = Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")]
 

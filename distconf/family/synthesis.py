@@ -136,23 +136,7 @@ def _check_names(source: FamilySource, config_class: type) -> None:
 
 def kv_groups_of(config: Any) -> int:
     """Query heads per KV head of ``config``, from its family's ``kv_groups`` (checked to divide the heads)."""
-    spec: FamilySpec = type(config).family_spec
-    value: Any = spec.kv_groups
-    if isinstance(value, Formula):
-        try:
-            value = value.evaluate_on(config)
-        except FormulaError as exc:
-            raise ConfigValueError(f"family {spec.family!r}: kv_groups: {exc}") from None
-    heads = getattr(config, "num_attention_heads", None)
-    if (isinstance(value, bool) or not isinstance(value, int) or value < 1
-            or not isinstance(heads, int) or heads % value):
-        seen = (", ".join(f"{k}={v!r}" for k, v in spec.kv_groups.values_on(config).items())
-                if isinstance(spec.kv_groups, Formula) else f"num_attention_heads={heads!r}")
-        raise ConfigValueError(
-            f"family {spec.family!r}: kv_groups {str(spec.kv_groups)!r} gave {value!r} with {seen}; "
-            f"expected a positive integer dividing num_attention_heads={heads!r}"
-        )
-    return value
+    return type(config).family_spec.kv_groups_for(config)
 
 
 class SynthesizedConfigMethods:
@@ -280,6 +264,10 @@ def resolve_source(source: FamilySource) -> type:
     """
     cls = synthesize_config_class(source, module=__name__)
     problems = []
+    try:
+        cls().num_key_value_groups  # noqa: B018 (evaluated for its check)
+    except ConfigValueError as exc:
+        problems.append(source.problem(("kv_groups",), str(exc)))
     block = source.spec.block
     for loc, path in ((("block", "layer_class"), block.layer_class),
                       (("block", "attention_class"), block.attention_class),
