@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from distconf.errors import ConfigValueError, FamilyValidationError
-from distconf.family.formula import Formula, FormulaError
+from distconf.family.formula import Formula
 from distconf.family.mixins import (
     ClientConfig,
     LMHeadConfig,
