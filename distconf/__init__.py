@@ -14,7 +14,7 @@ from __future__ import annotations
 from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
 from distconf.family.auto import AutoDistributedConfig, load_preset
 from distconf.family.registry import get_family_spec, load_family
-from distconf.family.source import list_families, validate_paths
+from distconf.family.search import list_families, validate_paths
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,8 @@ import pytest
 
 from distconf import ConfigValueError, FamilyValidationError, load_family, load_preset
 from distconf.family.formula import Formula, FormulaError
-from distconf.family.source import find_family_file, list_families, read_family_file, validate_paths
+from distconf.family.search import find_family_file, list_families, validate_paths
+from distconf.family.source import read_family_file
 from distconf.family.yamlsafe import parse_yaml
 
 HUGE = 8 << 30  # 8 GiB, sparse

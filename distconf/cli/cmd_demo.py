@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; exit 1 if anything fails."""
     from distconf.errors import FamilyValidationError
     from distconf.family.data import builtin_families_dir
-    from distconf.family.source import validate_paths
+    from distconf.family.search import validate_paths
 
     print("== 1. validate the built-in family files")
     try:

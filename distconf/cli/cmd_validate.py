@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate; print one line per file, problems on stderr."""
     from distconf.errors import FamilyValidationError
     from distconf.family.data import builtin_families_dir
-    from distconf.family.source import validate_paths
+    from distconf.family.search import validate_paths
 
     paths = args.paths or [builtin_families_dir()]
     try:

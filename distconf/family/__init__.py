@@ -2,14 +2,15 @@
 
 The modules form one chain, each importing only the ones before it::
 
-    formula, yamlsafe -> spec_types -> spec_block -> spec -> naming, mixins
-      -> source (read + validate, with locations) -> presets -> synthesis
-      -> registry (class cache, pickle home) -> auto -> schema
+    formula, yamlsafe, files, naming -> spec_types -> spec_block -> spec -> mixins
+      -> source (read + validate one file, with locations) -> search (the search path)
+      -> presets -> synthesis -> registry (class cache, pickle home) -> auto -> schema
 
 Nothing here imports torch or transformers until a class is synthesized.
 """
 
 from distconf.family.registry import get_family_spec, load_family
-from distconf.family.source import FamilySource, list_families, read_family_file, validate_paths
+from distconf.family.search import list_families, validate_paths
+from distconf.family.source import FamilySource, read_family_file
 
 __all__ = ["FamilySource", "get_family_spec", "list_families", "load_family", "read_family_file", "validate_paths"]

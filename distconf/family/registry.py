@@ -13,14 +13,8 @@ import threading
 from typing import Any
 
 from distconf.errors import FamilyNotFoundError, FamilyValidationError
-from distconf.family.source import (
-    FAMILIES_PATH_ENV,
-    FamilySource,
-    find_family_file,
-    is_family_path,
-    read_family_file,
-    scan_valid_sources,
-)
+from distconf.family.search import FAMILIES_PATH_ENV, find_family_file, is_family_path, scan_valid_sources
+from distconf.family.source import FamilySource, read_family_file
 from distconf.family.spec import FamilySpec
 
 __all__ = [

@@ -1,9 +1,6 @@
 """Safe YAML parsing that keeps the line and column of every value.
 
-Family files are untrusted input. `read_capped` reads one without trusting it: ``stat``
-first (a regular file within the size limit, never a FIFO or device that could block or
-never end), opened non-blocking, and never more than the limit read.
-
+Family files are untrusted input (`distconf.family.files` reads their bytes safely).
 This loader accepts only plain YAML data:
 mappings with string keys, sequences, and the standard scalar tags. It rejects
 python/custom tags, anchors used as aliases (no alias bombs), and duplicate keys, each
@@ -21,10 +18,7 @@ never means one thing here and another elsewhere. Integers are bounded to
 from __future__ import annotations
 
 import math
-import os
 import re
-import stat
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -32,7 +26,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from distconf.errors import excerpt
 
-__all__ = ["Location", "YamlProblem", "parse_yaml", "read_capped", "file_problem", "file_kind", "MAX_INT_DIGITS"]
+__all__ = ["Location", "YamlProblem", "parse_yaml", "MAX_INT_DIGITS"]
 
 Location = tuple[int, int]  # 1-based (line, column)
 LocPath = tuple[Any, ...]
@@ -67,61 +61,6 @@ class YamlProblem(Exception):
         self.loc = loc
         self.top_keys: list[str] | None = None
         """The document's top-level keys as written, when it is a mapping (set by `parse_yaml`)."""
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def file_kind(mode: int) -> str:
-    """What a ``st_mode`` describes, for messages ("a FIFO (named pipe)", ...)."""
-    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-
-
-def file_problem(path: Path, limit: int) -> str | None:
-    """Why ``path`` cannot be read as a YAML file of at most ``limit`` bytes, by ``stat`` alone (None: it can)."""
-    try:
-        info = os.stat(path)
-    except (OSError, ValueError) as exc:
-        return f"cannot read file: {getattr(exc, 'strerror', None) or exc}"
-    if not stat.S_ISREG(info.st_mode):
-        return f"not a regular file: this is {file_kind(info.st_mode)}"
-    if info.st_size > limit:
-        return f"file is {info.st_size} bytes, more than the limit of {limit}"
-    return None
-
-
-def read_capped(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` if it has at most ``limit``; raises `YamlProblem` otherwise.
-
-    Checked with ``stat`` before opening, opened with ``O_NONBLOCK`` (and checked again
-    on the open file), and at most ``limit + 1`` bytes are ever read.
-    """
-    problem = file_problem(path, limit)
-    if problem:
-        raise YamlProblem(problem, 1, 1)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        fd = os.open(path, flags)
-        try:
-            mode = os.fstat(fd).st_mode  # the path may have been swapped since the stat above
-            if not stat.S_ISREG(mode):
-                raise YamlProblem(f"not a regular file: this is {file_kind(mode)}", 1, 1)
-            while size <= limit:
-                chunk = os.read(fd, limit + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise YamlProblem(f"cannot read file: {exc.strerror or exc}", 1, 1) from None
-    if size > limit:
-        raise YamlProblem(f"file is larger than the limit of {limit} bytes", 1, 1)
-    return b"".join(chunks)
 
 
 # libyaml's composer when available (20x faster); aliases are caught after composing,
