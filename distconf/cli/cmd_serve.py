@@ -1,0 +1,125 @@
+"""``distconf serve``: serve blocks of a model to a swarm over the Petals 2.x protocol."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from distconf.cli.helptext import add_command, positive_int
+
+__all__ = ["register", "run", "main", "parse_blocks"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_blocks(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> ``(A, B)`` (B exclusive)."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"--blocks must be START:END with START < END, got {text!r}")
+    return int(start), int(end)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    p = add_command(
+        subparsers, "serve", summary="serve blocks of a model to a swarm (Petals 2.x protocol)",
+        description="Load blocks of MODEL_DIR (a model folder with a distributed config.json carrying dht_prefix) "
+                    "and serve them on the swarm reached through --initial-peers (or a new swarm with --new-swarm, "
+                    "whose address is printed). Without --blocks the server sizes itself with the planner for "
+                    "--memory and takes the weakest part of the chain. It announces JOINING while loading, ONLINE "
+                    "with its measured throughput, and OFFLINE on Ctrl-C / SIGTERM. Petals 2.x clients can use it.",
+        examples=[("distconf serve ./model --new-swarm --num-blocks 4 --dtype fp32", "first server of a new swarm"),
+                  ("distconf serve ./model --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... --memory 8GiB",
+                   "join a swarm, sized by the planner"),
+                  ("distconf serve ./model --initial-peers ADDR --blocks 4:8", "serve blocks 4..7")],
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json with dht_prefix, safetensors)")
+    p.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", default=None,
+                   help="multiaddrs of swarm peers (default: $DISTCONF_INITIAL_PEERS)")
+    p.add_argument("--new-swarm", action="store_true", help="start a new swarm (prints its address)")
+    span = p.add_mutually_exclusive_group()
+    span.add_argument("--blocks", type=parse_blocks, default=None, metavar="A:B", help="serve blocks A..B-1")
+    span.add_argument("--num-blocks", type=positive_int, default=None, help="serve N blocks, placed by the swarm")
+    p.add_argument("--memory", default=None, help="memory for blocks and cache, e.g. 24GiB (sizes the server)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute and cache dtype")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
+    p.add_argument("--public-name", default=None, help="name shown in swarm listings")
+    p.add_argument("--attn-cache-tokens", type=int, default=None,
+                   help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
+    p.add_argument("--inference-max-length", type=positive_int, default=None,
+                   help="longest inference session (default 8192 for grouped-query models, else 2048)")
+    p.add_argument("--update-period", type=float, default=None, help="seconds between DHT refreshes")
+    p.add_argument("--request-timeout", type=float, default=180.0, help="forward/backward time limit (s)")
+    p.add_argument("--session-timeout", type=float, default=1800.0, help="inference session time limit (s)")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="wait for an inference step at most (s)")
+    p.add_argument("--max-alloc-timeout", type=float, default=600.0, help="cap on a request's alloc_timeout (s)")
+    p.add_argument("--repository", default=None, help="repository URL announced with the model")
+    p.set_defaults(func=run)
+
+
+def _options(args: argparse.Namespace, peers: list[str]) -> Any:
+    from distconf.server.server import ServeOptions
+
+    return ServeOptions(
+        model_dir=args.model_dir, initial_peers=peers, new_swarm=args.new_swarm, blocks=args.blocks,
+        num_blocks=args.num_blocks, memory=args.memory, dtype=args.dtype, host=args.host, port=args.port,
+        public_name=args.public_name, update_period=args.update_period, request_timeout=args.request_timeout,
+        session_timeout=args.session_timeout, step_timeout=args.step_timeout,
+        max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
+        attn_cache_tokens=args.attn_cache_tokens, repository=args.repository)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; exit 0 after announcing OFFLINE, 2 on bad arguments."""
+    from distconf.family.mixins import default_initial_peers
+
+    peers = list(args.initial_peers or ([] if args.new_swarm else default_initial_peers()))
+    if not peers and not args.new_swarm:
+        print("distconf serve: give --initial-peers (or set DISTCONF_INITIAL_PEERS), or --new-swarm", file=sys.stderr)
+        return 2
+    if args.memory is None and args.blocks is None and args.num_blocks is None:
+        print("distconf serve: give --memory, --num-blocks or --blocks", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from distconf.server.server import BlockServer
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = BlockServer(_options(args, peers), stop_event=stop)
+    try:
+        server.join()
+        if args.new_swarm:  # printed before loading: other servers and clients may join at once
+            print(f"new swarm: --initial-peers {' '.join(server.maddrs)}", flush=True)
+        server.serve()
+        print(f"SERVING blocks {server.start_block}:{server.end_block} of {server.config.dht_prefix} as peer "
+              f"{server.peer_id} (throughput {server.throughput:.1f})", flush=True)
+        while not stop.wait(1.0):
+            pass
+        logger.info("stopping: announcing OFFLINE")
+        return 0
+    except InterruptedError as exc:  # a signal while loading
+        logger.info("%s: announcing OFFLINE", exc)
+        return 0
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distconf.cli.cmd_serve ...`` (the same as ``distconf serve ...``)."""
+    parser = argparse.ArgumentParser(prog="distconf")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Wire format of the Petals 2.x block protocol: messages, metadata keys, packing, uid chains.
+
+Everything a server and a client must agree on lives here, written from the protocol's
+facts (hivemind ``runtime_pb2`` messages, msgpack metadata, Petals' ``args_structure``
+packing with ``b"__T<index>"`` markers, uid chains joined by `CHAIN_DELIMITER`):
+
+- requests are ``ExpertRequest{uid, tensors, metadata}``; replies ``ExpertResponse{tensors, metadata}``;
+- tensors go through ``hivemind.serialize_torch_tensor`` / ``deserialize_torch_tensor``;
+- metadata is ``MSGPackSerializer.dumps(dict)`` with the ``KEY_*`` keys below;
+- an optional tensor is a DUMMY: an empty tensor (``numel() == 0``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
+from hivemind.proto import runtime_pb2
+from hivemind.utils.nested import nested_flatten, nested_pack
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, dht_prefix_problem
+
+__all__ = [
+    "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",
+    "KEY_ACTIVE_ADAPTER", "KEY_ALLOC_TIMEOUT", "KEY_ARGS_STRUCTURE", "KEY_MAX_LENGTH", "KEY_NEXT_SERVERS",
+    "KEY_OUTPUT_COMPRESSION", "KEY_POINTS", "KEY_PUSHED", "KEY_SESSION_ID", "KEY_START_FROM_POSITION",
+    "KEY_STEP_ID", "MAX_UNARY_PAYLOAD_SIZE", "ProtocolError", "chain_uid", "deserialize_tensors", "dumps_metadata",
+    "is_dummy", "loads_metadata", "make_request", "pack_args_kwargs", "parse_chain", "read_request",
+    "serialize_tensors", "serialized_size", "split_chain", "stream_parts", "unpack_args_kwargs",
+]
+
+HANDLER_CLASS_NAME = "TransformerConnectionHandler"
+"""hivemind names a P2P handler ``f"{servicer class name}.{rpc name}"``; Petals 2.x servers and
+clients use this class name, so handlers here are registered under it."""
+
+KEY_MAX_LENGTH = "max_length"
+KEY_SESSION_ID = "session_id"
+KEY_STEP_ID = "step_id"
+KEY_START_FROM_POSITION = "start_from_position"
+KEY_NEXT_SERVERS = "next_servers"
+KEY_PUSHED = "pushed"
+KEY_ALLOC_TIMEOUT = "alloc_timeout"
+KEY_POINTS = "points"
+KEY_ARGS_STRUCTURE = "args_structure"
+KEY_ACTIVE_ADAPTER = "active_adapter"
+KEY_OUTPUT_COMPRESSION = "output_compression"
+CACHE_TOKENS_AVAILABLE = "cache_tokens_available"
+"""rpc_info key: bytes left in the server's cache // KV bytes per token of its largest block."""
+
+DUMMY = torch.empty(0)
+"""Stands for an absent float tensor (no deep prompts)."""
+DUMMY_INT64 = torch.empty(0, dtype=torch.int64)
+"""Stands for absent ``hypo_ids`` (no cache reordering)."""
+
+_MARK = b"__T"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol (the text says which part and why)."""
+
+
+def is_dummy(tensor: torch.Tensor) -> bool:
+    """True for a DUMMY (an empty tensor)."""
+    return tensor.numel() == 0
+
+
+# ------------------------------------------------------------------ uids
+
+
+def chain_uid(prefix: str, start: int, end: int) -> str:
+    """Uids of blocks ``start..end-1`` of ``prefix`` joined into one chain string."""
+    return CHAIN_DELIMITER.join(f"{prefix}{UID_DELIMITER}{i}" for i in range(start, end))
+
+
+def split_chain(uids: str) -> list[str]:
+    """The block uids of a chain string (no empty entries)."""
+    return [uid for uid in (uids or "").split(CHAIN_DELIMITER) if uid]
+
+
+def parse_chain(uids: str) -> tuple[str, list[int]]:
+    """``(prefix, [indices])`` of a chain of consecutive blocks of one model; `ProtocolError` otherwise."""
+    parts = split_chain(uids)
+    if not parts:
+        raise ProtocolError("the request names no block uid")
+    prefix, indices = None, []
+    for uid in parts:
+        head, sep, index = uid.rpartition(UID_DELIMITER)
+        if not sep or dht_prefix_problem(head) is not None or not (index.isascii() and index.isdigit()):
+            raise ProtocolError(f"{uid[:80]!r} is not a block uid of the form 'prefix.index'")
+        if prefix is not None and head != prefix:
+            raise ProtocolError(f"uids of two models in one chain: {prefix!r} and {head!r}")
+        prefix = head
+        indices.append(int(index))
+    if any(b != a + 1 for a, b in itertools.pairwise(indices)):
+        raise ProtocolError(f"blocks {indices[:16]} are not consecutive")
+    assert prefix is not None
+    return prefix, indices
+
+
+# ------------------------------------------------------------------ args packing
+
+
+def pack_args_kwargs(*args: Any, **kwargs: Any) -> tuple[list[torch.Tensor], Any]:
+    """Flatten tensors out of ``(args, kwargs)``; the structure keeps ``b"__T<i>"`` in their place.
+
+    The same tensor object appears once in the flat list (as in Petals 2.x).
+    """
+    flat: list[torch.Tensor] = []
+    index_of: dict[int, int] = {}
+    masked: list[Any] = []
+    for value in nested_flatten((args, kwargs)):
+        if isinstance(value, torch.Tensor):
+            i = index_of.setdefault(id(value), len(flat))
+            if i == len(flat):
+                flat.append(value)
+            masked.append(_MARK + str(i).encode())
+        else:
+            masked.append(value)
+    return flat, nested_pack(masked, (args, kwargs))
+
+
+def unpack_args_kwargs(flat_tensors: Sequence[torch.Tensor], structure: Any) -> tuple[Any, Any]:
+    """Inverse of `pack_args_kwargs`: ``(args, kwargs)``. A bad structure raises `ProtocolError`."""
+    values = []
+    try:
+        for value in nested_flatten(structure):
+            if isinstance(value, bytes) and value.startswith(_MARK):
+                values.append(flat_tensors[int(value[len(_MARK):])])
+            else:
+                values.append(value)
+        args, kwargs = nested_pack(values, structure)
+    except (ValueError, IndexError, TypeError) as exc:
+        raise ProtocolError(f"args_structure does not match the {len(flat_tensors)} tensors sent: {exc}") from None
+    return tuple(args), dict(kwargs)
+
+
+# ------------------------------------------------------------------ metadata and tensors
+
+
+def dumps_metadata(metadata: dict[str, Any] | None) -> bytes:
+    """Serialize request metadata (msgpack); ``None`` gives empty bytes."""
+    return MSGPackSerializer.dumps(metadata) if metadata else b""
+
+
+def loads_metadata(raw: bytes) -> dict[str, Any]:
+    """Parse request metadata; empty bytes give ``{}``; anything but a msgpack dict is a `ProtocolError`."""
+    if not raw:
+        return {}
+    try:
+        value = MSGPackSerializer.loads(raw)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"metadata must be a msgpack dict, got {type(value).__name__}")
+    return value
+
+
+def serialize_tensors(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None,
+                      compression: int = runtime_pb2.CompressionType.NONE) -> list[runtime_pb2.Tensor]:
+    """Serialize tensors (on CPU, detached); floating tensors are cast to ``dtype`` when given."""
+    out = []
+    for t in tensors:
+        t = t.detach().cpu()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        kind = compression if t.is_floating_point() else runtime_pb2.CompressionType.NONE
+        out.append(serialize_torch_tensor(t, kind))
+    return out
+
+
+def deserialize_tensors(serialized: Iterable[runtime_pb2.Tensor]) -> list[torch.Tensor]:
+    """Deserialize tensors; a malformed one is a `ProtocolError` naming its position."""
+    out = []
+    for i, t in enumerate(serialized):
+        try:
+            out.append(deserialize_torch_tensor(t))
+        except Exception as exc:
+            raise ProtocolError(f"tensor {i} cannot be deserialized: {type(exc).__name__}: {exc}") from None
+    return out
+
+
+def serialized_size(serialized: Iterable[runtime_pb2.Tensor]) -> int:
+    """Payload bytes of serialized tensors."""
+    return sum(len(t.buffer) for t in serialized)
+
+
+def make_request(uid: str, tensors: Sequence[runtime_pb2.Tensor], metadata: dict[str, Any] | None = None
+                 ) -> runtime_pb2.ExpertRequest:
+    """An ``ExpertRequest`` with already serialized tensors and dict metadata."""
+    return runtime_pb2.ExpertRequest(uid=uid, tensors=list(tensors), metadata=dumps_metadata(metadata))
+
+
+def read_request(request: runtime_pb2.ExpertRequest) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """``(tensors, metadata)`` of a request (`ProtocolError` on malformed content)."""
+    return deserialize_tensors(request.tensors), loads_metadata(request.metadata)
+
+
+def stream_parts(uid: str, serialized: Sequence[runtime_pb2.Tensor], metadata: bytes = b"",
+                 chunk_size: int = DEFAULT_MAX_MSG_SIZE) -> Iterator[runtime_pb2.ExpertRequest]:
+    """Requests of a stream call: tensors split with ``split_for_streaming``; each part carries uid and metadata."""
+    for tensor in serialized:
+        for part in split_for_streaming(tensor, chunk_size):
+            yield runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=metadata)

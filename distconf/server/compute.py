@@ -1,0 +1,120 @@
+"""What a server computes on its blocks: forward, backward and cached inference steps.
+
+Blocks follow the adapter's calling convention (``hidden, present = block(hidden,
+layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``).
+These functions are synchronous and run in the server's compute thread; inputs are
+already validated (see `distconf.server.validation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distconf.blocks.kvcache import KVGeometry
+
+__all__ = ["ServedBlock", "SessionCache", "backward_chain", "forward_chain"]
+
+
+@dataclass
+class ServedBlock:
+    """One loaded block: its uid, index, module, dtype and KV geometry."""
+
+    uid: str
+    index: int
+    module: Any
+    dtype: torch.dtype
+    geometry: KVGeometry
+    kv_bytes_per_token: int
+
+
+def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int = 0) -> torch.Tensor:
+    """``hidden`` with ``prompt[:, p]`` added at absolute positions ``p`` (``hidden`` starts at ``position``)."""
+    if prompt is None:
+        return hidden
+    end = min(prompt.shape[1], position + hidden.shape[1])
+    if end <= position:
+        return hidden
+    hidden = hidden.clone()
+    hidden[:, : end - position] += prompt[:, position:end]
+    return hidden
+
+
+def forward_chain(blocks: Sequence[ServedBlock], hidden: torch.Tensor,
+                  prompts: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Run ``hidden`` through ``blocks`` (no cache); deep prompts added to each block's input."""
+    with torch.inference_mode():
+        for block, prompt in zip(blocks, prompts):
+            hidden, _ = block.module(_add_prompt(hidden, prompt))
+    return hidden
+
+
+def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_outputs: torch.Tensor,
+                   prompts: torch.Tensor | None) -> list[torch.Tensor]:
+    """Gradients of ``<outputs, grad_outputs>`` w.r.t. ``inputs`` (and ``prompts`` when given).
+
+    ``prompts``: ``[num_blocks, batch or 1, pre_seq_len, hidden]``. Weights get no gradient.
+    """
+    with torch.enable_grad():
+        inputs = inputs.detach().requires_grad_(True)
+        leaves = [inputs]
+        if prompts is not None:
+            prompts = prompts.detach().requires_grad_(True)
+            leaves.append(prompts)
+        hidden = inputs
+        for i, block in enumerate(blocks):
+            hidden, _ = block.module(_add_prompt(hidden, None if prompts is None else prompts[i]))
+        grads = torch.autograd.grad(hidden, leaves, grad_outputs, allow_unused=True)
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+
+
+@dataclass
+class SessionCache:
+    """The preallocated KV cache of one inference session: every block of its chain, ``batch x max_length``."""
+
+    blocks: Sequence[ServedBlock]
+    batch: int
+    max_length: int
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    position: int = 0
+
+    @staticmethod
+    def nbytes(blocks: Sequence[ServedBlock], batch: int, max_length: int) -> int:
+        """Bytes a session of ``batch x max_length`` tokens holds over ``blocks``."""
+        return sum(b.kv_bytes_per_token for b in blocks) * batch * max_length
+
+    def allocate(self) -> None:
+        """Allocate the cache tensors (zeros)."""
+        for b in self.blocks:
+            g = b.geometry
+            self.keys.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.key_head_dim, dtype=b.dtype))
+            self.values.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.value_head_dim,
+                                           dtype=b.dtype))
+
+    def release(self) -> None:
+        """Drop the cache tensors."""
+        self.keys.clear()
+        self.values.clear()
+
+    def step(self, hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None],
+             hypo_ids: torch.Tensor | None) -> torch.Tensor:
+        """Process ``hidden`` ``[batch, n, hidden]`` at the current position; advance it by ``n``."""
+        pos, n = self.position, hidden.shape[1]
+        with torch.inference_mode():
+            if hypo_ids is not None and pos > 0:
+                for k, v in zip(self.keys, self.values):
+                    k[:, :, :pos] = k[hypo_ids, :, :pos]
+                    v[:, :, :pos] = v[hypo_ids, :, :pos]
+            if n == 0:
+                return hidden
+            for block, k, v, prompt in zip(self.blocks, self.keys, self.values, prompts):
+                past = (k[:, :, :pos], v[:, :, :pos]) if pos > 0 else None
+                hidden, present = block.module(_add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
+                k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
+                v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
+        self.position = pos + n
+        return hidden

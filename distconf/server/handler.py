@@ -1,0 +1,277 @@
+"""The block server's P2P servicer: Petals 2.x RPCs over the blocks this server holds.
+
+`BlockHandler` implements `distconf.rpc.BlockServicer` (handlers are registered under
+Petals 2.x's names). Compute runs in one compute thread; the event loop only parses,
+validates and moves messages, so one slow or hostile caller does not stall the others.
+Inference sessions are in `distconf.server.inference`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, AsyncIterator, TypeVar  # noqa: UP035 (hivemind reads typing.AsyncIterator hints)
+
+import torch
+from hivemind.compression.serialization import deserialize_tensor_stream
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+from distconf.rpc.protocol import (
+    CACHE_TOKENS_AVAILABLE,
+    DEFAULT_MAX_MSG_SIZE,
+    ProtocolError,
+    loads_metadata,
+    parse_chain,
+    read_request,
+    serialize_tensors,
+    split_chain,
+)
+from distconf.rpc.servicer import BlockServicer
+from distconf.server.compute import ServedBlock, backward_chain, forward_chain
+from distconf.server.inference import run_session
+from distconf.server.memory import CacheBudget
+from distconf.server.validation import RequestError, check_adapter, check_hidden, check_prompts, unpack_tensors
+
+__all__ = ["BlockHandler", "HandlerSettings"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class HandlerSettings:
+    """Limits and identity of a server's handler (timeouts in seconds)."""
+
+    def __init__(self, *, dht_prefix: str, hidden_size: int, dtype: torch.dtype, inference_max_length: int,
+                 request_timeout: float = 180.0, session_timeout: float = 1800.0, step_timeout: float = 300.0,
+                 max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False) -> None:
+        self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
+        self.inference_max_length = inference_max_length
+        self.request_timeout, self.session_timeout, self.step_timeout = request_timeout, session_timeout, step_timeout
+        self.max_request_bytes = max_request_bytes
+        self.version, self.dht_client_mode = version, dht_client_mode
+
+
+class BlockHandler(BlockServicer):
+    """Serves ``blocks`` (consecutive, loaded) with one shared KV-cache ``budget``."""
+
+    def __init__(self, blocks: Sequence[ServedBlock], budget: CacheBudget, settings: HandlerSettings,
+                 executor: Executor) -> None:
+        self.blocks = {b.uid: b for b in blocks}
+        self.ordered = list(blocks)
+        self.budget, self.settings, self.executor = budget, settings, executor
+        self.p2p: P2P | None = None
+        self.sessions: dict[str, asyncio.Queue[runtime_pb2.ExpertRequest]] = {}
+        self.stats: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle and helpers
+
+    async def start(self, p2p: P2P) -> None:
+        """Register the handlers on ``p2p`` (the DHT's daemon: the server's peer id is the DHT's)."""
+        self.p2p = p2p
+        await self.add_p2p_handlers(p2p)
+
+    async def stop(self) -> None:
+        """Unregister the handlers."""
+        if self.p2p is not None:
+            await self.remove_p2p_handlers(self.p2p)
+
+    @property
+    def max_kv_bytes_per_token(self) -> int:
+        """KV bytes per token of the largest served block."""
+        return max(b.kv_bytes_per_token for b in self.ordered)
+
+    def cache_tokens_available(self) -> int:
+        """Free cache bytes // KV bytes per token of one block (Petals 2.x's ``cache_tokens_available``)."""
+        return self.budget.bytes_left // self.max_kv_bytes_per_token
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def background(self, coro: Any) -> None:
+        """Keep a reference to a fire-and-forget task until it finishes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def check_uids(self, uids: str) -> list[ServedBlock]:
+        """The served blocks named by a chain string, in order; `RequestError` if unknown or not consecutive."""
+        names = split_chain(uids)
+        if not names:
+            raise RequestError("the request names no block uid")
+        for uid in names:
+            if uid not in self.blocks:
+                raise RequestError(f"Remote peer does not serve {uid[:120]}")
+        try:
+            parse_chain(uids)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+        return [self.blocks[uid] for uid in names]
+
+    @staticmethod
+    def describe(context: P2PContext, blocks: Sequence[ServedBlock] | None = None) -> str:
+        """``blocks=a:b, peer=...xyz`` for log lines."""
+        span = f"{blocks[0].index}:{blocks[-1].index + 1}" if blocks else "n/a"
+        return f"blocks={span}, peer=...{str(context.remote_id)[-6:]}"
+
+    def serialize_output(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
+        """A reply tensor in the server's dtype."""
+        return serialize_tensors([tensor], self.settings.dtype)[0]
+
+    # ------------------------------------------------------------------ rpc_info
+
+    def block_info(self, block: ServedBlock) -> dict[str, Any]:
+        """Schemas of a block (Petals 2.x's ``get_info`` keys)."""
+        descr = BatchTensorDescriptor(1, 2048, self.settings.hidden_size, dtype=self.settings.dtype)
+        args_schema = (descr,)
+        return {
+            "forward_schema": (args_schema, {}), "args_schema": args_schema, "kwargs_schema": {},
+            "outputs_schema": (descr,), "keyword_names": (),
+            "inference_schema": ((descr, BatchTensorDescriptor((), dtype=self.settings.dtype),
+                                  BatchTensorDescriptor((), dtype=torch.int64)), {}),
+        }
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """Server info; with a uid, also that block's schemas."""
+        s = self.settings
+        result: dict[str, Any] = {
+            "version": s.version, "dht_client_mode": s.dht_client_mode,
+            CACHE_TOKENS_AVAILABLE: self.cache_tokens_available(), "inference_max_length": s.inference_max_length,
+            "torch_dtype": str(s.dtype).removeprefix("torch."), "hidden_size": s.hidden_size,
+            "start_block": self.ordered[0].index, "end_block": self.ordered[-1].index + 1,
+            "stats": dict(self.stats),
+        }
+        if request.uid:
+            (block,) = self.check_uids(request.uid)[:1]
+            result.update(self.block_info(block))
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(result))
+
+    # ------------------------------------------------------------------ forward / backward
+
+    async def _gather(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+                      ) -> tuple[str, list[torch.Tensor], dict[str, Any]]:
+        """uid, tensors and metadata of a stream call (parts joined; size bounded)."""
+        state: dict[str, Any] = {"uid": None, "metadata": None, "bytes": 0}
+
+        async def parts() -> AsyncIterator[list[runtime_pb2.Tensor]]:
+            async for req in requests:
+                if state["uid"] is None:
+                    state["uid"], state["metadata"] = req.uid, loads_metadata(req.metadata)
+                elif req.uid != state["uid"]:
+                    raise RequestError("block uids differ between the parts of one request")
+                state["bytes"] += sum(len(t.buffer) for t in req.tensors)
+                if state["bytes"] > self.settings.max_request_bytes:
+                    raise RequestError(f"request exceeds {self.settings.max_request_bytes} bytes")
+                yield list(req.tensors)
+
+        try:
+            tensors = await deserialize_tensor_stream(parts())
+        except (RequestError, ProtocolError):
+            raise
+        except Exception as exc:
+            raise RequestError(f"tensors cannot be deserialized: {type(exc).__name__}: {exc}") from None
+        return state["uid"] or "", tensors, state["metadata"] or {}
+
+    async def _forward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]) -> torch.Tensor:
+        blocks = self.check_uids(uids)
+        check_adapter(metadata)
+        s = self.settings
+        hidden, prompts = unpack_tensors(tensors, metadata, ("hidden_states", "prompts"))
+        hidden = check_hidden("hidden_states", hidden, s.hidden_size, s.dtype)
+        per_block = check_prompts(prompts, len(blocks), hidden.shape[0], s.hidden_size, s.dtype, hidden.shape[1])
+        return await self.compute(forward_chain, blocks, hidden, per_block)
+
+    async def _backward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]
+                        ) -> list[torch.Tensor]:
+        blocks = self.check_uids(uids)
+        check_adapter(metadata)
+        s = self.settings
+        inputs, grads, prompts = unpack_tensors(tensors, metadata, ("inputs", "grad_outputs", "prompts"))
+        inputs = check_hidden("inputs", inputs, s.hidden_size, s.dtype)
+        grads = check_hidden("grad_outputs", grads, s.hidden_size, s.dtype)
+        if grads.shape != inputs.shape:
+            raise RequestError(f"grad_outputs has shape {list(grads.shape)}, inputs {list(inputs.shape)}")
+        check_prompts(prompts, len(blocks), inputs.shape[0], s.hidden_size, s.dtype, inputs.shape[1])
+        has_prompts = prompts is not None and prompts.numel() > 0
+        return await self.compute(backward_chain, blocks, inputs, grads,
+                                  prompts.to(s.dtype) if has_prompts else None)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                          ) -> runtime_pb2.ExpertResponse:
+        """Forward through the chain named by ``request.uid``; reply ``[hidden]``."""
+        async with asyncio.timeout(self.settings.request_timeout):
+            tensors, metadata = self._read(request)
+            out = await self._forward(request.uid, tensors, metadata)
+            self.stats["forward"] += 1
+            return runtime_pb2.ExpertResponse(tensors=[self.serialize_output(out)])
+
+    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Stream form of `rpc_forward` (inputs and output split in parts)."""
+        async with asyncio.timeout(self.settings.request_timeout):
+            uid, tensors, metadata = await self._gather(requests)
+            out = await self._forward(uid, tensors, metadata)
+            self.stats["forward"] += 1
+        for part in split_for_streaming(self.serialize_output(out), DEFAULT_MAX_MSG_SIZE):
+            yield runtime_pb2.ExpertResponse(tensors=[part])
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                           ) -> runtime_pb2.ExpertResponse:
+        """Gradients w.r.t. inputs (and deep prompts); weights are never updated."""
+        async with asyncio.timeout(self.settings.request_timeout):
+            tensors, metadata = self._read(request)
+            grads = await self._backward(request.uid, tensors, metadata)
+            self.stats["backward"] += 1
+            return runtime_pb2.ExpertResponse(tensors=serialize_tensors(grads, self.settings.dtype))
+
+    async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Stream form of `rpc_backward`."""
+        async with asyncio.timeout(self.settings.request_timeout):
+            uid, tensors, metadata = await self._gather(requests)
+            grads = await self._backward(uid, tensors, metadata)
+            self.stats["backward"] += 1
+        for tensor in serialize_tensors(grads, self.settings.dtype):
+            for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE):
+                yield runtime_pb2.ExpertResponse(tensors=[part])
+
+    @staticmethod
+    def _read(request: runtime_pb2.ExpertRequest) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        try:
+            return read_request(request)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+
+    # ------------------------------------------------------------------ inference and push
+
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                            ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A session over a chain of blocks with a KV cache (see `distconf.server.inference`)."""
+        async for reply in run_session(self, requests, context):
+            yield reply
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Feed a previous server's outputs into one of this server's sessions (ignored if unknown)."""
+        self.check_uids(request.uid)
+        try:
+            metadata = loads_metadata(request.metadata)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+        session_id = metadata.get("session_id")
+        queue = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if queue is None:
+            logger.debug("rpc_push(%s): unknown session, ignored", self.describe(context))
+        elif queue.full():
+            logger.warning("rpc_push(%s): session push queue full, dropped", self.describe(context))
+        else:
+            queue.put_nowait(request)
+            self.stats["pushes_received"] += 1
+        return runtime_pb2.ExpertResponse()

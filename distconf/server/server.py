@@ -1,0 +1,234 @@
+"""A block server: DHT node, loaded blocks, Petals 2.x handlers on the P2P daemon, announcements.
+
+`BlockServer.start()` (= `join()` then `serve()`) joins (or starts) a DHT on the given host, plans and places its span,
+announces JOINING, loads its blocks with progress, measures its throughput, registers its
+handlers and announces ONLINE; records are refreshed every ``update_period`` with the cache
+tokens left. `BlockServer.stop()` announces OFFLINE and releases everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+
+__all__ = ["BlockServer", "ServeOptions", "hub_repository"]
+
+logger = logging.getLogger(__name__)
+
+VERSION = "distconf"
+
+
+@dataclass
+class ServeOptions:
+    """What ``distconf serve`` takes (timeouts in seconds; memory in bytes or ``"24GiB"``)."""
+
+    model_dir: str
+    initial_peers: list[str] = field(default_factory=list)
+    new_swarm: bool = False
+    blocks: tuple[int, int] | None = None
+    num_blocks: int | None = None
+    memory: int | str | None = None
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    port: int = 0
+    public_name: str | None = None
+    update_period: float | None = None
+    request_timeout: float = 180.0
+    session_timeout: float = 1800.0
+    step_timeout: float = 300.0
+    max_alloc_timeout: float = 600.0
+    inference_max_length: int | None = None
+    attn_cache_tokens: int | None = None
+    repository: str | None = None
+    compute_threads: int | None = None
+
+
+def hub_repository(model_dir: str | os.PathLike[str]) -> str | None:
+    """``https://huggingface.co/<org>/<name>`` when ``model_dir`` is a Hugging Face cache snapshot."""
+    match = re.search(r"models--([^/\\]+)--([^/\\]+)[/\\]snapshots[/\\]", str(Path(model_dir).resolve()) + "/")
+    return f"https://huggingface.co/{match.group(1)}/{match.group(2)}" if match else None
+
+
+class _LiveAnnouncer(BlockAnnouncer):
+    """Refreshes the record's ``cache_tokens_left`` on every announcement."""
+
+    def __init__(self, *args: Any, tokens_left: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tokens_left = tokens_left
+
+    def announce(self, info: ServerInfo | None = None) -> dict[str, bool]:
+        """Announce ``info`` (default: the current record) with the current cache tokens left."""
+        base = self.info if info is None else info
+        return super().announce(base.model_copy(update={"cache_tokens_left": int(self._tokens_left())}))
+
+
+class BlockServer:
+    """One server process's blocks, handlers and DHT presence (see the module docstring)."""
+
+    def __init__(self, options: ServeOptions, config: Any = None, *, stop_event: threading.Event | None = None) -> None:
+        """``stop_event``: when set while blocks load, `serve` stops early (`InterruptedError`)."""
+        self.options = options
+        self.config = config
+        self.stop_event = stop_event
+        self.dht: Any = None
+        self.handler: Any = None
+        self.announcer: _LiveAnnouncer | None = None
+        self.rpc: Any = None
+        self.executor: ThreadPoolExecutor | None = None
+        self.start_block = self.end_block = 0
+        self.throughput = 0.0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def peer_id(self) -> str:
+        """This server's peer id (base58): the DHT node's."""
+        return self.dht.peer_id.to_base58()
+
+    @property
+    def maddrs(self) -> list[str]:
+        """Full multiaddrs other peers use to join through this server's DHT node."""
+        return visible_maddrs(self.dht)
+
+    def cache_tokens_left(self) -> int:
+        """The DHT record's ``cache_tokens_left``: Petals 2.x units (2 x free bytes // KV bytes per token)."""
+        if self.handler is None:
+            return 2 * self.budget_bytes // max(self.kv_bytes_per_token, 1)
+        return 2 * self.handler.budget.bytes_left // self.handler.max_kv_bytes_per_token
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self) -> BlockServer:
+        """Join the swarm, then load and serve (`join` + `serve`); returns once the server is ONLINE."""
+        self.join()
+        return self.serve()
+
+    def join(self) -> BlockServer:
+        """Read the config and start the DHT node (joining ``initial_peers`` or a new swarm)."""
+        try:
+            self._join()
+        except BaseException:
+            self.stop(offline=False)
+            raise
+        return self
+
+    def serve(self) -> BlockServer:
+        """Plan and place the span, announce JOINING, load, measure, register handlers, announce ONLINE."""
+        try:
+            self._serve()
+        except BaseException:
+            self.stop(offline=self.announcer is not None)
+            raise
+        return self
+
+    def _join(self) -> None:
+        import torch
+
+        from distconf.planning import resolve_dtype
+
+        o = self.options
+        if not o.initial_peers and not o.new_swarm:
+            raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        if o.memory is None and o.blocks is None and o.num_blocks is None:
+            raise ValueError("give --memory (the planner sizes the server), --num-blocks or --blocks")
+        if self.config is None:
+            from distconf.family.auto import AutoDistributedConfig
+
+            self.config = AutoDistributedConfig.from_pretrained(o.model_dir)
+        self.dtype_name = resolve_dtype(o.dtype)
+        self.dtype = getattr(torch, self.dtype_name)
+        self.dht = start_local_dht([] if o.new_swarm else o.initial_peers,
+                                   host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"],
+                                   num_workers=max(1, int(self.config.num_hidden_layers)))
+
+    def _serve(self) -> None:
+        from distconf.blocks.sizing import kv_cache_bytes_per_token
+        from distconf.server.loading import plan_span
+
+        if self.dht is None:
+            self.join()
+        o, config, dtype_name = self.options, self.config, self.dtype_name
+        span = plan_span(config, o.memory if o.memory is not None else 2**50, dtype_name, dht=self.dht,
+                         blocks=o.blocks, num_blocks=o.num_blocks, attn_cache_tokens=o.attn_cache_tokens)
+        self.start_block, self.end_block = span.start, span.end
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
+        self.budget_bytes = span.plan.cache_bytes_per_block * span.num_blocks
+        info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=o.public_name, version=VERSION,
+                          torch_dtype=dtype_name, start_block=span.start, end_block=span.end)
+        self.announcer = _LiveAnnouncer(self.dht, config, span.start, span.end, info, update_period=o.update_period,
+                                        repository=o.repository or hub_repository(o.model_dir),
+                                        tokens_left=self.cache_tokens_left)
+        self.announcer.start()
+        logger.info("serving blocks %d..%d of %s (%s), cache budget %.1f MiB", span.start, span.end - 1,
+                    config.dht_prefix, dtype_name, self.budget_bytes / 2**20)
+        self._load_and_serve(span, dtype_name)
+
+    def _load_and_serve(self, span: Any, dtype_name: str) -> None:
+        from distconf.blocks.kvcache import kv_geometry
+        from distconf.planning import default_max_length
+        from distconf.rpc.calls import RpcLoop
+        from distconf.rpc.protocol import chain_uid, split_chain
+        from distconf.server.compute import ServedBlock
+        from distconf.server.handler import BlockHandler, HandlerSettings
+        from distconf.server.loading import load_blocks, measure_throughput
+        from distconf.server.memory import CacheBudget
+
+        o, config = self.options, self.config
+        modules = load_blocks(o.model_dir, config, span.start, span.end, self.dtype, on_block=self._check_stop)
+        speed = measure_throughput(modules, config.hidden_size, self.dtype)
+        self.throughput = speed.throughput
+        uids = split_chain(chain_uid(config.dht_prefix, span.start, span.end))
+        geometry = kv_geometry(config)
+        served = [ServedBlock(uid, span.start + i, m, self.dtype, geometry, self.kv_bytes_per_token)
+                  for i, (uid, m) in enumerate(zip(uids, modules))]
+        settings = HandlerSettings(
+            dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,
+            inference_max_length=o.inference_max_length or default_max_length(config),
+            request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
+            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)))
+        self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
+        self.handler = BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings,
+                                    self.executor)
+        self.rpc = RpcLoop(self.dht)
+        self.rpc.run(self.handler.start(self.rpc.p2p), timeout=30)
+        assert self.announcer is not None
+        self.announcer.announce(self.announcer.info.model_copy(update={
+            "state": ServerState.ONLINE, "throughput": speed.throughput, "inference_rps": speed.inference_rps,
+            "forward_rps": speed.forward_rps}))
+        logger.info("ONLINE: blocks %d..%d, peer %s; measured per block: %.0f tokens/s in inference steps, "
+                    "%.0f in forward passes; announced throughput %.1f", span.start, span.end - 1, self.peer_id,
+                    speed.inference_rps, speed.forward_rps, speed.throughput)
+
+    def _check_stop(self, _block: int) -> None:
+        if self.stop_event is not None and self.stop_event.is_set():
+            raise InterruptedError(f"stopped while loading blocks {self.start_block}..{self.end_block - 1}")
+
+    def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
+        """Announce OFFLINE (when announced), stop serving, shut the DHT node down. Idempotent."""
+        t0 = time.monotonic()
+        if self.announcer is not None:
+            self.announcer.stop(offline=offline, timeout=timeout)
+            self.announcer = None
+        if self.rpc is not None:
+            if self.handler is not None:
+                try:
+                    self.rpc.run(self.handler.stop(), timeout=max(1.0, timeout - (time.monotonic() - t0)))
+                except Exception as exc:
+                    logger.debug("removing handlers failed: %r", exc)
+            self.rpc.shutdown()
+            self.rpc = None
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None

@@ -1,0 +1,145 @@
+"""Checks on what a caller sends, each failing with a `RequestError` that says what is wrong.
+
+A bad request gets its error and nothing else changes on the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from distconf.rpc.protocol import KEY_ARGS_STRUCTURE, ProtocolError, is_dummy, unpack_args_kwargs
+
+__all__ = ["RequestError", "check_adapter", "check_hidden", "check_hypo_ids", "check_prompts", "metadata_int",
+           "metadata_number", "next_servers", "unpack_tensors"]
+
+
+class RequestError(ValueError):
+    """A request this server refuses (the message is sent back to the caller)."""
+
+
+def unpack_tensors(flat: Sequence[torch.Tensor], metadata: dict[str, Any], names: Sequence[str]
+                   ) -> list[torch.Tensor | None]:
+    """The positional tensors ``names`` of a request (restored with ``args_structure`` when given).
+
+    Missing trailing tensors are None; DUMMY tensors are returned as they are.
+    """
+    structure = metadata.get(KEY_ARGS_STRUCTURE)
+    if structure is not None:
+        try:
+            args, _ = unpack_args_kwargs(flat, structure)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+    else:
+        args = tuple(flat)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args[: len(names)]):
+        raise RequestError(f"expected tensors ({', '.join(names)}), got {[type(a).__name__ for a in args]}")
+    return [args[i] if i < len(args) else None for i in range(len(names))]
+
+
+def check_hidden(name: str, tensor: torch.Tensor | None, hidden_size: int, dtype: torch.dtype, *,
+                 batch: int | None = None, allow_empty: bool = False) -> torch.Tensor:
+    """A ``[batch, seq, hidden_size]`` floating, finite tensor, cast to ``dtype``."""
+    if tensor is None:
+        raise RequestError(f"{name} is missing")
+    if not tensor.is_floating_point():
+        raise RequestError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+    if tensor.ndim != 3:
+        raise RequestError(f"{name} must have 3 dimensions [batch, seq, hidden], got shape {tuple(tensor.shape)}")
+    if tensor.shape[2] != hidden_size:
+        raise RequestError(f"{name} has hidden size {tensor.shape[2]}; the blocks take {hidden_size}")
+    if tensor.shape[0] < 1:
+        raise RequestError(f"{name} has batch size 0")
+    if batch is not None and tensor.shape[0] != batch:
+        raise RequestError(f"{name} has batch size {tensor.shape[0]}; this session was opened with {batch}")
+    if tensor.shape[1] == 0 and not allow_empty:
+        raise RequestError(f"{name} has no tokens")
+    if not torch.isfinite(tensor).all():
+        raise RequestError(f"{name} contains NaN or infinite values")
+    return tensor.to(dtype)
+
+
+def check_prompts(prompts: torch.Tensor | None, num_blocks: int, batch: int, hidden_size: int,
+                  dtype: torch.dtype, max_tokens: int | None) -> list[torch.Tensor | None]:
+    """Per-block deep prompts from ``[num_blocks, batch or 1, pre_seq_len, hidden]`` (or a DUMMY)."""
+    if prompts is None or is_dummy(prompts):
+        return [None] * num_blocks
+    if not prompts.is_floating_point():
+        raise RequestError(f"prompts must be a floating-point tensor, got dtype {prompts.dtype}")
+    shape = tuple(prompts.shape)
+    if (prompts.ndim != 4 or shape[0] != num_blocks or shape[1] not in (1, batch) or shape[3] != hidden_size):
+        raise RequestError(f"prompts must have shape [{num_blocks}, {batch} or 1, pre_seq_len, {hidden_size}] "
+                           f"(blocks, batch, tokens, hidden), got {list(shape)}")
+    if max_tokens is not None and shape[2] > max_tokens:
+        raise RequestError(f"prompts cover {shape[2]} tokens but the input has only {max_tokens}")
+    if not torch.isfinite(prompts).all():
+        raise RequestError("prompts contain NaN or infinite values")
+    return [p for p in prompts.to(dtype)]
+
+
+def check_hypo_ids(hypo_ids: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """``hypo_ids``: None for a DUMMY, else int64 ``[batch]`` with values in ``[0, batch)``."""
+    if hypo_ids is None or is_dummy(hypo_ids):
+        return None
+    if hypo_ids.dtype != torch.int64:
+        raise RequestError(f"hypo_ids must be int64, got {hypo_ids.dtype}")
+    if hypo_ids.ndim != 1 or hypo_ids.shape[0] != batch:
+        raise RequestError(f"hypo_ids must have shape [{batch}], got {list(hypo_ids.shape)}")
+    if bool(((hypo_ids < 0) | (hypo_ids >= batch)).any()):
+        raise RequestError(f"hypo_ids must be in [0, {batch}), got {hypo_ids.tolist()[:16]}")
+    return hypo_ids
+
+
+def metadata_int(metadata: dict[str, Any], key: str, *, low: int, high: int, default: Any = ...) -> Any:
+    """An integer metadata field in ``[low, high]`` (``default`` when absent or None; required without one)."""
+    value = metadata.get(key)
+    if value is None:
+        if default is ...:
+            raise RequestError(f"metadata must contain an integer {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"metadata {key!r} must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise RequestError(f"metadata {key!r}={value} is out of range [{low}, {high}]")
+    return value
+
+
+def metadata_number(metadata: dict[str, Any], key: str, default: float) -> float:
+    """A finite number >= 0 from metadata (``default`` when absent or None)."""
+    value = metadata.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise RequestError(f"metadata {key!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
+    """Validate ``next_servers``: a list of ``(peer_id_base58, session_id, start, end)``."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or len(value) > 1024:
+        raise RequestError("metadata 'next_servers' must be a list of (peer_id, session_id, start, end)")
+    out = []
+    for item in value:
+        ok = isinstance(item, (list, tuple)) and len(item) == 4
+        if ok:
+            peer, session, start, end = item
+            ok = (isinstance(peer, str) and isinstance(session, str) and isinstance(start, int)
+                  and isinstance(end, int) and not isinstance(start, bool) and not isinstance(end, bool)
+                  and 0 <= start < end)
+        if not ok:
+            raise RequestError(f"metadata 'next_servers' entry {str(item)[:120]} is not (peer_id, session_id, "
+                               "start, end)")
+        out.append((peer, session, start, end))
+    return out
+
+
+def check_adapter(metadata: dict[str, Any]) -> None:
+    """This server serves no adapters: a request naming one is refused rather than run without it."""
+    adapter = metadata.get("active_adapter")
+    if adapter:
+        raise RequestError(f"adapter {str(adapter)[:80]!r} is not served here (this server has no adapters)")
