@@ -1,0 +1,18 @@
+"""The client: run a model whose blocks are served by the swarm (forward, backward, generate).
+
+`AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[...])` gives
+the family's Hugging Face causal LM with its decoder layers on the swarm; ``generate``
+works as usual (a `RemoteCache` stands for the remote session).
+"""
+
+from distconf.client.cache import RemoteCache
+from distconf.client.model import AutoDistributedModelForCausalLM, distributed_model_class
+from distconf.client.routing import RetriesExhausted, SequenceManager
+from distconf.client.sequential import RemoteSequential
+from distconf.client.session import InferenceSession
+from distconf.client.swarm import SwarmClient
+
+__all__ = [
+    "AutoDistributedModelForCausalLM", "InferenceSession", "RemoteCache", "RemoteSequential", "RetriesExhausted",
+    "SequenceManager", "SwarmClient", "distributed_model_class",
+]

@@ -1,0 +1,158 @@
+"""`RemoteCache`: a transformers ``Cache`` that stands for an inference session on the swarm.
+
+Hugging Face's ``generate`` keeps a cache object and asks it for the sequence length
+(positions, masks) and to reorder (beam search) or crop (rewind) itself. Here the keys
+and values live on the servers, so the cache holds only the position; ``reorder_cache``
+becomes the next step's ``hypo_ids`` and ``crop`` its ``start_from_position``. The
+decoder-layer stand-in finds this object among its arguments and runs the step
+through `RemoteCache.step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distconf.client.session import InferenceSession
+
+__all__ = ["RemoteCache"]
+
+logger = logging.getLogger(__name__)
+
+
+class _PositionLayer(CacheLayerMixin):
+    """One model layer's view of a `RemoteCache`: only the shared position."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, owner: RemoteCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate locally."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never called: the blocks run on servers."""
+        raise RuntimeError("a RemoteCache holds no local keys and values; blocks run on the servers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for a mask over the cached tokens plus the query."""
+        return self.owner.position + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens processed by the session so far."""
+        return self.owner.position
+
+    def get_max_length(self) -> int:
+        """The session's ``max_length``."""
+        return self.owner.max_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Handled by the owner."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Handled by the owner."""
+
+    def reset(self) -> None:
+        """Handled by the owner."""
+
+
+class RemoteCache(Cache):
+    """The remote KV cache of a generation: an inference session over the whole model.
+
+    :param remote: the model's `RemoteSequential` (opens the session on the first step).
+    :param max_length: most tokens the session will hold (prompt + new tokens).
+    :param num_layers: number of decoder layers (for code that counts cache layers).
+
+    Use it as ``model.generate(..., cache=cache)`` to continue a session across calls, or
+    let ``generate`` make one. Close it (or use ``with``) to free the servers' memory.
+    """
+
+    def __init__(self, remote: Any, max_length: int, num_layers: int) -> None:
+        super().__init__(layers=[_PositionLayer(self) for _ in range(num_layers)])
+        self.remote = remote
+        self.max_length = int(max_length)
+        self.position = 0
+        self.session: InferenceSession | None = None
+        self._hypo_ids: torch.Tensor | None = None
+        self._rewind: int | None = None
+
+    # ------------------------------------------------------------------ what transformers asks
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens processed so far (the same for every layer)."""
+        return self.position
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask transformers builds (the servers build their own)."""
+        return self.position + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """The session's ``max_length``."""
+        return self.max_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the next step reorders the servers' caches by ``beam_idx`` (``hypo_ids``)."""
+        beam_idx = beam_idx.detach().to("cpu", torch.int64)
+        self._hypo_ids = beam_idx if self._hypo_ids is None else self._hypo_ids[beam_idx]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (same batch size only: a server's cache has a fixed batch)."""
+        if self.position == 0:
+            return
+        self.reorder_cache(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Only before the first step (a server's cache has a fixed batch size)."""
+        if self.position and repeats != 1:
+            raise NotImplementedError("a remote session cannot change its batch size after the first step")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (or keep ``tokens_to_remove`` if positive)."""
+        keep = tokens_to_remove if tokens_to_remove >= 0 else self.position + tokens_to_remove
+        if not 0 <= keep <= self.position:
+            raise ValueError(f"cannot crop a cache of {self.position} tokens to {keep}")
+        if keep != self.position:
+            self.position = keep
+            self._rewind = keep
+
+    def reset(self) -> None:
+        """Start over from position 0 (the servers rewind on the next step)."""
+        self.crop(0)
+
+    # ------------------------------------------------------------------ running steps
+    def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Run new hidden states ``[batch, new_tokens, hidden]`` through every block of the swarm."""
+        if self.session is None:
+            self.session = self.remote.inference_session(self.max_length)
+        if self._rewind is not None:
+            self.session.rewind(self._rewind)
+            self._rewind = None
+        hypo_ids, self._hypo_ids = self._hypo_ids, None
+        with torch.no_grad():
+            outputs = self.session.step(hidden_states, hypo_ids=hypo_ids)
+        self.position = self.session.position
+        return outputs
+
+    def close(self) -> None:
+        """End the session on every server (frees their cache)."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def __enter__(self) -> RemoteCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteCache(position={self.position}, max_length={self.max_length})"

@@ -1,0 +1,279 @@
+"""`AutoDistributedModelForCausalLM`: a family's Hugging Face causal LM whose blocks run on the swarm.
+
+The model is the family's own transformers class (``MODEL_FOR_CAUSAL_LM_MAPPING`` of
+``cls.hf_config_class``), built on the meta device. Its decoder-layer list (found through
+the family file's ``block.prefix``) is replaced by one stand-in module that runs all
+blocks remotely; only the other modules (embeddings, final norm, LM head, rotary
+tables) are materialized, and only their tensors are read from the checkpoint, with
+``safetensors``. Nothing here knows a family: the layer list, the checkpoint names and
+the way a layer's output is consumed are found from the spec and the model itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
+from distconf.blocks.weights import checkpoint_files, layer_prefixes
+from distconf.client.cache import RemoteCache
+from distconf.client.sequential import RemoteSequential
+from distconf.client.swarm import SwarmClient
+from distconf.family.auto import AutoDistributedConfig
+
+__all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "RemoteLayers", "distributed_model_class"]
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_classes: dict[type, type] = {}
+
+
+class RemoteLayers(torch.nn.Module):
+    """Stands in for the whole decoder-layer list: one call runs every block on the swarm.
+
+    Inside ``generate`` (a `RemoteCache` among the arguments) it steps the inference
+    session; otherwise it runs a differentiable forward through the swarm. It returns
+    what the model's layer loop expects (a tensor, or a tuple holding it).
+    """
+
+    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any]) -> None:
+        super().__init__()
+        self.remote = remote
+        self.returns_tuple = False
+        self.probing = False
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``)."""
+        if self.probing:
+            out = hidden_states
+        else:
+            cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
+            out = cache.step(hidden_states) if cache is not None else self.remote(hidden_states)
+        return (out,) if self.returns_tuple else out
+
+
+def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
+    """Plain attributes of a decoder layer (e.g. its attention type) that a layer loop may read."""
+    skip = {"training", "_is_hf_initialized"}
+    return {k: v for k, v in vars(layer).items()
+            if not k.startswith("_") and k not in skip and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def find_layer_list(model: torch.nn.Module, config: Any) -> tuple[str, torch.nn.ModuleList]:
+    """The decoder-layer list of ``model``: the module the family's ``block.prefix`` names."""
+    modules = dict(model.named_modules())
+    for prefix in layer_prefixes(config, 0):
+        name = prefix[: -len(".0.")]
+        module = modules.get(name)
+        if isinstance(module, torch.nn.ModuleList) and len(module) == config.num_hidden_layers:
+            return name, module
+    spec = type(config).family_spec
+    raise type(config).family_source.error(
+        ("block", "prefix"), f"{type(model).__name__} has no list of {config.num_hidden_layers} layers at "
+        f"{spec.block.prefix!r} (base model prefix {spec.block.base_model_prefix!r})")
+
+
+class DistributedCausalLMMixin:
+    """What a distributed causal LM adds to its transformers class: the swarm, sessions, generate."""
+
+    remote_layers: RemoteLayers
+    _created_caches: list[RemoteCache]
+
+    @property
+    def remote(self) -> RemoteSequential:
+        """The blocks on the swarm (`RemoteSequential`)."""
+        return self.remote_layers.remote
+
+    def inference_session(self, max_length: int) -> RemoteCache:
+        """A remote session usable as ``generate(..., cache=session)``; close it (or ``with``) when done."""
+        return RemoteCache(self.remote, max_length, self.config.num_hidden_layers)
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+        """``generate`` without a cache gets a `RemoteCache` sized for the whole generation."""
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            max_cache_length = args[-1] if args else kwargs["max_cache_length"]
+            cache = self.inference_session(int(max_cache_length))
+            self._created_caches.append(cache)
+            model_kwargs["cache"] = cache
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face ``generate`` (greedy, sampling, beam search, ...) through the swarm."""
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError("padding is not supported by the Petals 2.x protocol: give prompts of equal length "
+                             "(attention_mask must be all ones)")
+        created_before = len(self._created_caches)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            for cache in self._created_caches[created_before:]:
+                cache.close()
+            del self._created_caches[created_before:]
+
+    def shutdown(self) -> None:
+        """Close the connection to the swarm (the DHT node this model started)."""
+        self.remote.swarm.shutdown()
+
+
+def distributed_model_class(config_cls: type) -> type:
+    """``Distributed<Name>ForCausalLM``: the family's transformers causal LM plus `DistributedCausalLMMixin`."""
+    cls = _classes.get(config_cls)
+    if cls is not None:
+        return cls
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with _lock:
+        cls = _classes.get(config_cls)
+        if cls is None:
+            base = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls.hf_config_class]
+            name = config_cls.__name__.removesuffix("Config") + "ForCausalLM"
+            cls = type(name, (DistributedCausalLMMixin, base), {"__module__": __name__, "__qualname__": name,
+                                                                 "config_class": config_cls})
+            _classes[config_cls] = cls
+    return cls
+
+
+class AutoDistributedModelForCausalLM:
+    """Loads the distributed causal LM of any supported family from a local model folder."""
+
+    def __init__(self) -> None:
+        raise TypeError("use AutoDistributedModelForCausalLM.from_pretrained(...)")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str], *, dht: Any = None,
+                        dtype: torch.dtype | str | None = None, **config_kwargs: Any) -> Any:
+        """Build the model of ``model_dir`` with its blocks on the swarm.
+
+        :param model_dir: a local folder with ``config.json`` and safetensors weights.
+        :param dht: a running ``hivemind.DHT`` to reuse (default: start a client-mode node).
+        :param dtype: dtype of the local modules and hidden states (default: float32).
+        :param config_kwargs: config fields, e.g. ``initial_peers``, ``dht_prefix`` and any
+            other ClientConfig field (``ban_timeout``, ``use_server_to_server``, ...).
+        """
+        config = AutoDistributedConfig.from_pretrained(os.fspath(model_dir), **config_kwargs)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+        config.dtype = dtype
+        swarm = SwarmClient(config, dht=dht)
+        try:
+            return build_model(config, Path(model_dir), swarm, dtype)
+        except BaseException:
+            swarm.shutdown()
+            raise
+
+
+def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.dtype) -> Any:
+    """The distributed model of ``config``: non-block modules loaded, layer list replaced."""
+    model_cls = distributed_model_class(type(config))
+    with torch.device("meta"):
+        model = model_cls(config)
+    name, layers = find_layer_list(model, config)
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]))
+    setattr(parent, attr, torch.nn.ModuleList([stand_in]))
+    model.remote_layers = stand_in
+    model._created_caches = []
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    _load_non_block_weights(model, config, model_dir, dtype)
+    model.initialize_weights()  # only what the checkpoint did not give: non-persistent buffers
+    model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    _probe_layer_output(model, stand_in, config)
+    return model
+
+
+def _checkpoint_name_map(config: Any, names: list[str], wanted: set[str], model_cls: type) -> dict[str, str]:
+    """``{model tensor name: checkpoint name}`` for the non-block tensors of the checkpoint.
+
+    A name matches as it is, with or without the base-model prefix, or after the renaming
+    rules transformers registers for the model type or the model class.
+    """
+    spec = type(config).family_spec
+    renamings: list[Any] = []
+    if spec.block.checkpoint_conversion == "transformers":
+        hf_name = next((k.__name__ for k in model_cls.__mro__ if k.__module__.startswith("transformers.")), "")
+        renamings = [*checkpoint_conversions(spec.model_type)[0], *checkpoint_conversions(hf_name)[0]]
+    block_forms = tuple(p[: -len("0.")] for p in layer_prefixes(config, 0))
+    base = spec.block.base_model_prefix
+    found: dict[str, str] = {}
+    for name in names:
+        if any(name.startswith(form) and name[len(form):].split(".", 1)[0].isdigit() for form in block_forms):
+            continue
+        candidates = [name]
+        if renamings:
+            candidates.append(rename_checkpoint_key(name, renamings, [])[0])
+        if base:
+            candidates += [f"{base}.{c}" for c in list(candidates)]
+            candidates += [c[len(base) + 1:] for c in list(candidates) if c.startswith(base + ".")]
+        for candidate in candidates:
+            if candidate in wanted and candidate not in found:
+                found[candidate] = name
+                break
+    return found
+
+
+def _load_non_block_weights(model: torch.nn.Module, config: Any, model_dir: Path, dtype: torch.dtype) -> None:
+    """Copy the embeddings, final norm, LM head (tied tensors once) from the checkpoint."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(model_dir)
+    state = model.state_dict(keep_vars=True)
+    tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
+    wanted = set(state)
+    mapping = _checkpoint_name_map(config, list(files), wanted, type(model))
+    missing = sorted(k for k in wanted if k not in mapping and k not in tied)
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint has no tensor for {', '.join(missing)} (non-block weights "
+                         f"of {type(model).__name__}; checked names with and without the base-model prefix)")
+    by_file: dict[Path, list[str]] = {}
+    for target, source in mapping.items():
+        by_file.setdefault(files[source], []).append(target)
+    with torch.no_grad():
+        for path, targets in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for target in targets:
+                    tensor = f.get_tensor(mapping[target])
+                    param = state[target]
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"{path.name}: {mapping[target]} has shape {list(tensor.shape)}, "
+                                         f"{type(model).__name__}.{target} needs {list(param.shape)}")
+                    param.copy_(tensor.to(param.dtype))
+                    param._is_hf_initialized = True
+    logger.debug("loaded %d non-block tensors from %d file(s)", len(mapping), len(by_file))
+
+
+def _probe_layer_output(model: Any, stand_in: RemoteLayers, config: Any) -> None:
+    """Find out whether the layer loop takes a layer's output as is or as ``output[0]``.
+
+    Runs the base model on a 2x3 dummy input with the stand-in passing hidden states
+    through: an unchanged ``[2, 3, hidden]`` result means "as is".
+    """
+    base = model.get_submodule(type(config).family_spec.block.base_model_prefix or "")
+    ids = torch.zeros((2, 3), dtype=torch.long)
+    stand_in.probing = True
+    try:
+        for returns_tuple in (False, True):
+            stand_in.returns_tuple = returns_tuple
+            try:
+                with torch.no_grad():
+                    out = base(input_ids=ids, use_cache=False)
+            except Exception as exc:
+                logger.debug("layer output probe (tuple=%s) failed: %r", returns_tuple, exc)
+                continue
+            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+            if tuple(hidden.shape) == (2, 3, config.hidden_size):
+                return
+        raise RuntimeError(f"{type(model).__name__}: cannot tell how its layer loop reads a layer's output")
+    finally:
+        stand_in.probing = False

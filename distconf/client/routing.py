@@ -1,0 +1,208 @@
+"""Which servers a client sends each block to: discovery, bans, allow/block lists, pings, retries.
+
+`SequenceManager` reads the swarm from the DHT (`find_block_servers`, refreshed every
+``update_period`` seconds or on demand), keeps ONLINE servers only (a JOINING server is
+still loading its blocks), applies ``allowed_servers`` / ``blocked_servers`` and the
+temporary bans (``ban_timeout``) of servers that failed, leaves out servers that did not
+answer a ping (``max_pinged`` candidates per hop, ``ping_timeout`` each) when others can
+take their place, and asks `make_route` for the chain. It also owns the retry policy
+(``max_retries``, ``min_backoff``, ``max_backoff``) and the route log (``show_route``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
+from distconf.rpc.protocol import chain_uid
+
+__all__ = ["SequenceManager", "RetriesExhausted"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RetriesExhausted(RuntimeError):
+    """A request failed ``max_retries + 1`` times; the last error is chained."""
+
+
+class SequenceManager:
+    """Routes blocks of one model through the swarm for one client (see the module docstring)."""
+
+    def __init__(self, config: Any, swarm: Any) -> None:
+        self.config = config
+        self.swarm = swarm
+        self.num_blocks = swarm.num_blocks
+        self.dht_prefix = swarm.dht_prefix
+        self.state: SwarmState | None = None
+        self.last_update = -math.inf
+        self.bans: dict[str, float] = {}
+        self.pings: dict[str, float] = {}
+        self.rpc_infos: dict[str, dict[str, Any]] = {}
+        self._lock = threading.RLock()
+        self.allowed = None if config.allowed_servers is None else set(config.allowed_servers)
+        self.blocked = set(config.blocked_servers or ())
+
+    # ------------------------------------------------------------------ swarm state
+    def update(self, force: bool = False) -> SwarmState:
+        """Re-read the swarm from the DHT if ``update_period`` has passed (or ``force``); ping candidates."""
+        with self._lock:
+            now = time.monotonic()
+            if not force and self.state is not None and now - self.last_update < float(self.config.update_period):
+                return self.state
+            state = find_block_servers(self.swarm.dht, self.config, timeout=float(self.config.request_timeout))
+            self.state, self.last_update = state, time.monotonic()
+            self._ping(state)
+            logger.debug("swarm of %r: %d spans from %d peers", self.dht_prefix, len(state.spans), len(state.peers))
+            return state
+
+    def _ping(self, state: SwarmState) -> None:
+        """Ping up to ``max_pinged`` candidates for the first, middle and last blocks."""
+        limit = int(self.config.max_pinged)
+        if limit <= 0:
+            self.pings = {}
+            return
+        usable = [s for s in state.spans if self._usable(s.peer_id, s.state)]
+        groups = [
+            [s.peer_id for s in usable if s.start == 0],
+            [s.peer_id for s in usable if 0 < s.start or s.end < self.num_blocks],
+            [s.peer_id for s in usable if s.end == self.num_blocks],
+        ]
+        chosen: set[str] = set()
+        for group in groups:
+            unique = sorted(set(group))
+            chosen.update(random.sample(unique, min(limit, len(unique))))
+        self.pings = self.swarm.ping(sorted(chosen), float(self.config.ping_timeout)) if chosen else {}
+        logger.debug("pings: %s", {p[-6:]: round(v, 4) for p, v in self.pings.items()})
+
+    def _usable(self, peer_id: str, state: ServerState) -> bool:
+        if state != ServerState.ONLINE or peer_id in self.blocked:
+            return False
+        return self.allowed is None or peer_id in self.allowed
+
+    def banned(self) -> set[str]:
+        """Peers banned right now."""
+        now = time.monotonic()
+        with self._lock:
+            return {peer for peer, until in self.bans.items() if until > now}
+
+    # ------------------------------------------------------------------ routes
+    def make_route(self, start: int = 0, end: int | None = None, *, inference: bool = False,
+                   cache_tokens_needed: int | None = None) -> list[RemoteSpan]:
+        """A chain of ONLINE spans over blocks ``start..end-1`` avoiding banned, blocked and unreachable peers.
+
+        Refreshes the swarm state first when it is older than ``update_period``, and once
+        more when no route exists. Raises `NoRouteError` when none can be found.
+        """
+        end = self.num_blocks if end is None else end
+        try:
+            route = self._route(self.update(), start, end, cache_tokens_needed)
+        except NoRouteError:
+            route = self._route(self.update(force=True), start, end, cache_tokens_needed)
+        show = self.config.show_route
+        if show is True or (show == "inference" and inference):
+            logger.info("Route found: %s", " => ".join(f"{s.start}:{s.end} via …{s.peer_id[-6:]}" for s in route))
+        return route
+
+    def _route(self, state: SwarmState, start: int, end: int, cache_tokens_needed: int | None) -> list[RemoteSpan]:
+        blocked = self.blocked | self.banned()
+        unreachable = {peer for peer, rtt in self.pings.items() if math.isinf(rtt)}
+        short = set()
+        if cache_tokens_needed is not None:  # Petals 2.x units: cache_tokens_left counts 2 per token and block
+            short = {s.peer_id for s in state.spans if s.info.cache_tokens_left is not None
+                     and s.info.cache_tokens_left < cache_tokens_needed * 2 * s.length}
+        kwargs = dict(min_state=ServerState.ONLINE, allowed_peers=self.allowed, start=start, end=end)
+        for avoid in (blocked | unreachable | short, blocked | unreachable, blocked):
+            try:
+                return make_route(state, blocked_peers=avoid, **kwargs)
+            except NoRouteError:
+                continue
+        return make_route(state, blocked_peers=blocked, **kwargs)  # raises, naming the uncovered block
+
+    def chain_uid(self, span: RemoteSpan) -> str:
+        """Uids of the blocks of ``span`` joined into one chain string."""
+        return chain_uid(self.dht_prefix, span.start, span.end)
+
+    # ------------------------------------------------------------------ failures and retries
+    def on_failure(self, peer_id: str | None, error: BaseException | None = None) -> None:
+        """Ban ``peer_id`` for ``ban_timeout`` seconds."""
+        if peer_id is None:
+            return
+        with self._lock:
+            self.bans[peer_id] = time.monotonic() + float(self.config.ban_timeout)
+        logger.debug("banned %s for %s s after: %r", peer_id, self.config.ban_timeout, error)
+
+    def on_success(self, peer_id: str) -> None:
+        """Forget an expired ban of ``peer_id``."""
+        with self._lock:
+            until = self.bans.get(peer_id)
+            if until is not None and until <= time.monotonic():
+                del self.bans[peer_id]
+
+    def retry_delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (0: none; then min_backoff doubling up to max_backoff)."""
+        if attempt <= 0:
+            return 0.0
+        return min(float(self.config.min_backoff) * 2 ** (attempt - 1), float(self.config.max_backoff))
+
+    def retries_left(self, attempt: int) -> bool:
+        """Whether a request that failed on ``attempt`` (0-based) may be tried again."""
+        limit = self.config.max_retries
+        return limit is None or attempt < int(limit)
+
+    def with_retries(self, what: str, attempt_fn: Callable[[int], T], peers_of: Callable[[], Iterable[str]] = tuple
+                     ) -> T:
+        """Run ``attempt_fn(attempt)`` until it succeeds; after a failure wait `retry_delay` and retry.
+
+        ``attempt_fn`` reports failed peers itself (`on_failure`). Gives up with
+        `RetriesExhausted` after ``max_retries`` retries.
+        """
+        attempt = 0
+        while True:
+            try:
+                return attempt_fn(attempt)
+            except Exception as exc:
+                if not self.retries_left(attempt):
+                    raise RetriesExhausted(f"{what} failed after {attempt + 1} attempt(s): {exc!r}") from exc
+                attempt += 1
+                delay = self.retry_delay(attempt)
+                logger.warning("%s failed (%r); retry %d in %.3g s", what, exc, attempt, delay)
+                time.sleep(delay)
+
+    # ------------------------------------------------------------------ server info
+    def rpc_info(self, span: RemoteSpan) -> dict[str, Any]:
+        """The server's ``rpc_info`` for the first block of ``span`` (cached per peer)."""
+        info = self.rpc_infos.get(span.peer_id)
+        if info is None:
+            uid = chain_uid(self.dht_prefix, span.start, span.start + 1)
+            timeout = float(self.config.request_timeout)
+            info = self.swarm.run(self.swarm.call_info(span.peer_id, uid, timeout), timeout=timeout + 1)
+            self.rpc_infos[span.peer_id] = info
+        return info
+
+    def server_dtype(self, span: RemoteSpan) -> Any:
+        """The dtype the server computes in (from its ``rpc_info``), or None if it does not say.
+
+        Hidden states travel in this dtype, as Petals 2.x clients send them.
+        """
+        import torch
+
+        info = self.rpc_info(span)
+        dtype = None
+        try:
+            dtype = info["inference_schema"][0][0].dtype
+        except (KeyError, IndexError, TypeError, AttributeError):
+            name = info.get("torch_dtype")
+            if isinstance(name, str):
+                dtype = getattr(torch, name.removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+    def request_metadata(self) -> dict[str, Any]:
+        """Metadata every request carries: ``active_adapter`` and ``points``."""
+        return {"active_adapter": self.config.active_adapter or "", "points": 0}

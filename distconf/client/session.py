@@ -1,0 +1,315 @@
+"""Inference sessions: one ``rpc_inference`` stream per span of the route, with failover.
+
+`InferenceSession.step` sends new hidden states through every span in order. Each
+`SpanSession` keeps the inputs it sent (its ``history``, reordered along with the
+server's cache when ``hypo_ids`` are given). When a server fails, the session bans it,
+routes the failed span's blocks again, opens fresh streams there and replays the
+history to them (no ``start_from_position`` for a fresh stream: it starts empty), then
+continues. With ``use_server_to_server`` each step also names the following servers
+(``next_servers``) so a server pushes its outputs straight to the next one; the
+client's own copy is de-duplicated by ``step_id`` on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from distconf.client.routing import RetriesExhausted
+from distconf.dht import RemoteSpan
+from distconf.rpc.protocol import (
+    DUMMY,
+    DUMMY_INT64,
+    KEY_ACTIVE_ADAPTER,
+    KEY_ALLOC_TIMEOUT,
+    KEY_ARGS_STRUCTURE,
+    KEY_MAX_LENGTH,
+    KEY_NEXT_SERVERS,
+    KEY_POINTS,
+    KEY_SESSION_ID,
+    KEY_START_FROM_POSITION,
+    KEY_STEP_ID,
+    deserialize_tensors,
+    dumps_metadata,
+    pack_args_kwargs,
+    serialize_tensors,
+)
+
+__all__ = ["InferenceSession", "SpanSession"]
+
+logger = logging.getLogger(__name__)
+
+
+class SpanSession:
+    """The stream to one server for blocks ``span.start..span.end-1`` of an inference session."""
+
+    def __init__(self, manager: Any, span: RemoteSpan, max_length: int, dtype: torch.dtype) -> None:
+        self.manager = manager
+        self.swarm = manager.swarm
+        self.config = manager.config
+        self.span = span
+        self.uid = manager.chain_uid(span)
+        self.session_id = str(uuid.uuid4())
+        self.max_length = max_length
+        self.dtype = dtype
+        self.history: torch.Tensor | None = None
+        self.position = 0
+        self.stepped = False
+        self.pending_start: int | None = None
+        self.closed = False
+        self.wire_dtype: torch.dtype | None = None
+        self._queue: asyncio.Queue[Any] | None = None
+        self._outputs: AsyncIterator[Any] | None = None
+
+    @property
+    def peer_id(self) -> str:
+        """The server's base58 peer id."""
+        return self.span.peer_id
+
+    def next_server(self) -> tuple[str, str, int, int]:
+        """This span as an entry of ``next_servers``."""
+        return (self.peer_id, self.session_id, self.span.start, self.span.end)
+
+    # ------------------------------------------------------------------ stream plumbing (event loop)
+    async def _requests(self) -> AsyncIterator[Any]:
+        assert self._queue is not None
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            yield item
+
+    async def _exchange(self, request: Any) -> Any:
+        if self._outputs is None:
+            self._queue = asyncio.Queue()
+            self._outputs = await self.swarm.open_stream(self.peer_id, "rpc_inference", self._requests(),
+                                                         float(self.config.connect_timeout))
+        await self._queue.put(request)
+        try:
+            return await asyncio.wait_for(self._outputs.__anext__(), float(self.config.request_timeout))
+        except StopAsyncIteration:
+            raise ConnectionError(f"server …{self.peer_id[-6:]} closed the inference stream") from None
+
+    async def _close(self) -> None:
+        from hivemind.proto import runtime_pb2
+
+        if self._queue is None or self._outputs is None:
+            return
+        await self._queue.put(runtime_pb2.ExpertRequest())  # empty uid and no tensors: end of session
+        await self._queue.put(None)
+        try:
+            await asyncio.wait_for(self._outputs.__anext__(), 2.0)
+        except (StopAsyncIteration, Exception):
+            pass
+        finally:
+            closer = getattr(self._outputs, "aclose", None)
+            if closer is not None:
+                try:
+                    await asyncio.wait_for(closer(), 1.0)
+                except Exception:
+                    pass
+
+    # ------------------------------------------------------------------ one step
+    def step(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
+             step_id: str, next_servers: list[tuple[str, str, int, int]]) -> torch.Tensor:
+        """Send this step; return the outputs for what was sent (all positions when replaying).
+
+        ``inputs`` holds either the ``n_new`` new positions or all ``position + n_new``.
+        """
+        if self.closed:
+            raise RuntimeError("span session is closed")
+        if self.stepped:
+            if self.position != position:
+                raise RuntimeError(f"span at position {self.position}, session at {position}")
+            sent = inputs[:, -n_new:]
+            history = self.history if self.history is not None else sent[:, :0]
+            if hypo_ids is not None:
+                history = history[hypo_ids]
+            new_history = torch.cat([history, sent], dim=1)
+            step_hypo = hypo_ids
+        else:
+            if inputs.shape[1] == position + n_new:
+                sent = inputs
+            else:
+                if self.history is None or self.history.shape[1] < position:
+                    raise RuntimeError(f"no history to replay {position} positions to a new server")
+                history = self.history[:, :position]
+                if hypo_ids is not None:
+                    history = history[hypo_ids]
+                sent = torch.cat([history, inputs[:, -n_new:]], dim=1)
+            new_history = sent
+            step_hypo = None  # a fresh cache is filled with the already reordered history
+        metadata = self._step_metadata(step_id, next_servers)
+        flat, structure = pack_args_kwargs(sent, DUMMY, step_hypo if step_hypo is not None else DUMMY_INT64)
+        metadata[KEY_ARGS_STRUCTURE] = structure
+        from hivemind.proto import runtime_pb2
+
+        if self.wire_dtype is None:
+            self.wire_dtype = self.manager.server_dtype(self.span) or self.dtype
+        request = runtime_pb2.ExpertRequest(uid=self.uid, tensors=serialize_tensors(flat, self.wire_dtype),
+                                            metadata=dumps_metadata(metadata))
+        timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
+        response = self.swarm.run(self._exchange(request), timeout=timeout)
+        outputs = deserialize_tensors(response.tensors)
+        if not outputs or tuple(outputs[0].shape) != tuple(sent.shape):
+            got = tuple(outputs[0].shape) if outputs else "nothing"
+            raise ConnectionError(f"server …{self.peer_id[-6:]} returned {got} for inputs {tuple(sent.shape)}")
+        self.history = new_history
+        self.position = position + n_new
+        self.stepped = True
+        self.pending_start = None
+        return outputs[0].to(inputs.dtype)
+
+    def _step_metadata(self, step_id: str, next_servers: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+        metadata: dict[str, Any] = {KEY_SESSION_ID: self.session_id, KEY_STEP_ID: step_id}
+        if not self.stepped:
+            metadata.update({
+                KEY_MAX_LENGTH: self.max_length,
+                KEY_ALLOC_TIMEOUT: float(self.config.request_timeout),
+                KEY_POINTS: 0,
+                KEY_ACTIVE_ADAPTER: self.config.active_adapter or "",
+            })
+        elif self.pending_start is not None:
+            metadata[KEY_START_FROM_POSITION] = self.pending_start
+        if next_servers and self.stepped:
+            metadata[KEY_NEXT_SERVERS] = [list(s) for s in next_servers]
+        return metadata
+
+    def rewind(self, position: int) -> None:
+        """Forget positions from ``position`` on (sent as ``start_from_position`` on the next step)."""
+        if self.history is not None:
+            self.history = self.history[:, :position]
+        if self.stepped and position < self.position:
+            self.position = position
+            self.pending_start = position
+
+    def close(self) -> None:
+        """End the stream (the server frees this session's cache)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.swarm.run(self._close(), timeout=5.0)
+        except Exception as exc:
+            logger.debug("closing session on …%s: %r", self.peer_id[-6:], exc)
+
+
+class InferenceSession:
+    """A multi-step inference session over all blocks of the model, with failover.
+
+    :param manager: the `SequenceManager` that routes the session.
+    :param max_length: most tokens the session will hold (prompt and generated tokens).
+    """
+
+    def __init__(self, manager: Any, max_length: int, dtype: torch.dtype = torch.float32) -> None:
+        self.manager = manager
+        self.config = manager.config
+        self.max_length = int(max_length)
+        self.dtype = dtype
+        self.position = 0
+        self.sessions: list[SpanSession] = []
+        self.closed = False
+        self.failovers = 0
+
+    @property
+    def route(self) -> list[RemoteSpan]:
+        """The spans of the sessions currently in use."""
+        return [s.span for s in self.sessions]
+
+    def rewind(self, position: int) -> None:
+        """Go back to ``position`` (the next step overwrites what came after it)."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot rewind a session at {self.position} to {position}")
+        for s in self.sessions:
+            s.rewind(position)
+        self.position = position
+
+    def step(self, hidden_states: torch.Tensor, hypo_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``[batch, new_tokens, hidden]`` through every block; return the last block's outputs."""
+        if self.closed:
+            raise RuntimeError("the inference session is closed")
+        n_new = int(hidden_states.shape[1])
+        if self.position + n_new > self.max_length:
+            raise ValueError(f"session max_length {self.max_length} exceeded: {self.position} tokens + {n_new} new")
+        if hypo_ids is not None:
+            hypo_ids = hypo_ids.to("cpu", torch.int64)
+            if hypo_ids.shape != (hidden_states.shape[0],):
+                raise ValueError(f"hypo_ids must have shape ({hidden_states.shape[0]},), got {tuple(hypo_ids.shape)}")
+        step_id = str(uuid.uuid4())
+        x = hidden_states.detach().cpu().to(self.dtype)
+        index, block = 0, 0
+        num_blocks = self.manager.num_blocks
+        while block < num_blocks:
+            index, block, x = self._step_span(index, block, x, n_new, hypo_ids, step_id)
+        self.position += n_new
+        return x[:, -n_new:].to(hidden_states.device, hidden_states.dtype)
+
+    def _step_span(self, index: int, block: int, x: torch.Tensor, n_new: int, hypo_ids: torch.Tensor | None,
+                   step_id: str) -> tuple[int, int, torch.Tensor]:
+        """Run span ``index`` (starting at ``block``), replacing its server as often as retries allow."""
+        attempt = 0
+        while True:
+            session = None
+            try:
+                if index >= len(self.sessions) or attempt > 0:
+                    self._reroute(index, block, failed=attempt > 0)
+                session = self.sessions[index]
+                out = session.step(x, n_new, self.position, hypo_ids, step_id, self._next_servers(index))
+                self.manager.on_success(session.peer_id)
+                return index + 1, session.span.end, out
+            except Exception as exc:
+                peer = session.peer_id if session is not None else None
+                self.manager.on_failure(peer, exc)
+                if not self.manager.retries_left(attempt):
+                    raise RetriesExhausted(f"inference step at block {block} failed after {attempt + 1} attempt(s): "
+                                           f"{exc!r}") from exc
+                attempt += 1
+                delay = self.manager.retry_delay(attempt)
+                where = f"…{peer[-6:]}" if peer else "routing"
+                logger.warning("inference step via %s failed at block %d (%r); retry %d in %.3g s",
+                               where, block, exc, attempt, delay)
+                time.sleep(delay)
+
+    def _next_servers(self, index: int) -> list[tuple[str, str, int, int]]:
+        if not self.config.use_server_to_server:
+            return []
+        chain = []
+        for s in self.sessions[index + 1:]:
+            if not s.stepped or s.closed:
+                break
+            chain.append(s.next_server())
+        return chain
+
+    def _reroute(self, index: int, block: int, failed: bool) -> None:
+        """Open sessions for blocks ``block..`` (to the end, or to the end of the failed span)."""
+        old = self.sessions[index] if index < len(self.sessions) else None
+        end = old.span.end if old is not None else self.manager.num_blocks
+        route = self.manager.make_route(block, end, inference=True, cache_tokens_needed=self.max_length)
+        fresh = [SpanSession(self.manager, span, self.max_length, self.dtype) for span in route]
+        if old is not None:
+            fresh[0].history = old.history
+            old.close()
+            self.failovers += 1
+            logger.info("replacing …%s for blocks %d..%d: %s", old.peer_id[-6:], block, end - 1,
+                        ", ".join(f"{s.span.start}:{s.span.end} via …{s.peer_id[-6:]}" for s in fresh))
+        self.sessions[index:index + 1] = fresh
+
+    def close(self) -> None:
+        """End the streams on every server."""
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.sessions:
+            s.close()
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

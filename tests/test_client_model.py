@@ -1,0 +1,132 @@
+"""The client model without servers: non-block weights, the layer stand-in, the remote cache, retry policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from client_swarm import make_model_dir
+
+FAMILIES = ["bloom", "llama", "falcon", "mixtral", "qwen3", "gemma2", "deepseek_v2", "gpt_neox", "phi3",
+            "starcoder2", "granite", "qwen2", "qwen3_moe", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def dht() -> Any:
+    from distconf.dht import start_local_dht
+
+    node = start_local_dht()
+    yield node
+    from distconf.client.swarm import release_dht
+
+    release_dht(node)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_non_block_weights_are_loaded(family: str, dht: Any, tmp_path: Path) -> None:
+    from distconf.blocks.weights import layer_prefixes
+    from distconf.client import AutoDistributedModelForCausalLM
+    from distconf.client.model import RemoteLayers
+
+    model_dir, local = make_model_dir(tmp_path / family, family, layers=2)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht)
+    try:
+        assert isinstance(model, type(local))  # the family's own transformers class
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        assert any(len(m) == 1 and isinstance(m[0], RemoteLayers) for m in layers)
+        reference = local.state_dict()
+        state = model.state_dict()
+        block_forms = tuple(p for i in range(2) for p in layer_prefixes(model.config, i))
+        assert not [k for k in state if k.startswith(block_forms)], "no block tensor may be local"
+        assert set(reference) - set(state) == {k for k in reference if k.startswith(block_forms)}
+        for name, tensor in state.items():
+            assert torch.equal(tensor, reference[name]), name
+        for name, buffer in model.named_buffers():
+            assert torch.allclose(buffer, dict(local.named_buffers())[name]), name
+        # the stand-in's output convention: a pass-through stand-in gives the model without its blocks
+        stand_in = model.remote_layers
+        stand_in.probing = True
+        ids = torch.tensor([[1, 2, 3]])
+        with torch.no_grad():
+            out = model(ids, use_cache=False).logits
+        stand_in.probing = False
+        assert out.shape == (1, 3, local.config.vocab_size) and torch.isfinite(out).all()
+    finally:
+        model.shutdown()
+
+
+def test_layer_output_convention_is_found(dht: Any, tmp_path: Path) -> None:
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    found = {}
+    for family in ("bloom", "llama"):
+        model_dir, _ = make_model_dir(tmp_path / family, family, layers=2)
+        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht)
+        found[family] = model.remote_layers.returns_tuple
+        model.shutdown()
+    assert found == {"bloom": True, "llama": False}  # bloom's loop reads outputs[0]; llama's takes the tensor
+
+
+def test_missing_non_block_tensor_is_named(dht: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    model_dir, _ = make_model_dir(tmp_path / "llama", "llama", layers=2)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.norm.weight"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht)
+
+
+class _Recorder:
+    """A stand-in inference session recording what the cache asks of it."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.calls: list[tuple[str, Any]] = []
+
+    def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls.append(("step", None if hypo_ids is None else hypo_ids.tolist()))
+        self.position += hidden.shape[1]
+        return hidden
+
+    def rewind(self, position: int) -> None:
+        self.calls.append(("rewind", position))
+        self.position = position
+
+
+def test_remote_cache_maps_reorder_and_crop_to_the_protocol() -> None:
+    from distconf.client import RemoteCache
+
+    session = _Recorder()
+    cache = RemoteCache(remote=None, max_length=16, num_layers=3)
+    cache.session = session  # type: ignore[assignment]
+    cache.step(torch.zeros(2, 4, 8))
+    assert cache.get_seq_length() == 4 and cache.get_mask_sizes(1, 0) == (5, 0)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.reorder_cache(torch.tensor([1, 1]))  # composed: row i takes row beam[i] of the previous order
+    cache.step(torch.zeros(2, 1, 8))
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3
+    cache.step(torch.zeros(2, 1, 8))
+    assert session.calls == [("step", None), ("step", [0, 0]), ("rewind", 3), ("step", None)]
+    assert cache.get_seq_length() == 4
+
+
+def test_retry_delays_follow_backoff_fields() -> None:
+    from distconf.client import SequenceManager
+    from distconf.family import load_family
+
+    config = load_family("llama")(min_backoff=0.5, max_backoff=3.0, max_retries=2, dht_prefix="x")
+
+    class _Swarm:
+        num_blocks, dht_prefix = 2, "x"
+
+    manager = SequenceManager(config, _Swarm())
+    assert [manager.retry_delay(a) for a in range(5)] == [0.0, 0.5, 1.0, 2.0, 3.0]
+    assert [manager.retries_left(a) for a in range(3)] == [True, True, False]

@@ -1,0 +1,329 @@
+"""The client against real ``distconf serve`` processes: every ClientConfig field, push, failover.
+
+One module-scoped swarm of a tiny llama model (4 blocks): server A holds blocks 0:2,
+servers B and C both hold 2:4. Some tests add DHT records of peers that cannot serve
+(a DHT node without block handlers, or a peer that is gone) to see the client route
+around them. The failover test kills a server and runs last.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from client_swarm import make_model_dir, prompts, server_info, start_servers, stop_all
+
+FAST = {"max_retries": 0, "min_backoff": 0.01, "max_backoff": 0.02}
+
+
+class Swarm:
+    """The bootstrap DHT, the model folder, the local reference model and the three servers."""
+
+    def __init__(self, root: Path) -> None:
+        from distconf.dht import start_local_dht, visible_maddrs
+
+        self.dht = start_local_dht()
+        self.peers = visible_maddrs(self.dht)
+        self.model_dir, self.local = make_model_dir(root / "llama", "llama")
+        self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
+                                     self.peers, root)
+        self.a, self.b, self.c = (s.peer_id for s in self.servers)
+        from distconf.family.auto import AutoDistributedConfig
+
+        self.config = AutoDistributedConfig.from_pretrained(str(self.model_dir))
+        self.dead_peer = self._gone_peer()
+        self.models: list[Any] = []
+        self.last_expiration = 0.0
+
+    def _gone_peer(self) -> str:
+        from distconf.dht import start_local_dht
+
+        node = start_local_dht(self.peers)
+        peer = node.peer_id.to_base58()
+        node.shutdown()
+        return peer
+
+    def model(self, **kwargs: Any) -> Any:
+        """A client model on this swarm (through the bootstrap DHT unless initial_peers is given)."""
+        from distconf.client import AutoDistributedModelForCausalLM
+
+        if "initial_peers" not in kwargs:
+            kwargs["dht"] = self.dht
+        kwargs.setdefault("max_retries", 3)  # every wait bounded
+        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
+        self.models.append(model)
+        return model
+
+    def store(self, peer: str, start: int, end: int, state: int = 2, throughput: float = 1e6) -> None:
+        """Store a server record for ``peer`` on blocks ``start..end-1`` (newer records win)."""
+        from hivemind.utils import get_dht_time
+
+        from distconf.dht import ServerInfo
+
+        info = ServerInfo(state=state, throughput=throughput, start_block=start, end_block=end)
+        expiration = self.last_expiration = max(get_dht_time() + 600, self.last_expiration + 1)  # newest wins
+        for i in range(start, end):
+            assert self.dht.store(f"{self.config.dht_prefix}.{i}", info.to_wire(), expiration, subkey=peer)
+
+    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
+        with torch.no_grad():
+            return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
+
+    def close(self) -> None:
+        for model in self.models:
+            model.shutdown()
+        stop_all(self.servers)
+        from distconf.client.swarm import release_dht
+
+        release_dht(self.dht)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = Swarm(tmp_path_factory.mktemp("client-swarm"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
+
+
+def session_peers(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[str]:
+    """Peers of the route an inference session takes (after a one-token generation)."""
+    with model.inference_session(16) as cache:
+        generate(model, ids, max_new_tokens=1, cache=cache, **kwargs)
+        return [s.peer_id for s in cache.session.sessions]
+
+
+# ------------------------------------------------------------------ connection fields
+
+
+def test_initial_peers_and_startup_timeout(swarm: Swarm) -> None:
+    ids = prompts()
+    model = swarm.model(initial_peers=swarm.peers, daemon_startup_timeout=60.0)
+    assert model.remote.swarm.dht is not swarm.dht  # its own client-mode node, joined through initial_peers
+    assert generate(model, ids, max_new_tokens=4, do_sample=False) == swarm.expected(ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="initial_peers is empty"):
+        swarm.model(initial_peers=[])
+    with pytest.raises(TimeoutError):
+        swarm.model(initial_peers=swarm.peers, daemon_startup_timeout=0.001)
+
+
+def test_dht_prefix_names_the_blocks(swarm: Swarm) -> None:
+    model = swarm.model(dht_prefix="no-such-model", **FAST)
+    with pytest.raises(Exception, match="no-such-model"):
+        model(prompts())
+
+
+def test_connect_and_request_timeouts(swarm: Swarm) -> None:
+    ids = prompts()
+    with pytest.raises(Exception, match="TimeoutError"):
+        generate(swarm.model(connect_timeout=1e-6, **FAST), ids, max_new_tokens=1)
+    with pytest.raises(Exception, match=r"TimeoutError|timed out"):
+        swarm.model(request_timeout=1e-6, **FAST)(ids)
+    ok = swarm.model(connect_timeout=5.0, request_timeout=30.0, **FAST)
+    assert generate(ok, ids, max_new_tokens=2) == swarm.expected(ids, max_new_tokens=2)
+
+
+def test_allowed_and_blocked_servers(swarm: Swarm) -> None:
+    ids = prompts()
+    assert session_peers(swarm.model(allowed_servers=[swarm.a, swarm.b]), ids) == [swarm.a, swarm.b]
+    assert session_peers(swarm.model(allowed_servers=[swarm.a, swarm.c]), ids) == [swarm.a, swarm.c]
+    assert session_peers(swarm.model(blocked_servers=[swarm.b]), ids) == [swarm.a, swarm.c]
+    assert session_peers(swarm.model(blocked_servers=[swarm.c]), ids) == [swarm.a, swarm.b]
+
+
+def test_show_route(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
+    ids = prompts()
+    caplog.set_level(logging.INFO, logger="distconf.client.routing")
+    for show, forward_logged, inference_logged in ((True, True, True), (False, False, False),
+                                                   ("inference", False, True)):
+        model = swarm.model(show_route=show)
+        caplog.clear()
+        with torch.no_grad():
+            model(ids)
+        assert ("Route found" in caplog.text) == forward_logged, show
+        caplog.clear()
+        generate(model, ids, max_new_tokens=1)
+        assert ("Route found" in caplog.text) == inference_logged, show
+
+
+def test_active_adapter_is_sent(swarm: Swarm) -> None:
+    ids = prompts()
+    with pytest.raises(Exception, match="adapter"):
+        swarm.model(active_adapter="some-adapter", **FAST)(ids)
+    assert swarm.model(active_adapter=None, **FAST)(ids).logits.shape == (2, 5, swarm.local.config.vocab_size)
+
+
+def test_forward_and_backward_match_local(swarm: Swarm) -> None:
+    ids = prompts(seed=9)
+    model = swarm.model()
+    embeddings = swarm.local.get_input_embeddings()(ids).detach()
+    remote_in = embeddings.clone().requires_grad_()
+    local_in = embeddings.clone().requires_grad_()
+    remote_out = model(inputs_embeds=remote_in, use_cache=False).logits
+    local_out = swarm.local(inputs_embeds=local_in, use_cache=False).logits
+    assert torch.allclose(remote_out, local_out, atol=1e-4, rtol=1e-4)
+    weights = torch.randn(local_out.shape, generator=torch.Generator().manual_seed(0))
+    (remote_out * weights).sum().backward()  # rpc_backward on B (or C), then A
+    (local_out * weights).sum().backward()
+    assert remote_in.grad is not None and torch.allclose(remote_in.grad, local_in.grad, atol=1e-4, rtol=1e-3)
+
+
+# ------------------------------------------------------------------ routing fields (records of peers that cannot serve)
+
+
+@pytest.fixture
+def decoy(swarm: Swarm) -> Any:
+    """A live DHT node without block handlers, announced ONLINE for blocks 2:4 with a huge throughput."""
+    from distconf.dht import start_local_dht
+
+    node = start_local_dht(swarm.peers)
+    peer = node.peer_id.to_base58()
+    swarm.store(peer, 2, 4)
+    try:
+        yield peer
+    finally:
+        swarm.store(peer, 2, 4, state=0)
+        node.shutdown()
+
+
+def test_max_retries_and_ban_timeout(swarm: Swarm, decoy: str) -> None:
+    ids = prompts()
+    with pytest.raises(Exception, match="after 1 attempt"):
+        swarm.model(max_retries=0, max_pinged=0)(ids)
+    model = swarm.model(max_retries=3, min_backoff=0.01, max_pinged=0, ban_timeout=600.0)
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, swarm.local(ids).logits, atol=1e-4)
+    assert decoy in model.remote.manager.banned()
+    short = swarm.model(max_retries=3, min_backoff=0.01, max_pinged=0, ban_timeout=0.05)
+    with torch.no_grad():
+        short(ids)
+    time.sleep(0.1)
+    assert decoy not in short.remote.manager.banned()
+
+
+def test_backoff_delays(swarm: Swarm, decoy: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="distconf.client.routing")
+    swarm.store(swarm.dead_peer, 2, 4, throughput=2e6)  # a second bad server: two failures in a row
+    try:
+        model = swarm.model(max_retries=4, min_backoff=0.125, max_backoff=0.2, max_pinged=0)
+        with torch.no_grad():
+            model(prompts())
+    finally:
+        swarm.store(swarm.dead_peer, 2, 4, state=0)
+    assert "retry 1 in 0.125 s" in caplog.text
+    assert "retry 2 in 0.2 s" in caplog.text  # 0.25 capped by max_backoff
+
+
+def test_pings_avoid_unreachable_servers(swarm: Swarm) -> None:
+    swarm.store(swarm.dead_peer, 2, 4)
+    try:
+        pinged = swarm.model(max_pinged=3, ping_timeout=2.0)
+        route = pinged.remote.manager.make_route()
+        assert swarm.dead_peer not in [s.peer_id for s in route]
+        assert math.isinf(pinged.remote.manager.pings[swarm.dead_peer])
+        assert math.isfinite(pinged.remote.manager.pings[swarm.b])
+
+        unpinged = swarm.model(max_pinged=0)
+        assert swarm.dead_peer in [s.peer_id for s in unpinged.remote.manager.make_route()]
+        assert unpinged.remote.manager.pings == {}
+
+        impatient = swarm.model(max_pinged=3, ping_timeout=1e-6)
+        impatient.remote.manager.update(force=True)
+        assert impatient.remote.manager.pings and all(math.isinf(v) for v in impatient.remote.manager.pings.values())
+    finally:
+        swarm.store(swarm.dead_peer, 2, 4, state=0)
+
+
+def test_update_period(swarm: Swarm) -> None:
+    from distconf.dht import start_local_dht
+
+    slow, fast = swarm.model(update_period=600.0), swarm.model(update_period=0.001)
+    slow.remote.manager.make_route()
+    fast.remote.manager.make_route()
+    node = start_local_dht(swarm.peers)
+    newcomer = node.peer_id.to_base58()
+    swarm.store(newcomer, 0, 2, throughput=1.0)
+    try:
+        slow.remote.manager.make_route()
+        fast.remote.manager.make_route()
+        assert newcomer not in slow.remote.manager.state.peers
+        assert newcomer in fast.remote.manager.state.peers
+    finally:
+        swarm.store(newcomer, 0, 2, state=0)
+        node.shutdown()
+
+
+def test_generate_command_prints_token_ids(swarm: Swarm) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from client_swarm import REPO
+
+    result = subprocess.run(
+        [sys.executable, "-m", "distconf.cli.cmd_generate", str(swarm.model_dir), "--initial-peers", *swarm.peers,
+         "--ids", "5,17,42", "--max-new-tokens", "6"],
+        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    ids = torch.tensor([[5, 17, 42]])
+    assert [int(t) for t in result.stdout.split()] == swarm.expected(ids, max_new_tokens=6)[0][3:]
+
+
+# ------------------------------------------------------------------ server-to-server and failover (last: kills B or C)
+
+
+def test_server_to_server_push(swarm: Swarm) -> None:
+    ids = prompts(seed=3)
+    expected = swarm.expected(ids, max_new_tokens=12)
+
+    model = swarm.model(use_server_to_server=True, blocked_servers=[swarm.c])
+
+    def pushes(peer: str) -> int:
+        return int(server_info(model, peer)["stats"].get("pushes_received", 0))
+
+    before = pushes(swarm.b)
+    assert generate(model, ids, max_new_tokens=12) == expected
+    after = pushes(swarm.b)
+    assert after - before >= 11  # every step after the first reached B from A
+
+    off = swarm.model(use_server_to_server=False, blocked_servers=[swarm.c])
+    assert generate(off, ids, max_new_tokens=12) == expected
+    assert pushes(swarm.b) == after
+
+
+def test_failover_mid_generation(swarm: Swarm) -> None:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ids = prompts(seed=5)
+    expected = swarm.expected(ids, max_new_tokens=16)
+    model = swarm.model(ban_timeout=600.0, min_backoff=0.05)
+    by_peer = {s.peer_id: s for s in swarm.servers}
+    killed: list[str] = []
+
+    class KillAfterSixTokens(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[1] == ids.shape[1] + 6 and not killed:
+                victim = cache.session.sessions[-1].peer_id
+                by_peer[victim].kill()
+                killed.append(victim)
+            return scores
+
+    with model.inference_session(32) as cache:
+        out = generate(model, ids, max_new_tokens=16, cache=cache,
+                       logits_processor=LogitsProcessorList([KillAfterSixTokens()]))
+        assert killed and cache.session.failovers == 1
+        replacement = cache.session.sessions[-1].peer_id
+    assert out == expected
+    assert replacement != killed[0] and replacement in (swarm.b, swarm.c)
+    assert killed[0] in model.remote.manager.banned()
