@@ -128,8 +128,10 @@ def stop_all(servers: list[ServerProcess]) -> None:
 
 def server_info(model: Any, peer_id: str) -> dict[str, Any]:
     """``rpc_info`` of a server, through the model's swarm connection."""
+    from distconf.rpc.calls import call_info
+
     swarm = model.remote.swarm
-    return swarm.run(swarm.call_info(peer_id, "", 10.0), timeout=15.0)
+    return swarm.run(call_info(swarm.p2p, peer_id, timeout=10.0), timeout=15.0)
 
 
 def prompts(batch: int = 2, length: int = 5, vocab: int = 128, seed: int = 0) -> torch.Tensor:

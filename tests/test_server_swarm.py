@@ -272,6 +272,27 @@ def test_forward_stream_form_with_parts(swarm: Swarm) -> None:
     assert close(out, ref[3][1])
 
 
+def test_calls_above_the_unary_limit_use_the_stream_form(swarm: Swarm) -> None:
+    from distconf.rpc import call_backward, call_forward
+    from distconf.rpc.protocol import MAX_UNARY_PAYLOAD_SIZE
+
+    blocks = _local_blocks(swarm, 2, 4)
+    g = torch.Generator().manual_seed(8)
+    batch = MAX_UNARY_PAYLOAD_SIZE // (4 * 4 * swarm.hidden) + 1  # float32 [batch, 4, hidden] just over the limit
+    x = torch.randn(batch, 4, swarm.hidden, generator=g)
+    grad_out = torch.randn(batch, 4, swarm.hidden, generator=g)
+    assert x.numel() * 4 > MAX_UNARY_PAYLOAD_SIZE
+    xl = x.clone().requires_grad_(True)
+    h = xl
+    for block in blocks:
+        h, _ = block(h)
+    h.backward(grad_out)
+    out = swarm.run(call_forward(swarm.loop.p2p, swarm.b, uid(2, 4), x, timeout=60), timeout=90)
+    assert close(out, h.detach())
+    (grad,) = swarm.run(call_backward(swarm.loop.p2p, swarm.b, uid(2, 4), x, grad_out, timeout=60), timeout=90)
+    assert torch.allclose(grad, xl.grad, atol=1e-5)
+
+
 def _local_blocks(swarm: Swarm, start: int, end: int) -> list[Any]:
     from distconf.blocks.weights import load_block
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
+from distconf.rpc.calls import call_info
 from distconf.rpc.protocol import chain_uid
 
 __all__ = ["SequenceManager", "RetriesExhausted"]
@@ -182,7 +183,7 @@ class SequenceManager:
         if info is None:
             uid = chain_uid(self.dht_prefix, span.start, span.start + 1)
             timeout = float(self.config.request_timeout)
-            info = self.swarm.run(self.swarm.call_info(span.peer_id, uid, timeout), timeout=timeout + 1)
+            info = self.swarm.run(call_info(self.swarm.p2p, span.peer_id, uid, timeout=timeout), timeout=timeout + 1)
             self.rpc_infos[span.peer_id] = info
         return info
 

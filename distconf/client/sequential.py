@@ -17,8 +17,7 @@ import torch
 from distconf.client.routing import SequenceManager
 from distconf.client.session import InferenceSession
 from distconf.dht import RemoteSpan
-from distconf.rpc.protocol import DUMMY, KEY_ARGS_STRUCTURE, deserialize_tensors, dumps_metadata, pack_args_kwargs
-from distconf.rpc.protocol import serialize_tensors as _serialize
+from distconf.rpc.calls import call_backward, call_forward
 
 __all__ = ["RemoteSequential"]
 
@@ -57,23 +56,30 @@ def _float_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def _call(manager: SequenceManager, span: RemoteSpan, rpc: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One ``rpc_forward`` / ``rpc_backward`` call to ``span``'s server."""
-    flat, structure = pack_args_kwargs(*tensors)
-    metadata = manager.request_metadata()
-    metadata[KEY_ARGS_STRUCTURE] = structure
+def _timeouts(manager: SequenceManager) -> tuple[float, float]:
+    """The call's own timeout and the (longer) bound on waiting for it from this thread."""
     timeout = float(manager.config.request_timeout)
-    serialized = _serialize(flat, manager.server_dtype(span))
-    coro = manager.swarm.call_tensors(span.peer_id, rpc, manager.chain_uid(span), serialized,
-                                      dumps_metadata(metadata), timeout)
-    return deserialize_tensors(manager.swarm.run(coro, timeout=timeout + float(manager.config.connect_timeout) + 1))
+    return timeout, timeout + float(manager.config.connect_timeout) + 1
 
 
 def _forward_span(manager: SequenceManager, span: RemoteSpan, x: torch.Tensor) -> torch.Tensor:
-    out = _call(manager, span, "rpc_forward", [x, DUMMY])
-    if not out or out[0].shape != x.shape:
-        raise ConnectionError(f"…{span.peer_id[-6:]} returned {out[0].shape if out else 'nothing'} for {x.shape}")
-    return out[0].to(x.dtype)
+    """One ``rpc_forward`` call to ``span``'s server (checked: same shape back)."""
+    timeout, wait = _timeouts(manager)
+    coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x, timeout=timeout,
+                        dtype=manager.server_dtype(span), metadata=manager.request_metadata())
+    out = manager.swarm.run(coro, timeout=wait)
+    if out.shape != x.shape:
+        raise ConnectionError(f"…{span.peer_id[-6:]} returned {out.shape} for {x.shape}")
+    return out.to(x.dtype)
+
+
+def _backward_hop(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor
+                  ) -> list[torch.Tensor]:
+    """One ``rpc_backward`` call to ``span``'s server."""
+    timeout, wait = _timeouts(manager)
+    coro = call_backward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), inputs, grad, timeout=timeout,
+                         dtype=manager.server_dtype(span), metadata=manager.request_metadata())
+    return manager.swarm.run(coro, timeout=wait)
 
 
 def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: int | None = None
@@ -116,7 +122,7 @@ def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Ten
         g = grad
         for hop, hop_inputs in reversed(chain):
             try:
-                out = _call(manager, hop, "rpc_backward", [hop_inputs, g, DUMMY])
+                out = _backward_hop(manager, hop, hop_inputs, g)
             except Exception as exc:
                 manager.on_failure(hop.peer_id, exc)
                 raise

@@ -12,23 +12,19 @@ client's own copy is de-duplicated by ``step_id`` on the server.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from distconf.client.routing import RetriesExhausted
 from distconf.dht import RemoteSpan
+from distconf.rpc.calls import InferenceStream, inference_step_request
 from distconf.rpc.protocol import (
-    DUMMY,
-    DUMMY_INT64,
     KEY_ACTIVE_ADAPTER,
     KEY_ALLOC_TIMEOUT,
-    KEY_ARGS_STRUCTURE,
     KEY_MAX_LENGTH,
     KEY_NEXT_SERVERS,
     KEY_POINTS,
@@ -36,9 +32,6 @@ from distconf.rpc.protocol import (
     KEY_START_FROM_POSITION,
     KEY_STEP_ID,
     deserialize_tensors,
-    dumps_metadata,
-    pack_args_kwargs,
-    serialize_tensors,
 )
 
 __all__ = ["InferenceSession", "SpanSession"]
@@ -64,8 +57,7 @@ class SpanSession:
         self.pending_start: int | None = None
         self.closed = False
         self.wire_dtype: torch.dtype | None = None
-        self._queue: asyncio.Queue[Any] | None = None
-        self._outputs: AsyncIterator[Any] | None = None
+        self._stream: InferenceStream | None = None
 
     @property
     def peer_id(self) -> str:
@@ -77,43 +69,18 @@ class SpanSession:
         return (self.peer_id, self.session_id, self.span.start, self.span.end)
 
     # ------------------------------------------------------------------ stream plumbing (event loop)
-    async def _requests(self) -> AsyncIterator[Any]:
-        assert self._queue is not None
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
-            yield item
-
     async def _exchange(self, request: Any) -> Any:
-        if self._outputs is None:
-            self._queue = asyncio.Queue()
-            self._outputs = await self.swarm.open_stream(self.peer_id, "rpc_inference", self._requests(),
-                                                         float(self.config.connect_timeout))
-        await self._queue.put(request)
+        if self._stream is None:
+            self._stream = await InferenceStream.open(self.swarm.p2p, self.peer_id,
+                                                      timeout=float(self.config.connect_timeout))
         try:
-            return await asyncio.wait_for(self._outputs.__anext__(), float(self.config.request_timeout))
-        except StopAsyncIteration:
+            return await self._stream.step(request, timeout=float(self.config.request_timeout))
+        except EOFError:
             raise ConnectionError(f"server …{self.peer_id[-6:]} closed the inference stream") from None
 
     async def _close(self) -> None:
-        from hivemind.proto import runtime_pb2
-
-        if self._queue is None or self._outputs is None:
-            return
-        await self._queue.put(runtime_pb2.ExpertRequest())  # empty uid and no tensors: end of session
-        await self._queue.put(None)
-        try:
-            await asyncio.wait_for(self._outputs.__anext__(), 2.0)
-        except (StopAsyncIteration, Exception):
-            pass
-        finally:
-            closer = getattr(self._outputs, "aclose", None)
-            if closer is not None:
-                try:
-                    await asyncio.wait_for(closer(), 1.0)
-                except Exception:
-                    pass
+        if self._stream is not None:
+            await self._stream.close(timeout=2.0)  # empty request: end of session
 
     # ------------------------------------------------------------------ one step
     def step(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
@@ -146,14 +113,9 @@ class SpanSession:
             new_history = sent
             step_hypo = None  # a fresh cache is filled with the already reordered history
         metadata = self._step_metadata(step_id, next_servers)
-        flat, structure = pack_args_kwargs(sent, DUMMY, step_hypo if step_hypo is not None else DUMMY_INT64)
-        metadata[KEY_ARGS_STRUCTURE] = structure
-        from hivemind.proto import runtime_pb2
-
         if self.wire_dtype is None:
             self.wire_dtype = self.manager.server_dtype(self.span) or self.dtype
-        request = runtime_pb2.ExpertRequest(uid=self.uid, tensors=serialize_tensors(flat, self.wire_dtype),
-                                            metadata=dumps_metadata(metadata))
+        request = inference_step_request(self.uid, sent, hypo_ids=step_hypo, metadata=metadata, dtype=self.wire_dtype)
         timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
         response = self.swarm.run(self._exchange(request), timeout=timeout)
         outputs = deserialize_tensors(response.tensors)

@@ -1,9 +1,9 @@
-"""The client's connection to a swarm: a client-mode DHT node, its P2P replica, and the raw RPC calls.
+"""The client's connection to a swarm: a client-mode DHT node, its P2P replica, DHT pings.
 
-Everything that touches the network goes through `SwarmClient`: coroutines run on
-hivemind's background event loop (`RemoteExpertWorker`), so the rest of the client is
-plain synchronous code. Calls are addressed to a peer by base58 id and use the Petals
-2.x handler names (``TransformerConnectionHandler.rpc_*``).
+`SwarmClient` joins the swarm and runs coroutines on hivemind's background event loop
+(`RemoteExpertWorker`), so the rest of the client is plain synchronous code. The RPC
+calls themselves (``rpc_info``, ``rpc_forward``, ``rpc_backward``, ``rpc_inference``) are
+`distconf.rpc.calls`, run with ``swarm.run(call_...(swarm.p2p, peer_id, ...))``.
 """
 
 from __future__ import annotations
@@ -12,29 +12,22 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distconf.dht import start_local_dht
 from distconf.dht.uids import config_num_blocks
-from distconf.rpc.protocol import HANDLER_CLASS_NAME, MAX_UNARY_PAYLOAD_SIZE, loads_metadata, stream_parts
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
     from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
-    from hivemind.proto import runtime_pb2
 
-__all__ = ["SwarmClient", "handle_name", "release_dht"]
+__all__ = ["SwarmClient", "release_dht"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def handle_name(rpc: str) -> str:
-    """P2P handler name of ``rpc`` (e.g. ``rpc_forward``) on a Petals 2.x-compatible server."""
-    return f"{HANDLER_CLASS_NAME}.{rpc}"
 
 
 async def _ping_many(_dht: DHT, node: DHTNode, peers: list[str], timeout: float) -> dict[str, float]:
@@ -59,6 +52,9 @@ async def _ping_many(_dht: DHT, node: DHTNode, peers: list[str], timeout: float)
 
 class SwarmClient:
     """A client-mode DHT node joined through ``config.initial_peers`` plus the P2P handle for RPCs.
+
+    Call a server with `distconf.rpc.calls` on this P2P, e.g.
+    ``swarm.run(call_info(swarm.p2p, peer_id, uid, timeout=t), timeout=t + 1)``.
 
     :param config: a distributed config (its ClientConfig fields: ``initial_peers``,
         ``daemon_startup_timeout``, ``dht_prefix``).
@@ -101,66 +97,6 @@ class SwarmClient:
             future.cancel()
             raise
 
-    @staticmethod
-    def peer(peer_id: str) -> Any:
-        """A hivemind ``PeerID`` from its base58 form."""
-        from hivemind.p2p import PeerID
-
-        return PeerID.from_base58(peer_id)
-
-    # ------------------------------------------------------------------ calls
-    async def call_unary(self, peer_id: str, rpc: str, request: Any, timeout: float) -> runtime_pb2.ExpertResponse:
-        """One request, one reply (``rpc_forward``, ``rpc_backward``, ``rpc_push``), bounded by ``timeout``."""
-        from hivemind.proto import runtime_pb2
-
-        call = self.p2p.call_protobuf_handler(self.peer(peer_id), handle_name(rpc), request, runtime_pb2.ExpertResponse)
-        return await asyncio.wait_for(call, timeout)
-
-    async def call_tensors(self, peer_id: str, rpc: str, uid: str, serialized: Sequence[Any], metadata: bytes,
-                           timeout: float) -> list[Any]:
-        """Send serialized tensors to ``rpc`` (its ``_stream`` form when too large for one message).
-
-        Returns the serialized tensors of the reply (all parts joined for a streamed reply).
-        """
-        from hivemind.proto import runtime_pb2
-        from hivemind.utils.streaming import combine_from_streaming
-
-        size = sum(len(t.buffer) for t in serialized)
-        if size <= MAX_UNARY_PAYLOAD_SIZE:
-            request = runtime_pb2.ExpertRequest(uid=uid, tensors=list(serialized), metadata=metadata)
-            response = await self.call_unary(peer_id, rpc, request, timeout)
-            return list(response.tensors)
-
-        async def parts() -> AsyncIterator[Any]:
-            for part in stream_parts(uid, serialized, metadata):
-                yield part
-
-        async def streamed() -> list[Any]:
-            stream = await self.p2p.iterate_protobuf_handler(
-                self.peer(peer_id), handle_name(rpc + "_stream"), parts(), runtime_pb2.ExpertResponse)
-            chunks = [t async for response in stream for t in response.tensors]
-            return _combine(chunks, combine_from_streaming)
-
-        return await asyncio.wait_for(streamed(), timeout)
-
-    async def call_info(self, peer_id: str, uid: str, timeout: float) -> dict[str, Any]:
-        """``rpc_info`` of ``peer_id`` for block ``uid`` (a msgpack dict)."""
-        from hivemind.proto import runtime_pb2
-
-        call = self.p2p.call_protobuf_handler(self.peer(peer_id), handle_name("rpc_info"),
-                                              runtime_pb2.ExpertUID(uid=uid), runtime_pb2.ExpertInfo)
-        info = await asyncio.wait_for(call, timeout)
-        return loads_metadata(info.serialized_info)
-
-    async def open_stream(self, peer_id: str, rpc: str, requests: AsyncIterator[Any], timeout: float
-                          ) -> AsyncIterator[Any]:
-        """Open a bidirectional stream (``rpc_inference``); connecting is bounded by ``timeout``."""
-        from hivemind.proto import runtime_pb2
-
-        call = self.p2p.iterate_protobuf_handler(self.peer(peer_id), handle_name(rpc), requests,
-                                                 runtime_pb2.ExpertResponse)
-        return await asyncio.wait_for(call, timeout)
-
     def ping(self, peers: Sequence[str], timeout: float) -> dict[str, float]:
         """Round-trip time to each peer in seconds, ``inf`` for a peer that did not answer in ``timeout``."""
         if not peers:
@@ -183,20 +119,6 @@ class SwarmClient:
         dht = getattr(self, "dht", None)
         if self._own_dht and dht is not None and dht.is_alive():
             dht.shutdown()
-
-
-def _combine(chunks: list[Any], combine: Any) -> list[Any]:
-    """Join streamed tensor parts back into whole tensors (a part with a dtype starts a new tensor)."""
-    tensors: list[Any] = []
-    pending: list[Any] = []
-    for chunk in chunks:
-        if chunk.dtype and pending:
-            tensors.append(combine(pending))
-            pending = []
-        pending.append(chunk)
-    if pending:
-        tensors.append(combine(pending))
-    return tensors
 
 
 def release_dht(dht: DHT, timeout: float = 10.0) -> None:

@@ -1,5 +1,9 @@
 """Calling a block server's handlers: one helper per RPC, every wait bounded by a timeout.
 
+The single home of these calls: the server (``rpc_push``, `RpcLoop`), the client
+(`distconf.client`) and the tests all call servers through this module. Peers are given as
+a ``PeerID`` or its base58 text.
+
 All helpers are coroutines run on the event loop that owns ``p2p`` (see `RpcLoop` for a
 background loop with a P2P replicated from a running ``hivemind.DHT``). Errors raised by
 the remote handler arrive as ``hivemind.p2p.P2PHandlerError`` carrying the server's message.
@@ -24,6 +28,7 @@ from distconf.rpc.protocol import (
     DUMMY_INT64,
     KEY_ARGS_STRUCTURE,
     MAX_UNARY_PAYLOAD_SIZE,
+    ProtocolError,
     deserialize_tensors,
     dumps_metadata,
     loads_metadata,
@@ -80,12 +85,14 @@ async def call_forward(p2p: P2P, peer: PeerID | str, uid: str, hidden_states: to
     """``rpc_forward`` (or ``rpc_forward_stream`` above the unary payload limit) over chain ``uid``.
 
     ``prompts``: deep prompts ``[num_blocks, batch, pre_seq_len, hidden]`` or None.
-    Returns the last block's hidden states.
+    Returns the last block's hidden states (`ProtocolError` if the reply holds none).
     """
     flat, structure = pack_args_kwargs(hidden_states, DUMMY if prompts is None else prompts)
     meta = {**(metadata or {}), KEY_ARGS_STRUCTURE: structure}
-    (out, *_) = await _call_tensors(p2p, peer, "rpc_forward", uid, flat, meta, timeout, dtype)
-    return out
+    outputs = await _call_tensors(p2p, peer, "rpc_forward", uid, flat, meta, timeout, dtype)
+    if not outputs:
+        raise ProtocolError(f"rpc_forward of {uid!r}: the reply holds no tensors")
+    return outputs[0]
 
 
 async def call_backward(p2p: P2P, peer: PeerID | str, uid: str, inputs: torch.Tensor, grad_outputs: torch.Tensor,
@@ -162,7 +169,11 @@ class InferenceStream:
         return await self.receive(timeout=timeout)
 
     async def close(self, *, timeout: float = 5.0) -> None:
-        """Send the end-of-stream message (empty request) and wait, bounded, for the server to finish."""
+        """Send the end-of-stream message (empty request) and wait, bounded, for the server to finish.
+
+        Then close the reply stream (at most 1 s more), so a server that did not end its
+        side in time does not keep the stream open.
+        """
         if self.closed:
             return
         self.closed = True
@@ -173,6 +184,12 @@ class InferenceStream:
             pass
         finally:
             self._queue.put_nowait(None)
+            closer = getattr(self._outputs, "aclose", None)
+            if closer is not None:
+                try:
+                    await asyncio.wait_for(closer(), 1.0)
+                except Exception:  # best effort: the stream is finished for us regardless
+                    pass
 
 
 class RpcLoop:
