@@ -16,8 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "  - the Hugging Face config class (from model_type),\n"
                     "  - the decoder-layer and attention classes and the state-dict prefix (from the model\n"
                     "    built on the meta device), the layer's keyword names, the mask rule,\n"
-                    "  - a KV-groups formula and a KV-cache geometry checked against a tiny model,\n"
-                    "  - a tiny_config made by shrinking the given config.\n"
+                    "  - a KV-groups formula and a KV-cache geometry checked against tiny models,\n"
+                    "  - a tiny_config made by shrinking the given config: every field that goes with the\n"
+                    "    heads, layers or hidden size shrinks with them (names read through the config\n"
+                    "    class's attribute_map), only fields the config class reads are copied, and every\n"
+                    "    kind of layer is kept (a variant per shipped preset of the model_type with others).\n"
                     "Findings and TODOs are written as comments. Review the draft, then run `distconf check`.",
         epilog="example:\n  distconf new myfamily --from-config ~/models/my-model/config.json --out my_families/",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -43,14 +46,21 @@ def _output_path(family: str, out: str | None) -> Path:
 
 
 def _schema_reference(output: Path) -> str:
+    """The ``$schema`` of a draft written to ``output``: never an absolute path of this machine.
+
+    A relative path to the schema when the draft sits in the tree that holds the
+    schema (a source checkout's ``families/``), else the schema's ``$id`` URL, which
+    does not depend on where distconf is installed.
+    """
     from distconf.family.data import schema_path
+    from distconf.family.spec import SCHEMA_ID
 
     schema = schema_path()
     root = schema.parent.parent
     target = output.resolve().parent
     if target == root or root in target.parents:
         return Path(os.path.relpath(schema, target)).as_posix()
-    return schema.as_posix()
+    return SCHEMA_ID
 
 
 def run(args: argparse.Namespace) -> int:

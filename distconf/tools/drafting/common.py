@@ -1,0 +1,90 @@
+"""Errors, names and small helpers shared by the drafting modules."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DraftingError", "FAMILY_NAME_PATTERN", "check_family_name", "read_config_json", "class_path",
+           "module_path", "is_int", "quiet_transformers", "field_value", "MISSING"]
+
+MISSING = object()
+
+FAMILY_NAME_PATTERN = r"^[a-z][a-z0-9_]*$"
+
+
+class DraftingError(ValueError):
+    """The config cannot be drafted into a family file (the message says why)."""
+
+
+def check_family_name(family: str) -> None:
+    """Raise `DraftingError` unless ``family`` is a valid family name."""
+    if not re.match(FAMILY_NAME_PATTERN, family) or len(family) > 64:
+        raise DraftingError(f"family name {family!r} must be lower case letters, digits and '_', "
+                            "starting with a letter")
+
+
+def is_int(value: Any) -> bool:
+    """True for an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def field_value(config: Any, name: str, default: Any = None) -> Any:
+    """``config.<name>``, or ``default`` when reading it fails in any way.
+
+    Some configs refuse per-layer attributes with exception types of their own.
+    """
+    try:
+        return getattr(config, name)
+    except Exception:
+        return default
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """Read a model's ``config.json`` (a file, or a folder holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DraftingError(f"{path}: no such file (give a config.json or a folder holding one)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DraftingError(f"{path}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise DraftingError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise DraftingError(f"{path}: a config.json must be a JSON object")
+    return data
+
+
+def class_path(cls: type) -> str:
+    """Dotted path of a class; the short ``transformers.Name`` when transformers exports it."""
+    import transformers
+
+    name = cls.__name__
+    if getattr(transformers, name, None) is cls:
+        return f"transformers.{name}"
+    return module_path(cls)
+
+
+def module_path(cls: type) -> str:
+    """Full dotted path ``module.QualName`` of a class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings while the drafter tries configs out (they are not the user's)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -1,0 +1,159 @@
+"""`draft_family`: a first family file for a model, from its ``config.json`` and the installed transformers."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
+from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
+from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
+from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny
+from distconf.tools.drafting.profile import PROBE, TINY
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.scan import ModelScan, meta_model, scan_model
+from distconf.tools.drafting.sections import (
+    draft_call,
+    draft_constructor,
+    draft_mask,
+    draft_model_inputs,
+    draft_position,
+)
+from distconf.tools.drafting.shrink import shrink_config
+from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
+from distconf.tools.drafting.variants import sibling_variants, tiny_plan
+
+__all__ = ["draft_family"]
+
+_ANCHOR_CHECKS = (("hidden_size", TINY.hidden), ("num_attention_heads", TINY.heads),
+                  ("num_hidden_layers", TINY.max_layers), ("vocab_size", TINY.vocab))
+_Variant = tuple[str, TinyPlan, dict[str, Any]]  # name, what it was shrunk from, fields over the base
+
+
+def _config_class(config: Mapping[str, Any]) -> type:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise DraftingError("the config has no model_type; it is the field that picks the Hugging Face classes")
+    if model_type not in CONFIG_MAPPING:
+        raise DraftingError(
+            f"model_type {model_type!r} is not known to the installed transformers; upgrade transformers, or "
+            "write the family by hand with classes from a trusted package (DISTCONF_TRUSTED_MODULES)")
+    return CONFIG_MAPPING[model_type]
+
+
+def _new_draft(family: str, model_type: str, config_class: type, scan: ModelScan) -> FamilyDraft:
+    layer_class, attention = scan.layer_class, scan.attention_class
+    draft = FamilyDraft(family=family, model_type=model_type, config_class=class_path(config_class),
+                        layer_class=module_path(layer_class),
+                        attention_class=module_path(attention) if attention else None,
+                        prefix=scan.prefix, base_model_prefix=scan.base_prefix)
+    model_name = type(scan.model).__name__
+    draft.facts.append(f"{model_name} keeps its {len(scan.layers)} layers ({layer_class.__name__}) in "
+                       f"'{scan.prefix}'")
+    classes = {type(layer).__name__ for layer in scan.layers}
+    if len(classes) > 1:
+        draft.review.append(f"layers have different classes ({', '.join(sorted(classes))}); a family has one "
+                            "layer class")
+    if attention is None:
+        draft.review.append(f"no *Attention module inside {layer_class.__name__}; set attention_class by hand")
+    else:
+        draft.facts.append(f"attention module '{scan.attention_name}' is {attention.__name__}")
+    if getattr(type(scan.model), "_supports_sdpa", True) is False:
+        draft.attn_implementation = "eager"
+        draft.facts.append(f"{model_name} does not support sdpa: eager attention")
+    return draft
+
+
+def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = True) -> FamilyDraft:
+    """Draft the family file of a model from its ``config.json`` contents.
+
+    Raises `DraftingError` when the config cannot be used (no or unknown
+    ``model_type``, no causal-LM class, no layer list). Everything else that needs a
+    human is listed in the draft's ``review`` notes.
+    """
+    check_family_name(family)
+    config_class = _config_class(config)
+    config = copy.deepcopy(dict(config))
+    if "text_config" in config:
+        shrink_config(config, config_class=config_class)  # raises the explanation before any model is built
+    full, model = meta_model(config_class, config)
+    text = full.get_text_config() if hasattr(full, "get_text_config") else full
+    scan = scan_model(model, field_value(text, "num_hidden_layers"))
+    draft = _new_draft(family, str(config["model_type"]), config_class, scan)
+    draft_constructor(draft, scan.layer_class)
+    params = draft_call(draft, scan.layer_class)
+    draft_position(draft, scan, params, full)
+    draft_mask(draft, text, scan.base_model)
+    draft_model_inputs(draft, scan, params)
+    draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
+    if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:
+        draft.review.append("no num_attention_heads field: set kv_groups by hand")
+    plan = tiny_plan(config, config_class, draft.attn_implementation, full, scan)
+    del model, scan
+    draft.tiny_config = fit_tiny_config(plan, TINY, draft.review, draft.facts)
+    variants = [("tiny", plan, {}), *_sibling_variants(draft, plan)]
+    if run_tiny:
+        _verify_tiny(draft, variants)
+    return draft
+
+
+def _sibling_variants(draft: FamilyDraft, plan: TinyPlan) -> list[_Variant]:
+    """Variants for shipped presets of the model_type with other kinds of layers (written into tiny_config)."""
+    covered: set[Hashable] = meta_layer_kinds(plan.config_class, draft.tiny_config, draft.attn_implementation) \
+        or set(plan.real_kinds)
+    found = sibling_variants(plan.raw, draft.tiny_config, covered, plan.config_class, draft.attn_implementation)
+    if not found:
+        return []
+    draft.tiny_config["variants"] = [{}, *(values for _, values, _ in found)]
+    draft.facts.append(f"tiny_config has a variant per shipped preset of model_type {draft.model_type!r} whose "
+                       f"layers are of other kinds ({', '.join(hub_id for hub_id, _, _ in found)}); the first, "
+                       "empty one is this config")
+    return [(hub_id, sibling_plan, values) for hub_id, values, sibling_plan in found]
+
+
+def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
+    """Run every tiny variant; check sizes and kinds of layers; decide kv_groups / kv_cache from the caches."""
+    base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
+    layouts, real_kinds, tiny_kinds = [], set(), set()
+    for name, plan, values in variants:
+        prefix = "" if name == "tiny" else f"variant {name}: "
+        tiny = run_tiny(plan.config_class, {**base, **values}, draft.attn_implementation)
+        if isinstance(tiny, str):
+            draft.review.append(f"{prefix}the tiny config does not run: {tiny}; fix tiny_config")
+            continue
+        for field_name, limit in _ANCHOR_CHECKS:
+            value = field_value(tiny.config, field_name)
+            if isinstance(value, int) and value > limit:
+                draft.review.append(f"{prefix}{field_name} is {value} on the tiny config: the field holding it was "
+                                    "not recognised; shrink it in tiny_config")
+        real_kinds |= plan.real_kinds
+        tiny_kinds |= tiny.kinds
+        groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
+        layouts.append(VariantKV(name, tiny.config,
+                                 kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
+    if real_kinds - tiny_kinds:
+        draft.review.append(f"the real model has {len(real_kinds)} kinds of layers, the tiny config builds "
+                            f"{len(tiny_kinds & real_kinds)} of them: change the tiny_config fields that decide "
+                            "which layers are which so that every kind appears")
+    if layouts:
+        layout = merge_kv(layouts)
+        draft.kv_groups, draft.kv_cache = layout.kv_groups, layout.kv_cache
+        draft.facts.extend(layout.facts)
+        draft.review.extend(layout.review)
+
+
+def _probe(plan: TinyPlan, attn_implementation: str) -> Any:
+    """A function running, once, the second (differently shaped) tiny model of ``plan``."""
+    cache: list[TinyRun | None] = []
+
+    def probe() -> TinyRun | None:
+        if not cache:
+            result = run_tiny(plan.config_class, fit_tiny_config(plan, PROBE, [], []), attn_implementation)
+            cache.append(result if isinstance(result, TinyRun) else None)
+        return cache[0]
+
+    return probe

@@ -1,0 +1,110 @@
+"""Building and running a tiny model (`run_tiny`): what it caches and which kinds of layers it has."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.profile import TINY_TEST_TOKENS
+from distconf.tools.drafting.scan import find_layer_list, layer_signature
+
+__all__ = ["TinyRun", "run_tiny", "layer_kinds", "meta_layer_kinds", "MAX_TINY_PARAMETERS"]
+
+MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
+_MAX_VALUES_PER_KIND = 4
+
+
+@dataclass
+class TinyRun:
+    """A tiny model's config, the key and value its last layer cached, and its kinds of layers."""
+
+    config: Any
+    key: Any | None = None
+    value: Any | None = None
+    kinds: set[Hashable] = field(default_factory=set)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int] | None:
+        """(key heads, key head size, value heads, value head size) cached per token, if read."""
+        if self.key is None or self.value is None or self.key.dim() != 4 or self.value.dim() != 4:
+            return None
+        return (int(self.key.shape[1]), int(self.key.shape[-1]), int(self.value.shape[1]),
+                int(self.value.shape[-1]))
+
+
+def layer_kinds(layers: Any, config: Any) -> set[Hashable]:
+    """Kinds of layers: each layer's modules, with its entries in the config's per-layer lists of categories."""
+    count = len(layers)
+    columns = [v for v in vars(config).values() if _is_category_list(v, count)]
+    return {(layer_signature(layer), tuple(column[i] for column in columns)) for i, layer in enumerate(layers)}
+
+
+def _is_category_list(value: Any, count: int) -> bool:
+    """One category per layer: strings, booleans or 0/1 flags, few distinct ones."""
+    if not isinstance(value, (list, tuple)) or count < 1 or len(value) != count:
+        return False
+    if not all(isinstance(x, (str, bool)) for x in value) and not all(x in (0, 1) and is_int(x) for x in value):
+        return False
+    return len(set(value)) <= _MAX_VALUES_PER_KIND
+
+
+def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, *, meta: bool) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        config = config_class(**copy.deepcopy(dict(tiny)))  # classes may normalize lists in place
+        config._attn_implementation = attn_implementation
+        if meta:
+            with torch.device("meta"):
+                return config, AutoModelForCausalLM.from_config(config)
+        torch.manual_seed(0)
+        return config, AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def meta_layer_kinds(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[Hashable] | None:
+    """Kinds of layers of the tiny model built on the meta device (None when it cannot be built)."""
+    try:
+        config, model = _build(config_class, tiny, attn_implementation, meta=True)
+        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+        return layer_kinds(layers, config)
+    except Exception:  # the real run reports why
+        return None
+
+
+def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> TinyRun | str:
+    """Build the tiny model and run 12 tokens through it with a cache; the error text when it fails."""
+    import torch
+
+    try:
+        config, meta_model = _build(config_class, tiny, attn_implementation, meta=True)
+        parameters = sum(p.numel() for p in meta_model.parameters())
+        if parameters > MAX_TINY_PARAMETERS:
+            return (f"it would have {parameters:,} parameters (a size field of the real model was not "
+                    "shrunk), so it was not built")
+        config, model = _build(config_class, tiny, attn_implementation, meta=False)
+        vocab = int(field_value(config, "vocab_size", 0) or 256)
+        ids = torch.randint(0, min(vocab, 256), (1, TINY_TEST_TOKENS))
+        with torch.no_grad():
+            result = model(ids, use_cache=True)
+        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+    except Exception as exc:  # any failure is reported to the user, never hidden
+        return f"{type(exc).__name__}: {exc}"
+    key, value = _last_cache(result)
+    return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config))
+
+
+def _last_cache(result: Any) -> tuple[Any, Any]:
+    cache = getattr(result, "cache", None) or getattr(result, "past_key_values", None)
+    if cache is None:
+        return None, None
+    layers = getattr(cache, "layers", None)
+    try:
+        if layers:
+            return layers[-1].keys, layers[-1].values
+        return cache[-1][0], cache[-1][1]
+    except (AttributeError, IndexError, TypeError, KeyError):
+        return None, None

@@ -1,0 +1,80 @@
+"""Which fields of a tiny config the architecture reads (`architecture_fields`).
+
+A field is read when it is a field of the config class (its dataclass fields, or the
+attributes of a default instance) or a standard name in its ``attribute_map``, when
+the modeling code reads it (``getattr(config, "head_dim", ...)`` of a field the class
+does not declare), or when passing it changes a field (legacy names such as
+``rope_scaling`` that the class converts). Fields of every config (`PreTrainedConfig`: architectures, dtype ...) are
+not the architecture. Null and false values equal to the class default are left out as
+noise; numbers and strings are kept even when they equal a default: they document the
+real model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import quiet_transformers
+
+__all__ = ["architecture_fields"]
+
+
+def _base_fields() -> set[str]:
+    from transformers import PreTrainedConfig
+
+    if dataclasses.is_dataclass(PreTrainedConfig):
+        return {f.name for f in dataclasses.fields(PreTrainedConfig)}
+    return set(vars(PreTrainedConfig()))
+
+
+def _class_fields(config_class: type, defaults: Any) -> set[str]:
+    fields = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    fields |= {k for k in vars(defaults) if not k.startswith("_")}
+    return (fields - _base_fields()) | set(getattr(config_class, "attribute_map", None) or {})
+
+
+def _comparable(config: Any, base: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in base}
+
+
+def _changes_fields(config_class: type, key: str, value: Any, reference: dict[str, Any], base: set[str]) -> bool:
+    """Passing ``key`` alone changes another field of the class: the class reads it."""
+    try:
+        with quiet_transformers():
+            changed = _comparable(config_class(**{key: copy.deepcopy(value)}), base)
+    except Exception:  # the class rejects it alone; it is about the architecture, keep it
+        return True
+    changed.pop(key, None)
+    return changed != reference
+
+
+def architecture_fields(tiny: Mapping[str, Any], config_class: type, facts: list[str],
+                        model_reads: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``tiny`` without the fields the architecture does not read and null / false defaults, sorted.
+
+    Read are the fields of ``config_class``, the names it converts, and ``model_reads``
+    (the attributes the modeling code reads, declared or not). A note naming the
+    fields left out is appended to ``facts``.
+    """
+    try:
+        with quiet_transformers():
+            defaults = config_class()
+    except Exception:  # some classes need arguments; then keep everything
+        return dict(sorted(tiny.items()))
+    base = _base_fields()
+    fields = _class_fields(config_class, defaults) | model_reads
+    reference = _comparable(defaults, base)
+    default_values = defaults.to_dict()
+    kept, unread = {}, []
+    for key, value in tiny.items():
+        if key not in fields and not _changes_fields(config_class, key, value, reference, base):
+            unread.append(key)
+        elif not ((value is None or value is False) and key in default_values and default_values[key] is value):
+            kept[key] = value  # a null / false default is noise; numbers and strings document the model
+    if unread:
+        facts.append(f"left out of tiny_config (neither {config_class.__name__} nor the modeling code reads them, "
+                     f"or they leave its defaults unchanged): {', '.join(sorted(unread))}")
+    return dict(sorted(kept.items()))

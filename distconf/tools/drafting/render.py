@@ -1,0 +1,90 @@
+"""`FamilyDraft`: a first draft of a family file, rendered as YAML with review comments."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FamilyDraft", "DEFAULT_SCHEMA_REFERENCE"]
+
+DEFAULT_SCHEMA_REFERENCE = "../schemas/family.schema.json"
+
+
+@dataclass
+class FamilyDraft:
+    """A first draft of a family file; `to_yaml` renders it with review comments."""
+
+    family: str
+    model_type: str
+    config_class: str
+    layer_class: str
+    attention_class: str | None
+    prefix: str
+    base_model_prefix: str | None = None
+    attn_implementation: str = "sdpa"
+    constructor: dict[str, Any] = field(default_factory=dict)
+    call: dict[str, Any] = field(default_factory=dict)
+    position: dict[str, Any] = field(default_factory=dict)
+    mask: dict[str, Any] = field(default_factory=dict)
+    kv_groups: int | str = 1
+    kv_cache: dict[str, Any] = field(default_factory=dict)
+    tiny_config: dict[str, Any] = field(default_factory=dict)
+    dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
+    facts: list[str] = field(default_factory=list)
+    review: list[str] = field(default_factory=list)
+
+    def to_yaml(self, schema_path: str = DEFAULT_SCHEMA_REFERENCE) -> str:
+        """The family file text: fields in the usual order, findings and TODOs as comments."""
+        lines = [f"# yaml-language-server: $schema={schema_path}",
+                 f"# Draft written by `distconf new {self.family}`: review every line, then run",
+                 f"#   distconf check {self.family}.yaml"]
+        for fact in self.facts:
+            lines.extend(_comment_lines(fact))
+        for item in self.review:
+            lines.extend(_comment_lines("TODO review: " + item))
+        lines.append(f"family: {self.family}")
+        lines.append(f"model_type: {_scalar(self.model_type)}")
+        lines.append(f"config_class: {self.config_class}")
+        lines.append(_dump({"block": self._block()}))
+        lines.append(f"kv_groups: {_scalar(self.kv_groups)}")
+        if self.kv_cache:
+            lines.append(_dump({"kv_cache": self.kv_cache}))
+        lines.append(_dump({"dht_prefix": self.dht_prefix}))
+        if self.tiny_config:
+            lines.append(_dump({"tiny_config": self.tiny_config}))
+        return "\n".join(line.rstrip() for line in lines) + "\n"
+
+    def _block(self) -> dict[str, Any]:
+        block: dict[str, Any] = {
+            "layer_class": self.layer_class,
+            "attention_class": self.attention_class or "transformers.TODO_AttentionClass",
+            "prefix": self.prefix,
+        }
+        if self.base_model_prefix:
+            block["base_model_prefix"] = self.base_model_prefix
+        if self.attn_implementation != "sdpa":
+            block["attn_implementation"] = self.attn_implementation
+        for key in ("constructor", "call", "position", "mask"):
+            value = getattr(self, key)
+            if value:
+                block[key] = value
+        return block
+
+
+def _comment_lines(text: str) -> list[str]:
+    return ["# " + line for line in textwrap.wrap(text, width=88, subsequent_indent="  ")]
+
+
+def _scalar(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("...").strip()
+
+
+def _dump(mapping: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(mapping), default_flow_style=False, sort_keys=False, width=100).rstrip()

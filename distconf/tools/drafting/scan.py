@@ -1,0 +1,163 @@
+"""What the model built on the meta device shows: its layer list, attention, rotary module, layer kinds."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, quiet_transformers
+
+__all__ = ["ModelScan", "meta_model", "scan_model", "layer_signature", "forward_parameters", "find_layer_list",
+           "config_reads"]
+
+
+@dataclass
+class ModelScan:
+    """The parts of a causal-LM model a family file names."""
+
+    model: Any
+    prefix: str  # state-dict path of the layer list
+    layers: Any  # the ModuleList
+    base_prefix: str | None  # the model class's base_model_prefix, when the layers live under it
+    base_model: Any  # the module holding the layer list (it runs them and builds their masks)
+    attention_class: type | None
+    attention_name: str | None
+    rotary_class: type | None
+    notes: list[str]
+
+    @property
+    def layer_class(self) -> type:
+        """Class of the first layer."""
+        return type(self.layers[0])
+
+    def config_reads(self) -> frozenset[str]:
+        """Config attributes the model's code reads (`config_reads` of its, its layer's and attention's modules)."""
+        attention = [self.attention_class] if self.attention_class else []
+        return config_reads(type(self.model), self.layer_class, *attention)
+
+    def layer_kinds(self) -> list[tuple[str, ...]]:
+        """`layer_signature` of every layer."""
+        return [layer_signature(layer) for layer in self.layers]
+
+
+def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The full config and the causal-LM model built from it on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with quiet_transformers():
+            full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
+    except Exception as exc:  # report the transformers message as is
+        raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(full)
+    except ValueError as exc:
+        raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers: "
+                            f"{str(exc).splitlines()[0]}") from None
+    return full, model
+
+
+def scan_model(model: Any, num_layers: int | None) -> ModelScan:
+    """Inspect ``model`` (built on the meta device) whose config says ``num_layers`` layers."""
+    prefix, layers = find_layer_list(model, num_layers)
+    base_prefix = getattr(type(model), "base_model_prefix", None)
+    base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
+    attention_class, attention_name = _find_attention(layers[0])
+    rotary_class, notes = _find_rotary(model, prefix)
+    owner = prefix.rpartition(".")[0]  # the module running the layers builds their masks
+    return ModelScan(model=model, prefix=prefix, layers=layers, base_prefix=base_prefix,
+                     base_model=model.get_submodule(owner) if owner else model,
+                     attention_class=attention_class, attention_name=attention_name,
+                     rotary_class=rotary_class, notes=notes)
+
+
+def layer_signature(layer: Any) -> tuple[str, ...]:
+    """The modules a layer is built of (path and class of each, list positions left out).
+
+    Layers of one kind have the same signature, whatever the sizes and the number of
+    experts: a tiny model's layer and the real one compare equal.
+    """
+    parts = {".".join("#" if part.isdigit() else part for part in name.split(".")) + ":" + type(module).__name__
+             for name, module in layer.named_modules()}
+    return tuple(sorted(parts))
+
+
+def find_layer_list(model: Any, num_layers: int | None) -> tuple[str, Any]:
+    """The ``ModuleList`` of ``num_layers`` layers holding the most parameters, and its path."""
+    import torch
+
+    candidates = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if num_layers is not None and len(module) != num_layers:
+            continue
+        if not all(any(True for _ in child.parameters()) for child in module):
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        candidates.append((params, -name.count("."), name, module))
+    if not candidates:
+        raise DraftingError(
+            f"no ModuleList of {num_layers} layers in {type(model).__name__}; is num_hidden_layers right?")
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    _, _, name, module = candidates[0]
+    return name, module
+
+
+def _find_attention(layer: Any) -> tuple[type | None, str | None]:
+    found = []
+    for name, module in layer.named_modules():
+        cls_name = type(module).__name__
+        if name and "Attention" in cls_name and "Norm" not in cls_name:
+            found.append((name.count("."), name, type(module)))
+    if not found:
+        return None, None
+    found.sort(key=lambda f: f[0])
+    return found[0][2], found[0][1]
+
+
+def _find_rotary(model: Any, layers_prefix: str) -> tuple[type | None, list[str]]:
+    outside, inside = [], []
+    for name, module in model.named_modules():
+        if "Rotary" in type(module).__name__:
+            (inside if name.startswith(layers_prefix + ".") else outside).append((name, type(module)))
+    notes = []
+    if inside and not outside:
+        notes.append(f"the layers own their rotary module ({inside[0][0]}); no rotary_class is needed")
+    if outside:
+        return outside[0][1], notes
+    return None, notes
+
+
+def forward_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """Parameters of ``cls.forward`` by name (empty when it has no readable signature)."""
+    try:
+        return dict(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+_CONFIG_READ = re.compile(r"config\.([A-Za-z_]\w*)|getattr\(\s*[\w.]*config\s*,\s*[\"']([A-Za-z_]\w*)[\"']")
+
+
+def config_reads(*classes: type) -> frozenset[str]:
+    """Names the source of the classes' modules reads from a config (``config.x``, ``getattr(config, "x")``).
+
+    Modeling code also reads attributes a config class does not declare (with a
+    default when absent), so a field of a ``config.json`` can matter to the model
+    without being a field of its config class.
+    """
+    names: set[str] = set()
+    for module in {inspect.getmodule(cls) for cls in classes} - {None}:
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        names.update(a or b for a, b in _CONFIG_READ.findall(source))
+    return frozenset(names)

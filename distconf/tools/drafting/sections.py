@@ -1,0 +1,181 @@
+"""The ``block`` sections of a draft: constructor and call keywords, positions, mask rule.
+
+Each is read from signatures and module classes of the model built on the meta
+device, and from the config: the names a layer takes (``cache`` / ``layer_past``,
+``alibi`` ...), the rotary module of the base model, the layer types of the config.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.calls import LayerCall, read_layer_call
+from distconf.tools.drafting.common import MISSING, field_value, module_path
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.scan import ModelScan, forward_parameters
+
+__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_model_inputs"]
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "past_key_value")
+_LAYER_IDX_ARGUMENTS = ("layer_idx", "layer_id", "layer_number", "layer_index")
+# inputs the generic block passes (or the layer computes itself when left out)
+_KNOWN_INPUTS = {*_CACHE_ARGUMENTS, "self", "hidden_states", "attention_mask", "position_ids", "position_embeddings",
+                 "alibi", "use_cache", "output_attentions", "cache_position"}
+# transformers' standard attention layer types -> mask kind, and the standard config field of each kind's size
+_KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_window", "chunked_attention": "chunked"}
+_DEFAULT_LAYER_KINDS = {"full_attention": "causal", "sliding_attention": "sliding_window"}
+_SIZE_FIELDS = {"sliding_window": "sliding_window", "chunked": "attention_chunk_size"}
+_SIZE_KEYS = {"sliding_window": "sliding_window", "chunked": "chunk_size"}
+
+
+def draft_constructor(draft: FamilyDraft, layer_class: type) -> None:
+    """``block.constructor``: the config and layer-index argument names of the layer's ``__init__``."""
+    try:
+        params = [p for p in inspect.signature(layer_class.__init__).parameters.values()
+                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params]
+    if names and names[0] != "config":
+        draft.constructor["config_argument"] = names[0]
+    idx_name = next((n for n in _LAYER_IDX_ARGUMENTS if n in names), None)
+    if idx_name is None:
+        draft.constructor["layer_idx_argument"] = None
+    elif idx_name != "layer_idx":
+        draft.constructor["layer_idx_argument"] = idx_name
+    required = [p.name for p in params[1:] if p.default is p.empty and p.name != idx_name]
+    if required:
+        draft.review.append(f"{layer_class.__name__}() also requires {', '.join(required)}: add them under "
+                            "block.constructor.extra as formulas over config fields")
+
+
+def draft_call(draft: FamilyDraft, layer_class: type) -> dict[str, inspect.Parameter]:
+    """``block.call``: the keyword names of the layer's ``forward``; returns its parameters."""
+    params = forward_parameters(layer_class)
+    cache_arg = next((n for n in _CACHE_ARGUMENTS if n in params), None)
+    if cache_arg is None:
+        draft.review.append(f"{layer_class.__name__}.forward takes no cache argument: incremental decoding "
+                            "needs one")
+    elif cache_arg != "cache":
+        draft.call["cache_argument"] = cache_arg
+        draft.facts.append(f"the layer takes its cache as '{cache_arg}' (a 'cache=' keyword would be ignored)")
+    for key, name in (("mask_argument", "attention_mask"), ("position_ids_argument", "position_ids"),
+                      ("position_embeddings_argument", "position_embeddings")):
+        if name not in params:
+            draft.call[key] = None
+    return params
+
+
+def draft_position(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, Any], config: Any) -> None:
+    """``block.position``: the base model's rotary module, and / or the layer's ALiBi argument."""
+    draft.facts.extend(scan.notes)
+    rotary = scan.rotary_class
+    if rotary is not None and "position_embeddings" in params:
+        draft.position["rotary_class"] = module_path(rotary)
+        if "layer_type" in forward_parameters(rotary):
+            draft.position["rotary_layer_type_argument"] = True
+    if "alibi" in params:
+        draft.call["alibi_argument"] = "alibi"
+        module = inspect.getmodule(scan.layer_class)
+        if module is not None and callable(getattr(module, "build_alibi_tensor", None)):
+            draft.position["alibi_function"] = f"{module.__name__}.build_alibi_tensor"
+        else:
+            draft.review.append("the layer takes an alibi tensor: set block.position.alibi_function")
+    if "rotary_class" in draft.position:
+        if "alibi_function" in draft.position:
+            # a boolean config field named like the layer's argument says which one applies
+            flag = "alibi" if isinstance(field_value(config, "alibi"), bool) else None
+            draft.position["alibi_when"] = flag or "TODO_formula_true_when_alibi"
+            if flag is None:
+                draft.review.append("the layer supports rotary and ALiBi: set block.position.alibi_when")
+    elif rotary is not None:
+        draft.review.append(f"{rotary.__name__} exists but the layer takes no position_embeddings; check "
+                            "block.position")
+
+
+def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
+    """``block.mask``: per-layer types from ``layer_types``, a window on every layer, or causal."""
+    try:
+        source = inspect.getsource(type(base_model).forward)
+    except (OSError, TypeError):
+        source = ""
+    layer_types = field_value(config, "layer_types")
+    has_window = field_value(config, "sliding_window", MISSING) is not MISSING
+    window = field_value(config, "sliding_window")
+    if isinstance(layer_types, (list, tuple)) and layer_types and ("layer_types" in source or not source):
+        draft.mask = _layer_types_rule([str(t) for t in layer_types], config, draft.review)
+        counts = ", ".join(f"{layer_types.count(t)} {t}" for t in dict.fromkeys(layer_types))
+        draft.facts.append(f"mask per layer from layer_types ({counts}); sliding_window={window}")
+    elif has_window and "create_sliding_window_causal_mask" in source:
+        draft.mask = {"kind": "sliding_window", "sliding_window": "sliding_window"}
+        if window:
+            draft.facts.append(f"every layer has sliding-window attention ({window} tokens: query q sees keys "
+                               "q-window+1 .. q)")
+    elif has_window and not source:
+        draft.review.append("the config has sliding_window; check whether every layer slides (mask.kind)")
+
+
+def _layer_types_rule(types: list[str], config: Any, review: list[str]) -> dict[str, Any]:
+    rule: dict[str, Any] = {"layer_types_field": "layer_types"}
+    unknown = sorted(set(types) - set(_KNOWN_LAYER_TYPES))
+    if unknown:
+        review.append(f"layer_types has {unknown}; map each type in block.mask.layer_kinds "
+                      "(causal, sliding_window or chunked) or the family cannot be served generically")
+    kinds = {t: _KNOWN_LAYER_TYPES[t] for t in dict.fromkeys(types) if t in _KNOWN_LAYER_TYPES}
+    has_window = field_value(config, "sliding_window", MISSING) is not MISSING
+    if not set(kinds.items()) <= set(_DEFAULT_LAYER_KINDS.items()) or not has_window:
+        rule["layer_kinds"] = kinds  # the default mapping names sliding layers, which need a window field
+    for kind in ("sliding_window", "chunked"):
+        field = _SIZE_FIELDS[kind]
+        if field_value(config, field, MISSING) is not MISSING and (kind == "sliding_window" or kind in kinds.values()):
+            rule[_SIZE_KEYS[kind]] = field
+        elif kind in kinds.values():
+            review.append(f"layer_types has {kind} layers but the config has no {field} field; set "
+                          f"block.mask.{_SIZE_KEYS[kind]} to the field holding their size")
+    return rule
+
+
+def draft_model_inputs(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, inspect.Parameter]) -> None:
+    """Inputs the model prepares for its layers, read from its source: a position bias, a boolean mask.
+
+    A required input the block cannot pass becomes a review note.
+    """
+    required = [name for i, (name, p) in enumerate(params.items()) if i > 1 and name not in _KNOWN_INPUTS
+                and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    call = read_layer_call(scan.base_model, scan.prefix.rpartition(".")[2])
+    for name in required:
+        if call is None or not _bias_input(draft, call, name):
+            draft.review.append(f"{scan.layer_class.__name__}.forward requires {name!r}, which the block does not "
+                                "pass: see how the model computes it and declare it (block.call / block.position)")
+    mask_argument = draft.call.get("mask_argument", "attention_mask")
+    if call is not None and mask_argument and call.casts_to_bool(mask_argument):
+        draft.mask.update({"boolean": "masked", "allow_skip": False})
+        draft.facts.append("the model casts its float attention mask to booleans (True = masked) for the layers")
+
+
+def _bias_input(draft: FamilyDraft, call: LayerCall, name: str) -> bool:
+    """``name`` is made by a function of the model's module from config values: the block makes it the same way."""
+    found = call.function(call.origin(name))
+    if found is None:
+        return False
+    function, node = found
+    try:
+        bound = inspect.signature(function).bind_partial(*node.args, **{k.arg: k.value for k in node.keywords
+                                                                        if k.arg})
+    except TypeError:
+        return False
+    arguments = {}
+    for param, expr in bound.arguments.items():
+        formula = call.formula(expr) if param != "device" else "device"
+        if formula is None:
+            return False
+        if param != "device":
+            arguments[param] = formula
+    draft.call["alibi_argument"] = name
+    draft.position["alibi_function"] = f"{function.__module__}.{function.__name__}"
+    draft.position["alibi_arguments"] = arguments
+    draft.facts.append(f"the layer takes {name!r}, which the model builds with {function.__name__}("
+                       + ", ".join(f"{k}={v}" for k, v in arguments.items()) + "); the block builds it the same way")
+    return True

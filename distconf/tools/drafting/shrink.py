@@ -1,0 +1,194 @@
+"""Shrinking a ``config.json`` to a tiny model of the same architecture (`shrink_config`).
+
+Every field is read by its standard name (`FieldNames`) and shrinks by what it
+measures (`role_of`): the anchor sizes go to the tiny profile (hidden 64, 4 heads,
+vocab 256 ...), KV heads keep the attention kind (MHA, GQA, MQA), fields sized like a
+head scale with the head size, widths scale with the hidden size, counts and indices of
+layers and per-layer lists are cut to the same tiny layers (`plan_layers`), windows
+shrink below the tokens a check runs. Checkpoint and runtime fields are dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, is_int
+from distconf.tools.drafting.fields import SIZE_WORDS, Anchors, FieldNames, config_class_for, has_experts, role_of
+from distconf.tools.drafting.layers import LayerPlan, plan_layers
+from distconf.tools.drafting.profile import TINY, Scale, TinyProfile
+from distconf.tools.drafting.rope import shrink_rope
+
+__all__ = ["shrink_config", "shrink_with_plan", "CHECKPOINT_KEYS"]
+
+# Fields every transformers config may carry that describe a checkpoint or a runtime, not an architecture.
+CHECKPOINT_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
+    "quantization_config", "use_cache", "initializer_range", "task_specific_params", "id2label", "label2id",
+    "tokenizer_class", "attn_implementation", "_attn_implementation", "cache_implementation", "return_dict",
+    "torchscript", "max_length", "output_hidden_states", "output_attentions", "problem_type",
+    "chunk_size_feed_forward", "is_encoder_decoder",
+})
+_DROP_PATTERNS = ("dropout", "pdrop")
+_STANDARD_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_MIN_WINDOW = 16  # a smaller "window" field is a pattern or a period, not a length in tokens
+_DROP = object()
+
+
+def shrink_config(config: Mapping[str, Any], review: list[str] | None = None, *,
+                  derived_layer_types: Sequence[Hashable] | None = None,
+                  layer_kinds: Sequence[Hashable] | None = None, config_class: type | None = None,
+                  profile: TinyProfile = TINY, min_layers: int | None = None) -> dict[str, Any]:
+    """A tiny version of ``config`` (a ``config.json`` dict) keeping every architecture flag.
+
+    Sizes shrink (hidden 64, 4 heads, vocab 256, intermediate 128, 2-6 layers, 4
+    experts, window 4 ...), the proportions that matter are kept (GQA stays GQA, an
+    explicit ``head_dim`` stays different from hidden/heads, sizes of parts of a head
+    keep their ratios), checkpoint and runtime fields are dropped. Field names are read
+    through ``config_class``'s ``attribute_map`` (default: the class of the config's
+    ``model_type``). ``derived_layer_types`` (the layer types the config class computes)
+    and ``layer_kinds`` (a signature of each built layer) decide, with the config's own
+    per-layer lists, which layers the tiny model keeps. Things a reviewer should look at
+    are appended to ``review``.
+    """
+    return shrink_with_plan(config, review, derived_layer_types=derived_layer_types, layer_kinds=layer_kinds,
+                            config_class=config_class, profile=profile, min_layers=min_layers)[0]
+
+
+def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None, *,
+                     derived_layer_types: Sequence[Hashable] | None = None,
+                     layer_kinds: Sequence[Hashable] | None = None, config_class: type | None = None,
+                     profile: TinyProfile = TINY, min_layers: int | None = None,
+                     end_with_last: bool = False) -> tuple[dict[str, Any], LayerPlan]:
+    """`shrink_config`, also returning which real layers the tiny layers stand for (`plan_layers`)."""
+    review = review if review is not None else []
+    names = FieldNames.of(config_class if config_class is not None else config_class_for(config))
+    source = {k: copy.deepcopy(v) for k, v in config.items()
+              if k not in CHECKPOINT_KEYS and not any(p in k for p in _DROP_PATTERNS)}
+    anchors = Anchors.read(source, names)
+    if "text_config" in source and anchors.layers is None:
+        raise DraftingError("this config nests its language model under text_config; draft a family for the "
+                            "text model (its own model_type) from the text_config section instead")
+    moe = has_experts(source, names)
+    plan = plan_layers(source, names, anchors.layers, min_layers=min_layers or (3 if moe else 2),
+                       max_layers=profile.max_layers, extra=(derived_layer_types, layer_kinds),
+                       end_with_last=end_with_last)
+    if plan.kinds > profile.max_layers:
+        review.append(f"the model has {plan.kinds} different kinds of layers; the tiny config keeps "
+                      f"{plan.tiny_layers}: check that it covers what matters")
+    shrinker = _Shrinker(Scale(profile, anchors), names, plan, moe, review, _rotary_fraction(source), source, {})
+    out = {key: shrinker.field(key, value) for key, value in source.items() if key not in plan.keyed}
+    shrinker.top.update(out)
+    out.update({key: shrinker.field(key, source[key]) for key in plan.keyed})
+    if "quantization_config" in config:
+        review.append("the checkpoint is quantized (quantization_config); the tiny model is not.")
+    return {key: value for key, value in out.items() if value is not _DROP}, plan
+
+
+def _rotary_fraction(config: Mapping[str, Any]) -> float:
+    for mapping in (config, *(v for v in config.values() if isinstance(v, Mapping))):
+        value = mapping.get("partial_rotary_factor")
+        if isinstance(value, (int, float)) and 0 < value <= 1:
+            return float(value)
+    return 1.0
+
+
+@dataclass
+class _Shrinker:
+    scale: Scale
+    names: FieldNames
+    plan: LayerPlan
+    moe: bool
+    review: list[str]
+    rotary_fraction: float
+    source: Mapping[str, Any]
+    top: dict[str, Any]  # the tiny top-level values, once computed
+
+    def field(self, key: str, value: Any) -> Any:
+        """The tiny value of one field (or _DROP)."""
+        role = role_of(key, value, self.names, moe=self.moe)
+        if key in self.plan.index_lists:
+            return self.plan.reindex(value)
+        if key in self.plan.per_layer:
+            return [self.scalar(key, role, v) for v in self.plan.cut(value)]
+        if key in self.plan.keyed:
+            return {k: self.override(v) for k, v in self.plan.rekey(value).items()}
+        if role == "rope":
+            return shrink_rope(value, self.scale, self.review, self.rotary_fraction)
+        if role == "token_id":
+            return self.token_id(key, value)
+        if isinstance(value, list) and value and all(is_int(v) for v in value):
+            return [self.scalar(key, role, v) for v in value]
+        return self.scalar(key, role, value)
+
+    def override(self, settings: Any) -> Any:
+        """Per-layer settings overriding top-level fields: sizes keep their ratio to the top-level value."""
+        if not isinstance(settings, Mapping):
+            return settings
+        out = {}
+        for key, value in settings.items():
+            top, tiny_top = self.source.get(key), self.top.get(key)
+            if is_int(value) and is_int(top) and is_int(tiny_top) and top > 0 and tiny_top != top:
+                out[key] = max(1, round(value * tiny_top / top))
+            else:
+                out[key] = self.field(key, value)
+        return out
+
+    def token_id(self, key: str, value: Any) -> Any:
+        """Token ids stay inside the tiny vocabulary (standard ids get 0/1/2, others their default)."""
+        vocab = self.scale.profile.vocab
+        fallback = _STANDARD_TOKEN_IDS.get(self.names.standard(key))
+        if isinstance(value, list):
+            kept = [v for v in value if is_int(v) and v < vocab]
+            return kept or ([fallback] if fallback is not None else _DROP)
+        if is_int(value) and value >= vocab:
+            return fallback if fallback is not None else _DROP
+        return value
+
+    def scalar(self, key: str, role: str, value: Any) -> Any:
+        """The tiny value of one integer of a field with ``role``."""
+        if not is_int(value) or value <= 0:
+            return value
+        profile, scale, anchors = self.scale.profile, self.scale, self.scale.anchors
+        fixed = {"hidden_size": profile.hidden, "num_attention_heads": profile.heads,
+                 "num_hidden_layers": self.plan.tiny_layers, "head_dim": scale.head_dim,
+                 "intermediate_size": profile.intermediate, "vocab_size": min(value, profile.vocab),
+                 "experts": profile.experts if value > 1 else value, "expert_groups": 1}
+        if role in fixed:
+            return fixed[role]
+        if role in ("num_key_value_heads", "kv_heads"):
+            return scale.kv_heads(value)
+        if role in ("max_position_embeddings", "positions"):
+            return min(value, profile.positions)
+        if role in ("sliding_window", "window"):
+            return profile.window if value >= _MIN_WINDOW else value
+        if role == "experts_per_token":
+            return min(value, profile.experts_per_token)
+        if role == "shared_experts":
+            return min(value, 1)
+        if role == "layer_count":
+            return scale.layer_count(value, self.plan.tiny_layers)
+        if role == "head_count":
+            return profile.heads if value == anchors.heads else (
+                scale.kv_heads(value) if anchors.heads and value < anchors.heads else value)
+        if role == "moe_intermediate_size":
+            return scale.width(value) or value
+        return self.size(key, value)
+
+    def size(self, key: str, value: int) -> int:
+        """A field known by its value and words: a part of a head scales with the head, a width with hidden."""
+        words = self.names.words(key)
+        named = bool(words & SIZE_WORDS)
+        if named and "head" in words:
+            return self.scale.head_ratio(value)
+        head = self.scale.head_sized(value)
+        if head is not None:
+            return head
+        if not named:
+            return value
+        real_head = self.scale.anchors.head_size
+        if real_head and value <= real_head:
+            return self.scale.head_ratio(value)
+        return self.scale.width(value) or value

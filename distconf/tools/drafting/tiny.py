@@ -1,0 +1,86 @@
+"""The tiny config of a draft (`fit_tiny_config`): shrunk, limited to what the class reads, every layer kind kept."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.probe import meta_layer_kinds
+from distconf.tools.drafting.profile import TinyProfile
+from distconf.tools.drafting.readable import architecture_fields
+from distconf.tools.drafting.shrink import shrink_with_plan
+
+__all__ = ["TinyPlan", "fit_tiny_config", "derived_lists"]
+
+
+@dataclass
+class TinyPlan:
+    """What the tiny config is made from: the real config, its class, and the real model's layers."""
+
+    raw: Mapping[str, Any]
+    config_class: type
+    attn_implementation: str
+    derived_layer_types: list[Any] | None = None
+    layer_kinds: list[Hashable] | None = None  # signature of each real layer
+    real_kinds: set[Hashable] = field(default_factory=set)  # kinds of layers the real model has
+    derived_lists: dict[str, list[Any]] = field(default_factory=dict)  # per-layer lists the class computes
+    model_reads: frozenset[str] = frozenset()  # config attributes the modeling code reads
+
+
+@dataclass
+class _Attempt:
+    tiny: dict[str, Any]
+    notes: list[str]
+    built: bool  # the tiny model could be built on the meta device (or nothing needed it)
+
+
+def fit_tiny_config(plan: TinyPlan, profile: TinyProfile, review: list[str], facts: list[str]) -> dict[str, Any]:
+    """The shrunk config, made to have every kind of layer the real model has.
+
+    When the class derives per-layer lists (e.g. layer types from a period) and the
+    tiny model lacks a kind of layer, the lists are written out, cut to the tiny
+    layers; when that is not enough (fields such as "the first k layers are dense"),
+    one more layer is tried (up to ``profile.max_layers``), built on the meta device.
+    When the tiny layers cannot be built in the usual order, the real last layer is
+    kept as the tiny model's last.
+    """
+    attempt = _deepen(plan, profile, end_with_last=False)
+    if not attempt.built:
+        second = _deepen(plan, profile, end_with_last=True)
+        attempt = second if second.built else attempt
+    review.extend(attempt.notes)
+    return architecture_fields(attempt.tiny, plan.config_class, facts, plan.model_reads)
+
+
+def _deepen(plan: TinyPlan, profile: TinyProfile, *, end_with_last: bool) -> _Attempt:
+    depth = None
+    while True:
+        notes: list[str] = []
+        tiny, layer_plan = shrink_with_plan(plan.raw, notes, derived_layer_types=plan.derived_layer_types,
+                                            layer_kinds=plan.layer_kinds, config_class=plan.config_class,
+                                            profile=profile, min_layers=depth, end_with_last=end_with_last)
+        if not plan.real_kinds:
+            return _Attempt(tiny, notes, built=True)
+        kinds = meta_layer_kinds(plan.config_class, tiny, plan.attn_implementation)
+        if kinds is not None and not plan.real_kinds <= kinds and plan.derived_lists:
+            written = {**tiny, **{key: layer_plan.cut(value) for key, value in plan.derived_lists.items()}}
+            written_kinds = meta_layer_kinds(plan.config_class, written, plan.attn_implementation)
+            if written_kinds is not None and plan.real_kinds <= written_kinds:
+                tiny, kinds = written, written_kinds
+        if kinds is None or plan.real_kinds <= kinds or layer_plan.tiny_layers >= profile.max_layers:
+            return _Attempt(tiny, notes, built=kinds is not None)
+        depth = layer_plan.tiny_layers + 1
+
+
+def derived_lists(config: Any, raw: Mapping[str, Any], config_class: type, layers: int | None) -> dict[str, list[Any]]:
+    """Per-layer lists the config class computed itself (fields of the class absent from the config.json)."""
+    if not layers or not dataclasses.is_dataclass(config_class):
+        return {}
+    names = FieldNames.of(config_class)
+    given = {names.standard(k) for k in raw} | set(raw)
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return {name: list(value) for name, value in vars(config).items()
+            if name in fields and name not in given and isinstance(value, (list, tuple)) and len(value) == layers}
