@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,21 +13,59 @@ from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_d
 
 
 def test_swarm_demo_runs_end_to_end(tmp_path):
-    """Servers in separate processes load real weights, place and announce; a client routes."""
+    """Block servers in separate processes place themselves and load real weights; a client routes, then
+    generates through them while one is stopped, and gets exactly the local model's tokens."""
     proc = subprocess.run(
-        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "200", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=260,
+        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "400", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=480,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "chose blocks 0..2" in out and "chose blocks 3..5" in out and "chose blocks 5..7" in out
-    assert "real parameters" in out and "announced ONLINE" in out
+    spans = re.findall(r"^  (server-\d): blocks (\d)\.\.(\d), ([\d,]+) parameters loaded", out, re.M)
+    assert [s[:3] for s in spans[:2]] == [("server-1", "0", "3"), ("server-2", "4", "7")]
+    assert spans[2][0] == "server-3" and spans[2][1:3] in (("0", "3"), ("4", "7")) and "(a spare)" in out
+    assert "ONLINE" in out and int(spans[0][3].replace(",", "")) > 0
     assert "knows only 'distconf-demo-tiny-" in out
-    assert "full route in 3 hop(s)" in out
-    assert "server-2 leaves (exit 0, announced OFFLINE): no full route: no online or joining server covers block 3" \
-        in out
+    assert "full route in 2 hop(s)" in out
+
+    local = re.search(r"^  local HF model: +([\d ]+)$", out, re.M).group(1).split()
+    remote = re.search(r"^  through the swarm: ([\d ]+)$", out, re.M).group(1).split()
+    assert len(local) == 16 and remote == local and len(set(local)) > 1
+    assert "  identical: yes: the servers computed exactly what the local model does, across a failover" in out
+    stopped = re.search(r"stopped (server-\d) \(blocks (\d\.\.\d)\): exit 0, announced OFFLINE", out)
+    replaced = re.search(r"the client banned (server-\d) and replayed the session to (server-\d) "
+                         r"\(blocks (\d\.\.\d)\)$", out, re.M)
+    assert stopped and replaced, out
+    assert replaced.group(1) == stopped.group(1) != replaced.group(2) and replaced.group(3) == stopped.group(2)
+    assert "leaves too (exit 0, announced OFFLINE); the client sees:\n  no full route: no online or joining server " \
+        "covers block" in out
     assert "stopped 3 servers (cleanly)" in out
     assert len(list(tmp_path.glob("distconf-demo-tiny-*/model.safetensors"))) == 1
+
+
+def test_demo_chooses_a_replaceable_server():
+    """The server stopped mid-generation is one whose blocks other servers hold; the placement makes one."""
+    from distconf.planning import choose_blocks
+    from distconf.tools.demo.generation import replaceable_server
+    from distconf.tools.demo.model import DEMO_LAYERS, blocks_per_server
+
+    spans = {"a": (0, 4), "b": (4, 8), "c": (4, 8)}
+    assert replaceable_server([("a", 0, 4), ("c", 4, 8)], spans) == "c"
+    assert replaceable_server([("a", 0, 4), ("b", 4, 8)], {"a": (0, 4), "b": (4, 8)}) is None
+    assert replaceable_server([("a", 0, 4), ("b", 4, 8)], {**spans, "d": (0, 2), "e": (2, 4)}) == "b"
+    assert replaceable_server([("a", 0, 4), ("b", 4, 8)], {"a": (0, 4), "b": (4, 8), "d": (0, 3)}) is None
+
+    # three servers in turn, each on the weakest window: the third lands on a covered span (a spare)
+    config = SimpleNamespace(num_hidden_layers=DEMO_LAYERS)
+    n = blocks_per_server(3)
+    throughputs = [0.0] * DEMO_LAYERS
+    placed = []
+    for speed in (5.0, 3.0, 4.0):
+        start, end = choose_blocks(config, n, throughputs)
+        placed.append((start, end))
+        throughputs[start:end] = [t + speed for t in throughputs[start:end]]
+    assert placed == [(0, 4), (4, 8), (4, 8)]
+    assert replaceable_server([("s1", 0, 4), ("s3", 4, 8)], dict(zip(("s1", "s2", "s3"), placed))) == "s3"
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +97,17 @@ def run_cli(capsys, *args: str) -> SimpleNamespace:
 
 def test_swarm_command_shows_coverage_and_route(live_swarm, capsys):
     proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # clients route through ONLINE servers only; block 4.. is JOINING
     assert "cli-test-model: 6 blocks, 2 peer(s)" in proc.stdout
     assert "OOOO.." in proc.stdout and "....JJ" in proc.stdout and "1,024" in proc.stdout
-    assert "full route in 2 hop(s)" in proc.stdout
+    assert "no online server covers block 4" in proc.stdout
+    assert "full route in 2 hop(s)" in proc.stdout and "see --include-joining" in proc.stdout
+    proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model",
+                   "--include-joining")
+    assert proc.returncode == 0 and "full route in 2 hop(s)" in proc.stdout
     proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model", "--online-only")
     assert proc.returncode == 1 and "no online server covers block 4" in proc.stdout
+    assert "see --include-joining" not in proc.stdout
 
 
 def test_swarm_command_needs_peers_and_a_listed_model(live_swarm, monkeypatch, capsys):

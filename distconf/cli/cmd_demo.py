@@ -16,10 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Validate the built-in families, then load every shipped preset through its family's "
                     "from_pretrained and print one row per model: family, class, DHT prefix, blocks, KV groups, "
                     "block size and KV bytes per token.\n\n"
-                    "Then, unless --no-swarm, start a small swarm on 127.0.0.1: server processes join a local "
-                    "DHT, each plans for its memory budget, picks its blocks, loads the real weights of a tiny "
-                    "local model and announces them; a client that knows only the DHT prefix finds a route, "
-                    "and sees the gap when one server leaves. Offline; bounded in time.",
+                    "Then, unless --no-swarm, start a small swarm on 127.0.0.1: block servers (the code of "
+                    "`distconf serve`, one process each) join a local DHT, size themselves for their memory "
+                    "budget, pick their blocks, load the real weights of a tiny local model and announce them; "
+                    "a client finds a route by the DHT prefix and generates through the servers, one of them "
+                    "stopped mid-way, and the tokens must equal the local model's. Offline; bounded in time.",
         examples=[("distconf demo", "everything (what `make demo` runs)"),
                   ("distconf demo --no-swarm", "validation and the preset table only"),
                   ("distconf demo --swarm-family FAMILY --servers 2", "a swarm of another family's tiny model")],
@@ -29,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="family of the tiny model the swarm serves (default: the first built-in family "
                         "with a tiny_config); any family works, the servers use only its family file")
     p.add_argument("--servers", type=positive_int, default=3, help="server processes in the swarm (default: 3)")
-    p.add_argument("--swarm-timeout", type=float, default=180.0, metavar="SECONDS",
-                   help="hard bound on the swarm part (default: 180; raise it on a busy machine)")
+    p.add_argument("--swarm-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="hard bound on the swarm part (default: 300; raise it on a busy machine)")
     p.set_defaults(func=run)
 
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from distconf.tools.demo import run_swarm_demo
 
-    print("\n== 3. a local swarm on 127.0.0.1")
+    print("\n== 3. a local swarm on 127.0.0.1: servers, a route, a generation that survives a server leaving")
     return int(run_swarm_demo(args.servers, family=args.swarm_family, timeout=args.swarm_timeout) or 0)
 
 

@@ -1,4 +1,4 @@
-"""A local swarm on 127.0.0.1: real DHT, server processes loading real weights, a client.
+"""A local swarm on 127.0.0.1: real DHT, real block servers in their own processes, a client that generates.
 
 `run_swarm_demo` (called by ``distconf demo``) does, within a bounded time:
 
@@ -6,15 +6,19 @@
    layers; random weights, real safetensors) and saves its distributed config with a
    ``dht_prefix`` next to it (`model`);
 2. starts a bootstrap DHT node on 127.0.0.1 (`orchestrator`);
-3. starts several server *processes* (``python -m distconf.tools.demo serve ...``,
-   `server`). Each joins the DHT, reads the swarm, sizes itself with `plan_server` for
-   its memory budget, picks its span with `choose_blocks` (weakest window), announces
-   JOINING, loads the real weights of its blocks with `distconf.blocks.weights.load_block`,
-   runs them once to measure a throughput, and announces ONLINE;
-4. a client that knows only the DHT prefix reads the block count from the model
-   listing, finds the servers in one batched request, prints the coverage and route;
-   then one server leaves (announcing OFFLINE) and the client reports the gap;
-5. stops every server (they announce OFFLINE) and the DHT nodes.
+3. starts three server *processes* (``python -m distconf.tools.demo serve ...``,
+   `server`), each running ``distconf serve``'s `distconf.server.BlockServer`: it joins the
+   DHT, sizes itself with the planner for its memory budget (4 of the 8 blocks), takes the
+   weakest part of the chain with the placement rule, announces JOINING, loads the real
+   weights of its blocks, measures its throughput and announces ONLINE. The first two
+   cover the model; the third lands on the weaker half, a spare;
+4. a client (`distconf.client.AutoDistributedModelForCausalLM`) that knows only the
+   model folder finds the servers by the DHT prefix and prints the coverage and route;
+5. it generates greedily through the swarm (`generation`); after a few tokens one server
+   of its route is stopped, the client fails over to the spare, and the tokens are
+   compared with the local Hugging Face model's: the demo fails unless they are identical;
+6. one more server leaves and the client reports the gap; every server (they announce
+   OFFLINE) and DHT node is stopped, also on failure or Ctrl-C.
 
 Servers are started together (imports overlap) but choose their blocks one after
 another, so each sees its predecessors: that is what the placement rule needs. The

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="A local swarm on 127.0.0.1 serving a tiny model (see `distconf demo`).")
     p.add_argument("--servers", type=int, default=3, help="server processes to start (default: 3)")
     p.add_argument("--family", default=None, help="family of the tiny model (default: first with a tiny_config)")
-    p.add_argument("--timeout", type=float, default=180.0, help="hard bound on the whole demo, seconds (default 180)")
+    p.add_argument("--timeout", type=float, default=300.0, help="hard bound on the whole demo, seconds (default 300)")
     p.add_argument("--workdir", default=None, help="where to write the checkpoint and server logs (default: temp)")
     args = p.parse_args(argv)
     return run_swarm_demo(args.servers, family=args.family, workdir=args.workdir, timeout=args.timeout)

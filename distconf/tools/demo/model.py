@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_LAYERS", "BLOCKS_PER_SERVER", "DEMO_DTYPE", "demo_family", "demo_prefix", "make_tiny_checkpoint",
-           "memory_for"]
+__all__ = ["DEMO_LAYERS", "DEMO_DTYPE", "DEMO_SEED", "blocks_per_server", "demo_family", "demo_prefix",
+           "make_tiny_checkpoint", "memory_for"]
 
 DEMO_LAYERS = 8
 """Blocks of the demo model (the family's tiny config, with this many layers)."""
-BLOCKS_PER_SERVER = 3
-"""Blocks each server's memory budget is sized for."""
 DEMO_DTYPE = "float32"
-"""Dtype the servers plan for, load and run in."""
+"""Dtype the servers plan for, load and run in (and the client computes in)."""
+DEMO_SEED = 2
+"""Seed of the random weights (one whose greedy continuation of the demo prompt does not repeat at once)."""
 
 
 def demo_family(family: str | None = None) -> str:
@@ -33,12 +34,23 @@ def demo_prefix(family: str) -> str:
     return f"distconf-demo-tiny-{family}".replace("_", "-")
 
 
-def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = 0) -> Any:
+def blocks_per_server(num_servers: int, layers: int = DEMO_LAYERS) -> int:
+    """Blocks each server is sized for: all but one server cover the model, the last is a spare.
+
+    With 3 servers and 8 blocks: 4 each, so the first two cover blocks 0..7 and the
+    placement rule puts the third on the weaker half, where it can replace a server that
+    leaves. One server takes every block.
+    """
+    return layers if num_servers <= 2 else math.ceil(layers / (num_servers - 1))
+
+
+def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO_SEED) -> Any:
     """Write a tiny random model of ``family`` (safetensors) to ``model_dir``; return its config.
 
     The model is the family file's ``tiny_config`` (first variant) with `DEMO_LAYERS`
-    layers, built from the family's HF config class. The saved ``config.json`` is the
-    distributed config's, so it carries ``dht_prefix``.
+    layers, built from the family's HF config class, with an output layer of its own
+    (untied from the input embeddings: a random tied model's greedy output repeats one
+    token). The saved ``config.json`` is the distributed config's, so it carries ``dht_prefix``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -51,6 +63,7 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = 0) -
     _, values = tiny_variants(dict(cls.family_spec.tiny_config))[0]
     reference = cls.hf_config_class(**values)
     reference.num_hidden_layers = DEMO_LAYERS
+    reference.tie_word_embeddings = False
     model_dir = Path(model_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(reference)

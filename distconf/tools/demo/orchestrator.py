@@ -1,18 +1,29 @@
-"""The demo's orchestrator: tiny model, bootstrap DHT, server processes, then a client that routes."""
+"""The demo's orchestrator: tiny model, bootstrap DHT, server processes, a client that routes and generates."""
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
+from distconf.tools.demo.generation import (
+    NEW_TOKENS,
+    STOP_AFTER,
+    Hop,
+    demo_prompt,
+    local_generation,
+    open_client,
+    replaceable_server,
+    swarm_generation,
+)
 from distconf.tools.demo.model import (
-    BLOCKS_PER_SERVER,
     DEMO_DTYPE,
+    blocks_per_server,
     demo_family,
     demo_prefix,
     make_tiny_checkpoint,
@@ -23,23 +34,35 @@ from distconf.tools.demo.process import ServerProcess
 __all__ = ["run_swarm_demo"]
 
 Out = Callable[[str], None]
+T = TypeVar("T")
+STOP_TIMEOUT = 30.0
+"""Seconds a server gets to announce OFFLINE and exit before it is terminated."""
 
 
 @dataclass
 class _Demo:
     """What the servers and the client of one demo run share."""
 
-    family: str
     prefix: str
+    num_blocks: int
     model_dir: Path
     memory: int
+    blocks_each: int
     peers: list[str]
     t0: float
     deadline: float
     out: Out
+    servers: list[ServerProcess] = field(default_factory=list)
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.t0:.1f} s"
+
+    def name(self, peer: str) -> str:
+        """The demo name (``server-2``) of a peer id."""
+        return next((s.name for s in self.servers if s.peer_id == peer), f"peer ..{peer[-8:]}")
+
+    def stop_deadline(self) -> float:
+        return min(self.deadline, time.monotonic() + STOP_TIMEOUT)
 
 
 def run_swarm_demo(
@@ -47,15 +70,15 @@ def run_swarm_demo(
     *,
     family: str | None = None,
     workdir: str | Path | None = None,
-    timeout: float = 180.0,
+    timeout: float = 300.0,
     out: Out = print,
 ) -> int:
-    """Run the local swarm demo; return 0 if a client found a full route and all stopped cleanly.
+    """Run the local swarm demo; return 0 if the swarm generated the local model's tokens and all stopped cleanly.
 
-    :param num_servers: server processes to start (each takes 3 of the 8 blocks).
+    :param num_servers: server processes to start (with 3, two cover the model and one is a spare).
     :param family: family of the tiny model (default: `demo_family`).
     :param workdir: where to write the tiny checkpoint and server logs (default: a temp dir).
-    :param timeout: hard bound on the whole demo, in seconds.
+    :param timeout: hard bound on the whole demo, in seconds (stopping takes at most ~30 s more).
     :param out: where progress lines go (``print`` by default).
     """
     from distconf.dht import start_local_dht, visible_maddrs
@@ -69,80 +92,174 @@ def run_swarm_demo(
         model_dir = workdir / demo_prefix(family)
         config = make_tiny_checkpoint(model_dir, family)
         out(f"tiny model: {type(config).__name__}, {config.num_hidden_layers} blocks, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, KV groups {config.num_key_value_groups}, "
-            f"dht_prefix {config.dht_prefix!r}, weights in {model_dir}")
+            f"{config.num_attention_heads} heads, KV groups {config.num_key_value_groups}")
+        out(f"  dht_prefix {config.dht_prefix!r}, random weights in {model_dir}")
         boot = start_local_dht()
         stack.callback(boot.shutdown)
-        demo = _Demo(family, demo_prefix(family), model_dir, memory_for(config, BLOCKS_PER_SERVER, DEMO_DTYPE),
-                      visible_maddrs(boot), t0, t0 + timeout, out)
+        blocks_each = blocks_per_server(num_servers, int(config.num_hidden_layers))
+        memory = memory_for(config, blocks_each, DEMO_DTYPE)
+        demo = _Demo(demo_prefix(family), int(config.num_hidden_layers), model_dir, memory, blocks_each,
+                     visible_maddrs(boot), t0, t0 + timeout, out)
         out(f"bootstrap DHT node: {demo.peers[0]}")
         log_path = workdir / "servers.log"
         log = stack.enter_context(log_path.open("w"))
-        servers: list[ServerProcess] = []
         ok = False
         try:
-            _start_servers(demo, num_servers, log, servers)
-            ok = _client_routes(demo, servers)
-        except (RuntimeError, TimeoutError, KeyError) as exc:
-            out(f"swarm demo failed: {exc!r}; server log: {log_path}")
-            log.flush()
-            out("\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
+            _start_servers(demo, num_servers, log)
+            ok = _client(demo, int(config.vocab_size))
+        except KeyboardInterrupt:
+            out("interrupted: stopping every server")
+        except Exception as exc:
+            out(f"swarm demo failed: {exc!r}")
+            _show_log(out, log, log_path)
         finally:
-            codes = _stop_all(servers)
+            codes = [s.stop(demo.stop_deadline()) for s in _ask_all_to_stop(demo.servers)]
         clean = all(c == 0 for c in codes)
         out(f"stopped {len(codes)} servers ({'cleanly' if clean else f'exit codes {codes}'}) and the DHT "
             f"in {demo.elapsed()} total")
         return 0 if ok and clean else 1
 
 
-def _start_servers(demo: _Demo, num_servers: int, log: Any, servers: list[ServerProcess]) -> None:
-    """Start the processes together, then let them choose their blocks one after another."""
-    for i in range(num_servers):
-        lifetime = max(10.0, demo.deadline - time.monotonic())
-        servers.append(ServerProcess(f"server-{i + 1}", [
-            "--model-dir", str(demo.model_dir), "--family", demo.family, "--initial-peers", *demo.peers,
-            "--memory", str(demo.memory), "--lifetime", str(lifetime)], log))
-    demo.out(f"started {num_servers} server processes, {demo.memory / 2**20:.1f} MiB budget each "
-             f"(planner: {BLOCKS_PER_SERVER} blocks)")
-    for server in servers:
-        server.expect("READY", demo.deadline)
-    demo.out(f"  all servers joined the DHT ({demo.elapsed()})")
-    for server in servers:  # one at a time: each sees its predecessors when it places itself
-        server.send("GO")
-        start, end, rps, params, checksum = server.expect("SERVING", demo.deadline)
-        demo.out(f"  {server.name}: chose blocks {start}..{int(end) - 1}, loaded {int(params):,} real parameters "
-                 f"(checksum {float(checksum):.2f}), measured {float(rps):.0f} rps, announced ONLINE")
+def _show_log(out: Out, log: IO[str], log_path: Path) -> None:
+    log.flush()
+    out(f"last lines of the server log ({log_path}):")
+    out("\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
 
 
-def _client_routes(demo: _Demo, servers: list[ServerProcess]) -> bool:
-    """A client that knows only the prefix finds a full route; after one server leaves, it sees the gap."""
-    from distconf.dht import find_models, find_servers_by_prefix, start_local_dht
-    from distconf.dht.report import format_coverage, format_route
-
-    client = start_local_dht(demo.peers, client_mode=True)
-    try:
-        num_blocks = find_models(client, timeout=10)[demo.prefix].num_blocks
-        demo.out(f"client: knows only {demo.prefix!r}; the swarm lists it with {num_blocks} blocks")
-        state = find_servers_by_prefix(client, demo.prefix, num_blocks, timeout=10)
-        demo.out(format_coverage(state))
-        ok, text = format_route(state)
-        demo.out(text)
-        if ok and len(servers) >= 2:
-            leaving = servers[1]
-            code = leaving.stop(time.monotonic() + 15)
-            after = find_servers_by_prefix(client, demo.prefix, num_blocks, timeout=10)
-            still, text_after = format_route(after)
-            demo.out(f"{leaving.name} leaves (exit {code}, announced OFFLINE): {text_after}")
-            ok = ok and code == 0 and (still or "covers block" in text_after)
-        demo.out(f"  ({demo.elapsed()})")
-        return ok
-    finally:
-        client.shutdown()
-
-
-def _stop_all(servers: list[ServerProcess]) -> list[int]:
-    """Stop every server at once (they announce OFFLINE and shut down in parallel); return exit codes."""
-    stop_deadline = time.monotonic() + 15
+def _ask_all_to_stop(servers: list[ServerProcess]) -> list[ServerProcess]:
+    """Ask every server to stop at once (they announce OFFLINE in parallel), then wait for each."""
     for server in servers:
         server.send("STOP")
-    return [server.stop(stop_deadline) for server in servers]
+    return servers
+
+
+def _start_servers(demo: _Demo, num_servers: int, log: IO[str]) -> None:
+    """Start the processes together, then let them choose their blocks one after another."""
+    for i in range(num_servers):
+        lifetime = max(30.0, demo.deadline - time.monotonic() + STOP_TIMEOUT)
+        demo.servers.append(ServerProcess(f"server-{i + 1}", [
+            "--model-dir", str(demo.model_dir), "--initial-peers", *demo.peers, "--memory", str(demo.memory),
+            "--lifetime", str(lifetime)], log))
+    demo.out(f"{num_servers} block servers (distconf serve's code, one process each), "
+             f"{demo.memory / 2**20:.1f} MiB each: the planner fits {demo.blocks_each} blocks")
+    for server in demo.servers:
+        server.peer_id = server.expect("READY", demo.deadline)[0]
+    demo.out(f"  all joined the DHT ({demo.elapsed()}); each in turn takes the weakest part of the chain:")
+    for i, server in enumerate(demo.servers):  # one at a time: each sees its predecessors when it places itself
+        server.send("GO")
+        start, end, rps, params = server.expect("SERVING", demo.deadline)
+        server.span = (int(start), int(end))
+        spare = any(s.span[0] < server.span[1] and server.span[0] < s.span[1] for s in demo.servers[:i])
+        demo.out(f"  {server.name}: blocks {start}..{int(end) - 1}, {int(params):,} parameters loaded, "
+                 f"{float(rps):.0f} rps measured, ONLINE" + ("  (a spare)" if spare else ""))
+
+
+def _client(demo: _Demo, vocab_size: int) -> bool:
+    """Discovery and route, then the generation with a server stopped mid-way, then one more server leaves."""
+    model = open_client(demo.model_dir, demo.peers)
+    try:
+        ok = _route(demo, model.remote.swarm.dht)
+        ok = _generate(demo, model, vocab_size) and ok
+        _one_leaves(demo, model.remote.swarm.dht)
+        return ok
+    finally:
+        model.shutdown()
+
+
+def _route(demo: _Demo, dht: Any) -> bool:
+    """A client that knows only the prefix reads the block count, the coverage and a route."""
+    from distconf.dht import find_models, find_servers_by_prefix
+    from distconf.dht.report import format_coverage, format_route
+
+    num_blocks = find_models(dht, timeout=10)[demo.prefix].num_blocks
+    demo.out(f"client: knows only {demo.prefix!r}; the swarm lists it with {num_blocks} blocks")
+    state = find_servers_by_prefix(dht, demo.prefix, num_blocks, timeout=10)
+    demo.out(format_coverage(state))
+    ok, text = format_route(state)
+    demo.out(text)
+    return ok
+
+
+def _generate(demo: _Demo, model: Any, vocab_size: int) -> bool:
+    """Greedy generation locally and through the swarm (one server stopped mid-way); True if identical."""
+    prompt = demo_prompt(vocab_size)
+    demo.out(f"generation: {NEW_TOKENS} new tokens, greedy, float32 (token ids: the tiny model has no tokenizer)")
+    demo.out(f"  prompt:            {_ids(prompt)}")
+    expected = local_generation(demo.model_dir, prompt)
+    demo.out(f"  local HF model:    {_ids(expected)}")
+    by_peer = {s.peer_id: s for s in demo.servers}
+    codes: dict[str, int] = {}
+
+    def choose(route: list[Hop]) -> str | None:
+        return replaceable_server(route, {s.peer_id: s.span for s in demo.servers if s.alive})
+
+    def stop(peer: str) -> None:
+        codes[peer] = by_peer[peer].stop(demo.stop_deadline())
+
+    result = _bounded(lambda: swarm_generation(model, prompt, choose=choose, stop=stop), demo.deadline,
+                      "the generation through the swarm")
+    demo.out(f"  route:             {_route_text(demo, result.route_before)}")
+    expect_failover = len(demo.servers) >= 2  # then the placement leaves a spare (`blocks_per_server`)
+    if result.stopped is None:
+        demo.out(f"  (no server of the route has a replacement among {len(demo.servers)} server(s): "
+                 "generation without a failure)")
+    else:
+        victim = by_peer[result.stopped]
+        code = codes[victim.peer_id]
+        demo.out(f"  after {STOP_AFTER} tokens:    stopped {victim.label()}: exit {code}"
+                 + (", announced OFFLINE" if code == 0 else ""))
+        new = [by_peer[hop[0]].label() if hop[0] in by_peer else demo.name(hop[0])
+               for hop in result.route_after if hop not in result.route_before]
+        demo.out(f"  failover:          the client banned {victim.name} and replayed the session to "
+                 f"{', '.join(new) or '(none)'}")
+    demo.out(f"  through the swarm: {_ids(result.tokens)}")
+    identical = result.tokens == expected
+    failed_over = result.stopped is not None and result.failovers >= 1 and codes[result.stopped] == 0
+    why = "the servers computed exactly what the local model does" + (", across a failover" if failed_over else "")
+    demo.out(f"  identical: {'yes: ' + why if identical else 'NO'} ({demo.elapsed()})")
+    if expect_failover and not failed_over:
+        demo.out(f"  but the failover did not happen as planned (failovers: {result.failovers})")
+    return identical and (failed_over or not expect_failover)
+
+
+def _one_leaves(demo: _Demo, dht: Any) -> None:
+    """One more server leaves: the client reads the swarm again and reports the gap."""
+    from distconf.dht import find_servers_by_prefix
+    from distconf.dht.report import format_route
+
+    leaving = next((s for s in demo.servers if s.alive), None)
+    if leaving is None:
+        return
+    too = " too" if any(not s.alive for s in demo.servers) else ""
+    code = leaving.stop(demo.stop_deadline())
+    _, text = format_route(find_servers_by_prefix(dht, demo.prefix, demo.num_blocks, timeout=10))
+    demo.out(f"then {leaving.name} leaves{too} (exit {code}, announced OFFLINE); the client sees:")
+    demo.out(f"  {text}")
+
+
+def _bounded(fn: Callable[[], T], deadline: float, what: str) -> T:
+    """Run ``fn`` in a worker thread; raise `TimeoutError` if it is not done by ``deadline``."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=work, name="distconf-demo-generate", daemon=True)
+    worker.start()
+    worker.join(max(1.0, deadline - time.monotonic()))
+    if worker.is_alive():
+        raise TimeoutError(f"{what} did not finish within the demo's time limit")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _ids(tokens: list[int]) -> str:
+    return " ".join(str(t) for t in tokens)
+
+
+def _route_text(demo: _Demo, route: list[Hop]) -> str:
+    return " -> ".join(f"{demo.name(peer)}[{start}..{end - 1}]" for peer, start, end in route)

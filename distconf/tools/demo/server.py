@@ -1,8 +1,12 @@
-"""One demo server process: join the DHT, plan, choose blocks, load real weights, announce.
+"""One demo server process: ``distconf serve``'s `BlockServer`, driven one step at a time by the orchestrator.
 
-It talks to the orchestrator one line at a time: it prints ``READY <peer_id>``, waits for
-``GO``, prints ``SERVING <start> <end> <throughput> <params> <checksum>``, and waits for
-``STOP`` (or end of input, or ``--lifetime`` seconds) before announcing OFFLINE.
+The server is the real one (planner, placement rule, weight loading, throughput, Petals
+2.x handlers, announcements); this module only adds the orchestrator's line protocol on
+stdin/stdout: it prints ``READY <peer_id>`` once its DHT node has joined, waits for
+``GO`` (so that servers place themselves one after another, each seeing its
+predecessors), prints ``SERVING <start> <end> <throughput> <parameters>`` once ONLINE,
+and waits for ``STOP`` (or end of input, SIGTERM, or ``--lifetime`` seconds) before
+announcing OFFLINE.
 """
 
 from __future__ import annotations
@@ -10,12 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import queue
+import signal
 import sys
 import threading
 import time
 from typing import Any
-
-from distconf.tools.demo.model import DEMO_DTYPE
 
 __all__ = ["serve", "DEMO_UPDATE_PERIOD"]
 
@@ -28,12 +31,15 @@ DEMO_UPDATE_PERIOD = 2.0
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m distconf.tools.demo serve")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--family", required=True)
     p.add_argument("--initial-peers", nargs="+", required=True)
-    p.add_argument("--memory", required=True, help="memory budget in bytes")
+    p.add_argument("--memory", type=int, required=True, help="memory budget in bytes (the planner sizes the server)")
     p.add_argument("--name", default="server")
-    p.add_argument("--lifetime", type=float, default=120.0, help="exit after this many seconds regardless")
+    p.add_argument("--lifetime", type=float, default=300.0, help="exit after this many seconds regardless")
     return p
+
+
+def _on_sigterm(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)  # unwinds through `serve`'s finally: OFFLINE announcement, DHT shutdown
 
 
 def serve(argv: list[str] | None = None) -> int:
@@ -44,91 +50,32 @@ def serve(argv: list[str] | None = None) -> int:
     for peer in args.initial_peers:
         if not peer.startswith("/ip4/127.0.0.1/"):
             raise SystemExit(f"demo servers dial loopback only, got {peer}")
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
     import torch
 
-    from distconf.dht import start_local_dht
-    from distconf.family import load_family
+    from distconf.server import BlockServer, ServeOptions
 
     torch.set_num_threads(1)
-    config = load_family(args.family).from_pretrained(args.model_dir)
-    dht = start_local_dht(args.initial_peers, num_workers=config.num_hidden_layers)
-    # read stdin only now: the DHT is a forked process whose bootstrap closes stdin, which
-    # deadlocks if another thread is blocked reading it at fork time
-    lines = _stdin_lines()
-    announcer = None
+    server = BlockServer(ServeOptions(
+        model_dir=args.model_dir, initial_peers=list(args.initial_peers), memory=args.memory, dtype="fp32",
+        host="127.0.0.1", public_name=args.name, update_period=DEMO_UPDATE_PERIOD, compute_threads=1))
     try:
-        _say(f"READY {dht.peer_id.to_base58()}")
+        server.join()
+        # read stdin only now: the DHT is a forked process whose bootstrap closes stdin, which
+        # deadlocks if another thread is blocked reading it at fork time
+        lines = _stdin_lines()
+        _say(f"READY {server.peer_id}")
         if _wait_for(lines, "GO", deadline) != "GO":
             return 0
-        announcer = _announce_joining(args, config, dht)
-        if announcer is None:
-            return 1
-        _go_online(args, config, announcer)
+        server.serve()
+        params = sum(p.numel() for block in server.handler.ordered for p in block.module.parameters())
+        _say(f"SERVING {server.start_block} {server.end_block} {server.throughput:.2f} {params}")
         _wait_for(lines, "STOP", deadline)
         return 0
     finally:
-        if announcer is not None:
-            announcer.stop(offline=True, timeout=5)
-        dht.shutdown()
-
-
-def _announce_joining(args: argparse.Namespace, config: Any, dht: Any) -> Any:
-    """Plan for the memory budget, choose a span seeing the swarm so far, announce it JOINING."""
-    from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, find_block_servers
-    from distconf.planning import choose_blocks, plan_server
-
-    plan = plan_server(config, int(args.memory), DEMO_DTYPE)
-    if plan.num_blocks < 1:
-        logger.error("not one block fits in %s bytes", args.memory)
-        return None
-    swarm = find_block_servers(dht, config, timeout=10)
-    start, end = choose_blocks(config, plan.num_blocks, swarm)
-    logger.info("plan: %d blocks (%d B weights + %d B cache each); swarm throughputs %s -> blocks %d..%d",
-                plan.num_blocks, plan.block_bytes, plan.cache_bytes_per_block,
-                [round(t, 1) for t in swarm.throughputs()], start, end - 1)
-    info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=args.name, version="distconf-demo",
-                      torch_dtype=DEMO_DTYPE, cache_tokens_left=plan.attn_cache_tokens)
-    announcer = BlockAnnouncer(dht, config, start, end, info, update_period=DEMO_UPDATE_PERIOD)
-    announcer.start()
-    return announcer
-
-
-def _go_online(args: argparse.Namespace, config: Any, announcer: Any) -> None:
-    """Load the span's real weights, measure a throughput, announce ONLINE and tell the orchestrator."""
-    import torch
-
-    from distconf.blocks.weights import load_block
-    from distconf.dht import ServerState
-
-    start, end = announcer.start_block, announcer.end_block
-    dtype = getattr(torch, DEMO_DTYPE)
-    blocks = [load_block(args.model_dir, config, i, dtype=dtype) for i in range(start, end)]
-    params = sum(p.numel() for b in blocks for p in b.parameters())
-    checksum = float(sum(p.detach().double().abs().sum() for b in blocks for p in b.parameters()))
-    throughput = _measure(blocks, config.hidden_size, dtype)
-    announcer.announce(announcer.info.model_copy(update={
-        "state": ServerState.ONLINE, "throughput": throughput, "inference_rps": throughput,
-        "forward_rps": throughput}))
-    _say(f"SERVING {start} {end} {throughput:.2f} {params} {checksum:.4f}")
-
-
-def _measure(blocks: list[Any], hidden: int, dtype: Any, steps: int = 5) -> float:
-    """Requests/s of one token through all ``blocks`` (median of a few runs)."""
-    import torch
-
-    x = torch.randn(1, 1, hidden, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    times = []
-    with torch.inference_mode():
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            h = x
-            for block in blocks:
-                h, _ = block(h)
-            times.append(time.perf_counter() - t0)
-    if not torch.isfinite(h).all():
-        raise RuntimeError("the loaded blocks produced non-finite outputs")
-    return 1.0 / max(sorted(times)[len(times) // 2], 1e-6)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the OFFLINE announcement finish
+        server.stop()
 
 
 def _say(line: str) -> None:
