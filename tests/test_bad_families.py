@@ -152,13 +152,15 @@ def test_duplicate_family_in_one_validation(tmp_path, family_text) -> None:
     assert str((tmp_path / "a" / "llama.yaml").resolve()) in problem.message
 
 
-def test_duplicate_family_on_search_path(tmp_path, monkeypatch, family_text, fresh_cache) -> None:
-    _write(tmp_path, "llama", family_text("llama"))
+def test_user_file_overrides_builtin_on_search_path(tmp_path, monkeypatch, family_text, fresh_cache,
+                                                     caplog) -> None:
+    # A user file with a built-in's name wins, and says so (the plugin-system rule users expect).
+    user = _write(tmp_path, "llama", family_text("llama"))
     monkeypatch.setenv("DISTCONF_FAMILIES_PATH", str(tmp_path))
-    with pytest.raises(FamilyValidationError) as info:
-        load_family("llama")
-    text = str(info.value)
-    assert str(tmp_path / "llama.yaml") in text and "families/llama.yaml" in text
+    with caplog.at_level("INFO"):
+        cls = load_family("llama")
+    assert cls.family_source.path == user.resolve()
+    assert "overrides" in caplog.text and "families/llama.yaml" in caplog.text
 
 
 def test_unknown_formula_name_found_at_resolve(tmp_path, family_text, fresh_cache) -> None:

@@ -144,3 +144,9 @@ def test_per_layer_mask_and_rotary_knobs(tmp_path, fresh_cache) -> None:
     missing.write_text(PER_LAYER.format(name="per_layer_missing", mask="    kind: causal"))
     (result,) = check_family(missing)
     assert not result.ok and "mask.layer_types_field" in str(result.failure)
+
+
+def test_check_prints_layer_kind_coverage(capsys) -> None:
+    assert main(["check", "gpt_neo"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_neo: 8/8 layer kinds of preset EleutherAI/gpt-neo-1.3B covered" in out

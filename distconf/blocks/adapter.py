@@ -50,11 +50,13 @@ class LayerSettings:
     layer_idx: int
     mask_kind: str
     sliding_window: int | None
+    chunk_size: int | None
     rotary_class: type | None
     rotary_layer_type: str | None
     alibi_function: Any
     geometry: KVGeometry
     layer_writes: str
+    alibi_takes_device: bool = False
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -93,10 +95,14 @@ def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSetting
                 ("block", "mask", "layer_kinds"),
                 f"layer {layer_idx} has type {layer_type!r}, which block.mask.layer_kinds does not map")
         kind = mask.layer_kinds[layer_type]
-    window = None
+    window = chunk = None
     if kind == "sliding_window":
         window = _evaluate(block_cls, ("block", "mask", "sliding_window"), mask.sliding_window, config)
         if window is None:
+            kind = "causal"
+    elif kind == "chunked":
+        chunk = _evaluate(block_cls, ("block", "mask", "chunk_size"), mask.chunk_size, config)
+        if chunk is None:
             kind = "causal"
     use_alibi = position.alibi_function is not None
     if use_alibi and position.rotary_class and position.alibi_when is not None:
@@ -108,11 +114,22 @@ def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSetting
     if use_alibi:
         alibi_function = import_named(block_cls, ("block", "position", "alibi_function"), position.alibi_function)
     return LayerSettings(
-        spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window,
+        spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window, chunk_size=chunk,
         rotary_class=rotary_class,
         rotary_layer_type=layer_type if position.rotary_layer_type_argument else None,
         alibi_function=alibi_function, geometry=kv_geometry(config), layer_writes=spec.kv_cache.layer_writes,
+        alibi_takes_device=_takes(alibi_function, "device"),
     )
+
+
+def _takes(function: Any, argument: str) -> bool:
+    """Whether ``function`` accepts keyword ``argument``."""
+    if function is None:
+        return False
+    try:
+        return argument in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def prepare_config(config: Any) -> None:
@@ -173,19 +190,39 @@ class BlockAdapter:
     def _mask(self, hidden_states: torch.Tensor, past: int) -> Any:
         settings = self._distconf
         batch, seq = hidden_states.shape[:2]
-        return build_attention_mask(
-            settings.spec.attn_implementation or settings.config._attn_implementation,
-            batch_size=batch, q_length=seq, past=past,
+        boolean = settings.spec.mask.boolean
+        implementation = "eager" if boolean else (settings.spec.attn_implementation
+                                                  or settings.config._attn_implementation)
+        mask = build_attention_mask(
+            implementation, batch_size=batch, q_length=seq, past=past,
             window=settings.sliding_window if settings.mask_kind == "sliding_window" else None,
-            allow_skip=settings.spec.mask.allow_skip and not settings.alibi_in_mask,
+            chunk=settings.chunk_size if settings.mask_kind == "chunked" else None,
+            allow_skip=settings.spec.mask.allow_skip and not settings.alibi_in_mask and not boolean,
             dtype=hidden_states.dtype, config=settings.config, device=hidden_states.device,
         )
+        if boolean is not None and mask is not None:
+            mask = mask != 0 if boolean == "masked" else mask == 0
+        return mask
+
+    def _alibi_by_arguments(self, hidden_states: torch.Tensor, past: int) -> Any:
+        """The bias of a model that builds it from its own function and arguments (``position.alibi_arguments``)."""
+        settings = self._distconf
+        position = settings.spec.position
+        kwargs = {name: _evaluate(type(self), ("block", "position", "alibi_arguments", name), formula, settings.config)
+                  for name, formula in position.alibi_arguments.items()}
+        if position.alibi_length_argument:
+            kwargs[position.alibi_length_argument] = past + hidden_states.shape[1]
+        if settings.alibi_takes_device:
+            kwargs["device"] = hidden_states.device
+        return settings.alibi_function(**kwargs)
 
     def _alibi(self, hidden_states: torch.Tensor, past: int, mask: Any) -> tuple[Any, Any]:
         """The ALiBi bias for the layer's alibi argument, and the mask with the bias folded in when asked."""
         import torch
 
         settings = self._distconf
+        if settings.spec.position.alibi_arguments is not None:
+            return self._alibi_by_arguments(hidden_states, past), mask
         batch, seq = hidden_states.shape[:2]
         ones = torch.ones((batch, past + seq), device=hidden_states.device, dtype=torch.long)
         alibi = settings.alibi_function(ones, settings.config.num_attention_heads, hidden_states.dtype)

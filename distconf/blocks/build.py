@@ -14,13 +14,14 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.adapter import BlockAdapter, import_named
+from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
 from distconf.family.formula import FormulaError
 from distconf.family.registry import load_family_by_class_name
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_block_class", "build_block", "block_class_for", "constructor_kwargs"]
+__all__ = ["make_block_class", "build_block", "block_class_for", "constructor_kwargs", "materialize_buffers"]
 
 _lock = threading.Lock()
 _block_classes: dict[type, type] = {}
@@ -97,11 +98,14 @@ def constructor_kwargs(config: Any, layer_idx: int) -> dict[str, Any]:
     return kwargs
 
 
-def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: torch.dtype | None = None) -> Any:
-    """Instantiate block ``layer_idx`` of ``config`` (on ``meta`` nothing is allocated).
+def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: torch.dtype | None = None,
+                buffers_device: Any = "cpu") -> Any:
+    """Instantiate block ``layer_idx`` of ``config`` (on ``meta`` no parameter is allocated).
 
     Constructor arguments come from the family file (``block.constructor``). The block is
-    in eval mode. On ``meta``, load weights with `distconf.weights.load_block`.
+    in eval mode. On ``meta``, load weights with `distconf.weights.load_block`; buffers the
+    layer computes itself (non-persistent, never in checkpoints) are materialized on
+    ``buffers_device`` right away (`materialize_buffers`); None leaves them on ``meta``.
     """
     import torch
 
@@ -118,5 +122,39 @@ def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: tor
                           f"{cls.layer_class.__name__}({', '.join(kwargs)}) failed: {exc}") from None
     if dtype is not None:
         block = block.to(dtype)
+    if str(device) == "meta" and buffers_device is not None:
+        materialize_buffers(block, config, buffers_device)
     block.eval()
     return block
+
+
+def materialize_buffers(block: Any, config: Any, device: Any = "cpu") -> list[str]:
+    """Give every non-persistent buffer still on the meta device real values on ``device``.
+
+    Such buffers (e.g. a causal-mask buffer a local-attention layer computes in ``__init__``)
+    are not in checkpoints, so a block built on the meta device would keep them empty.
+    As transformers does after a meta build, each becomes an empty tensor and the model
+    class's own ``_init_weights`` fills it. Floating buffers keep their dtype. Returns the
+    names materialized; raises `ConfigValueError` naming them when the architecture has
+    no model class to initialize them.
+    """
+    import torch
+
+    from distconf.errors import ConfigValueError
+
+    pending = [(name, tensor) for name, tensor in non_persistent_buffers(block) if tensor.is_meta]
+    if not pending:
+        return []
+    owners = []
+    for name, tensor in pending:
+        owner_name, _, buffer_name = name.rpartition(".")
+        owner = block.get_submodule(owner_name)
+        owner._buffers[buffer_name] = torch.empty_like(tensor, device=device)
+        if all(owner is not o for o in owners):
+            owners.append(owner)
+    hf_config_class = type(config).hf_config_class
+    if not initialize_computed_buffers(block, owners, hf_config_class, config):
+        raise ConfigValueError(f"buffers {', '.join(n for n, _ in pending)} of {type(block).__name__} are computed "
+                               f"by the layer, but transformers registers no model class for "
+                               f"{hf_config_class.__name__} whose _init_weights could compute them")
+    return [name for name, _ in pending]

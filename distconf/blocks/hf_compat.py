@@ -10,16 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "build_attention_mask", "checkpoint_conversions", "rename_checkpoint_key", "stacking_operations",
+    "build_attention_mask", "chunked_mask_function", "initialize_computed_buffers", "non_persistent_buffers",
+    "checkpoint_conversions", "converter_sources", "rename_checkpoint_key",
+    "run_conversion", "stacking_dims", "stacking_operations",
 ]
 
 
+def chunked_mask_function(chunk_size: int, batch_size: int, device: Any) -> Any:
+    """transformers' chunked causal mask function: causal within blocks of ``chunk_size`` tokens (no padding)."""
+    import torch
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    return chunked_causal_mask_function(chunk_size, torch.zeros(batch_size, device=device, dtype=torch.long))
+
+
 def build_attention_mask(implementation: str, *, batch_size: int, q_length: int, past: int,
-                         window: int | None, allow_skip: bool, dtype: Any, config: Any, device: Any) -> Any:
+                         window: int | None, allow_skip: bool, dtype: Any, config: Any, device: Any,
+                         chunk: int | None = None) -> Any:
     """The 4D mask a transformers model would give a layer (None when the implementation needs none).
 
-    Causal, or causal limited to ``window`` tokens back; built by transformers' own mask
-    functions for ``implementation`` (``sdpa``, ``eager``, ...).
+    Causal, causal limited to ``window`` tokens back, or causal within blocks of ``chunk``
+    tokens; built by transformers' own mask functions for ``implementation`` (``sdpa``,
+    ``eager``, ...).
     """
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
@@ -29,11 +41,16 @@ def build_attention_mask(implementation: str, *, batch_size: int, q_length: int,
 
     if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         return None  # implementations that need no mask (e.g. paged kernels)
-    mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    if chunk is not None:
+        mask_function, local_size = chunked_mask_function(chunk, batch_size, device), chunk
+    elif window is not None:
+        mask_function, local_size = sliding_window_causal_mask_function(window), window
+    else:
+        mask_function, local_size = causal_mask_function, None
     return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
         batch_size=batch_size, q_length=q_length, kv_length=past + q_length, q_offset=past, kv_offset=0,
         mask_function=mask_function, attention_mask=None, allow_is_causal_skip=allow_skip,
-        local_size=window, dtype=dtype, config=config, use_vmap=False, device=device,
+        local_size=local_size, dtype=dtype, config=config, use_vmap=False, device=device,
     )
 
 
@@ -60,3 +77,77 @@ def stacking_operations() -> tuple[type, type]:
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     return MergeModulelist, Concatenate
+
+
+def converter_sources(converter: Any) -> list[str]:
+    """The source name patterns of a checkpoint converter, in the order its operations use them."""
+    return list(converter.source_patterns)
+
+
+def stacking_dims(converter: Any) -> tuple[int, int | None] | None:
+    """``(stack dim, concatenate dim or None)`` when ``converter`` only stacks per-expert tensors
+    (``MergeModulelist``), optionally then concatenates the stacks (``Concatenate``); else None."""
+    MergeModulelist, Concatenate = stacking_operations()
+    ops = converter.operations
+    if not ops or type(ops[0]) is not MergeModulelist or len(ops) > 2:
+        return None
+    if len(ops) == 2 and type(ops[1]) is not Concatenate:
+        return None
+    return ops[0].dim, (ops[1].dim if len(ops) == 2 else None)
+
+
+def run_conversion(converter: Any, collected: dict[str, list[Any]], layer_name: str, config: Any) -> dict[str, Any]:
+    """Run ``converter``'s operations on ``collected`` (source pattern -> tensors) as transformers does."""
+    sources, targets = converter.source_patterns, converter.target_patterns
+    for op in converter.operations:
+        collected = op.convert(collected, source_patterns=sources, target_patterns=targets,
+                               full_layer_name=layer_name, model=None, config=config, missing_keys=None)
+    return collected
+
+
+def non_persistent_buffers(module: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` of every non-persistent buffer of ``module`` (as transformers lists them)."""
+    found = []
+    for name, tensor in module.named_buffers():
+        owner_name, _, buffer_name = name.rpartition(".")
+        if buffer_name in module.get_submodule(owner_name)._non_persistent_buffers_set:
+            found.append((name, tensor))
+    return found
+
+
+def _pretrained_model_class(hf_config_class: type) -> type | None:
+    """The transformers ``PreTrainedModel`` class of a config class (through the auto model mapping)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    for mapping in (MODEL_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING):
+        try:
+            return mapping[hf_config_class]
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def initialize_computed_buffers(module: Any, owners: list[Any], hf_config_class: type, config: Any) -> bool:
+    """Run the model class's own ``_init_weights`` on ``owners`` (submodules of ``module``), as transformers
+    does for non-persistent buffers after building a model on the meta device.
+
+    Every parameter and buffer except those of ``owners``' fresh buffers is marked initialized
+    first, so transformers' init functions leave loaded weights alone. Returns False when no
+    model class is registered for ``hf_config_class``.
+    """
+    import torch
+
+    model_class = _pretrained_model_class(hf_config_class)
+    if model_class is None:
+        return False
+    fresh = {id(t) for owner in owners for t in owner.buffers(recurse=False)}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in fresh:
+            tensor._is_hf_initialized = True
+    holder = model_class.__new__(model_class)
+    torch.nn.Module.__init__(holder)
+    holder.config = config
+    with torch.no_grad():
+        for owner in owners:
+            model_class._init_weights(holder, owner)
+    return True

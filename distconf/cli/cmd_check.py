@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "build its tiny_config model with transformers, save it as a sharded safetensors "
                     "checkpoint, load every block through the family file alone, and compare hidden states "
                     "(full sequence, token by token with the KV cache, and in multi-token steps), the KV cache "
-                    "held per token and the block size. Exit 1 naming the family-file field to fix "
+                    "held per token and the block size; check that the tiny variants run every layer kind "
+                    "(mask, positions, per-layer settings, dense/MoE) of the real model (the family's presets, "
+                    "else its tiny config at full depth). Exit 1 naming the family-file field to fix "
                     "(path:line:column) on any mismatch.",
         examples=[("distconf check", "every family on the search path"),
                   ("distconf check FAMILY", "one family, by name"),
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print(f"\n{len(results) - len(failures)}/{len(results)} variant(s) passed in {elapsed:.1f}s "
           f"(float32, tolerance {TOLERANCE:.0e} relative; KV bytes per token per block in float32)")
+    coverage = {r.family: r.kinds for r in results if r.kinds}
+    for family, kinds in coverage.items():
+        print(f"{family}: {kinds}")
     for r in failures:
         print(f"\n{r.family} [{r.variant}]: {r.failure}", file=sys.stderr)
     return 1 if failures else 0

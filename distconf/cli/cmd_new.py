@@ -63,6 +63,21 @@ def _schema_reference(output: Path) -> str:
     return SCHEMA_ID
 
 
+def _kind_coverage(output: Path, config: dict, source: str) -> str:
+    """How many layer kinds of the config drafted from the tiny variants run (as ``distconf check`` counts them)."""
+    from distconf.family import load_family
+    from distconf.tools.checker.kinds import compare_kinds, tiny_configs
+
+    try:
+        cls = load_family(output)
+        kinds = compare_kinds([(str(source), cls(**config))], tiny_configs(cls))
+    except Exception as exc:  # only a report: the draft is written either way
+        return f"not listed ({type(exc).__name__}: {exc})"
+    covered = len(set(kinds.real) & kinds.tiny)
+    text = f"the tiny config runs {covered} of the {len(kinds.real)} kinds of {source}"
+    return text + (f"; never runs: {', '.join(kinds.missing)}" if kinds.missing else " (all)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Draft, write, validate; print what was found and what to review."""
     from distconf.errors import FamilyValidationError
@@ -95,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {output}")
     for fact in draft.facts:
         print(f"  found: {fact}")
+    if not args.no_run:
+        print(f"  layer kinds: {_kind_coverage(output, config, args.from_config)}")
     if draft.review:
         print(f"{len(draft.review)} item(s) to review (also written as TODO comments):")
         for item in draft.review:

@@ -5,6 +5,10 @@ Search path: the built-in ``families/`` folder, then each folder listed in
 names that file directly. A file on the search path that cannot be read (or, when
 scanning every family, is invalid) is skipped with a logged warning, so it cannot break
 the other families; a file named directly raises its error.
+
+A user file (in a ``DISTCONF_FAMILIES_PATH`` folder) with the name of a built-in family
+overrides the built-in one, with a logged line saying so; two user files defining the
+same family are an error.
 """
 
 from __future__ import annotations
@@ -121,7 +125,9 @@ def find_family_file(name: str) -> Path:
     is raised as a `FamilyValidationError`.
     """
     hits: list[Path] = []
+    builtin_hits: list[Path] = []
     unreadable: list[Problem] = []
+    builtin_dir = builtin_families_dir()
     for directory in family_search_path():
         for suffix in FAMILY_SUFFIXES:
             candidate = directory / f"{name}{suffix}"
@@ -129,11 +135,15 @@ def find_family_file(name: str) -> Path:
                 continue
             problem = file_problem(candidate, MAX_FILE_BYTES)
             if problem is None:
-                hits.append(candidate.resolve())
+                (builtin_hits if directory == builtin_dir else hits).append(candidate.resolve())
             else:
                 _warn_skip(candidate, problem)
                 unreadable.append(Problem(str(candidate), 1, 1, "", problem))
-    hits = list(dict.fromkeys(hits))
+    hits = [h for h in dict.fromkeys(hits) if h not in builtin_hits]
+    if hits and builtin_hits:
+        _log_override(name, hits[0], builtin_hits[0])
+    elif builtin_hits:
+        hits = list(dict.fromkeys(builtin_hits))
     if not hits and unreadable:
         raise FamilyValidationError(unreadable)
     if not hits:
@@ -150,6 +160,16 @@ def find_family_file(name: str) -> Path:
     return hits[0]
 
 
+_overrides_logged: set[tuple[str, str]] = set()
+
+
+def _log_override(name: str, user_file: Path, builtin_file: Path) -> None:
+    """Say (once per file) that a user file replaces a built-in family."""
+    if (name, str(user_file)) not in _overrides_logged:
+        _overrides_logged.add((name, str(user_file)))
+        logger.info("family %r: using %s, which overrides the built-in %s", name, user_file, builtin_file)
+
+
 def list_families() -> list[str]:
     """Names of the families on the search path (file names of regular files; not validated)."""
     names: set[str] = set()
@@ -160,7 +180,10 @@ def list_families() -> list[str]:
 
 
 def scan_valid_sources() -> list[FamilySource]:
-    """Every valid family file on the search path (invalid ones are skipped with a warning)."""
+    """Every valid family file on the search path (invalid ones are skipped with a warning).
+
+    A built-in family that a user file overrides (same family name) is left out.
+    """
     sources = []
     for directory in family_search_path():
         for file in _family_files(directory):
@@ -169,7 +192,16 @@ def scan_valid_sources() -> list[FamilySource]:
             except FamilyValidationError as exc:
                 _warn_skip(file, f"invalid family file ({len(exc.problems)} problem(s); first: "
                                  f"{exc.problems[0].message if exc.problems else '?'})")
-    return sources
+    builtin_dir = builtin_families_dir().resolve()
+    user = {s.spec.family: s for s in sources if s.path.resolve().parent != builtin_dir}
+    kept = []
+    for source in sources:
+        override = user.get(source.spec.family)
+        if override is not None and override is not source and source.path.resolve().parent == builtin_dir:
+            _log_override(source.spec.family, override.path, source.path)
+            continue
+        kept.append(source)
+    return kept
 
 
 def is_family_path(name_or_path: str | os.PathLike[str]) -> bool:

@@ -98,10 +98,15 @@ class PositionSpec(StrictModel):
         default=None,
         description="Calling convention of alibi_function for models that build an additive position bias "
                     "themselves (e.g. a bias passed as 'position_bias'): keyword arguments, each a formula "
-                    "over config fields and kv_length (tokens cached + new). The function also gets "
+                    "over config fields (see also alibi_length_argument). The function also gets "
                     "device=... when it takes a 'device' argument. Its result goes unchanged (any shape the "
                     "layer slices itself, e.g. [heads, 1, max_len]) to call.alibi_argument. Null: the "
                     "default convention alibi_function(mask_2d, num_heads, dtype) -> [batch*heads, 1, kv_len].",
+    )
+    alibi_length_argument: Identifier | None = Field(
+        default=None,
+        description="With alibi_arguments: the argument of alibi_function that receives the number of keys "
+                    "the layer attends to (tokens cached + new), for functions that build the bias per length.",
     )
     alibi_in_mask: bool = Field(
         default=False,
@@ -117,6 +122,8 @@ class PositionSpec(StrictModel):
             raise ValueError("alibi_in_mask needs alibi_function")
         if self.alibi_arguments is not None and not self.alibi_function:
             raise ValueError("alibi_arguments needs alibi_function")
+        if self.alibi_length_argument is not None and self.alibi_arguments is None:
+            raise ValueError("alibi_length_argument needs alibi_arguments")
         if self.alibi_arguments is not None and self.alibi_in_mask:
             raise ValueError("alibi_in_mask folds the default [batch*heads, 1, kv_len] bias; it cannot be "
                              "combined with alibi_arguments")

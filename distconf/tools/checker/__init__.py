@@ -18,6 +18,9 @@ these steps, one module each:
 5. `failures` — any mismatch becomes a `CheckFailure` located in the family file and
    naming the field to fix.
 
+Once per family, `kinds` lists the layer kinds of the real model (its presets, else the
+tiny config at full depth) and fails at ``tiny_config`` naming those no variant runs.
+
 `run` ties the steps together (`check_family`).
 """
 

@@ -69,6 +69,9 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
         try:
             block = load_block(directory, reference.config, i, dtype=torch.float32)
         except BlockWeightsError as exc:
+            if exc.field is None and "without data" in str(exc):  # not a checkpoint problem: a computed buffer
+                raise located_failure(cls, ("block",), f"{exc} (buffers the layer computes itself are not in "
+                                      "checkpoints; transformers' model class must initialize them)") from None
             raise located_failure(cls, tuple((exc.field or "block.prefix").split(".")), str(exc)) from None
         if not any(isinstance(m, attn_class) for m in block.modules()):
             found = sorted({type(m).__name__ for m in block.modules() if "atten" in type(m).__name__.lower()})

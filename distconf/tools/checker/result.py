@@ -29,6 +29,8 @@ class CheckResult:
     shards: int = 0
     seconds: float = 0.0
     failure: CheckFailure | None = None
+    kinds: str | None = None
+    """Layer-kind coverage of the family (the same for all its variants), e.g. '8/8 layer kinds of ... covered'."""
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -10,6 +10,7 @@ from typing import Any
 
 from distconf.errors import FamilyValidationError
 from distconf.tools.checker.failures import CheckFailure, crash_failure, located_failure, validation_failure
+from distconf.tools.checker.kinds import check_coverage
 from distconf.tools.checker.layout import (
     attention_class,
     check_attention_gets_cache,
@@ -59,11 +60,12 @@ def check_family(name_or_path: str | Path) -> list[CheckResult]:
     not a defect of a family file).
     """
     from distconf.family import load_family
+    from distconf.family.search import is_family_path
 
     try:
         cls = load_family(name_or_path)
     except FamilyValidationError as exc:
-        result = CheckResult(str(name_or_path), "-")
+        result = CheckResult(Path(name_or_path).stem if is_family_path(name_or_path) else str(name_or_path), "-")
         result.failure = validation_failure(exc)
         return [result]
     spec = cls.family_spec
@@ -72,7 +74,38 @@ def check_family(name_or_path: str | Path) -> list[CheckResult]:
         result.failure = located_failure(cls, ("tiny_config",),
                                          "no tiny_config: add a few-layer, small-dimension config")
         return [result]
-    return [_check_one(cls, variant, values) for variant, values in tiny_variants(spec.tiny_config)]
+    results = [_check_one(cls, variant, values) for variant, values in tiny_variants(spec.tiny_config)]
+    _check_kinds(cls, results)
+    return results
+
+
+def _check_kinds(cls: type, results: list[CheckResult]) -> None:
+    """Every layer kind of the real model must run in some tiny variant.
+
+    The summary goes to every result's ``kinds``; a failure goes to the last variant that
+    passed its comparisons (they do not prove the family while a kind never ran), once.
+    """
+    start = time.perf_counter()
+    failure: CheckFailure | None = None
+    try:
+        kinds = check_coverage(cls)
+        summary = kinds.summary()
+    except CheckFailure as exc:
+        failure, summary = exc, "layer kinds not covered"
+    except FamilyValidationError as exc:
+        failure, summary = validation_failure(exc), "layer kinds not listed"
+    except Exception as exc:
+        logger.debug("layer kinds of %s crashed", cls.family_spec.family, exc_info=True)  # type: ignore[attr-defined]
+        failure = located_failure(cls, ("tiny_config",), f"cannot list the layer kinds: {type(exc).__name__}: {exc}")
+        summary = "layer kinds not listed"
+    for result in results:
+        result.kinds = summary
+    passed = [r for r in results if r.ok]
+    if failure is not None and passed:
+        passed[-1].failure = failure
+    elif failure is not None:
+        results[0].notes.append(str(failure))
+    results[-1].seconds += time.perf_counter() - start
 
 
 def _check_one(cls: type, variant: str, values: dict[str, Any]) -> CheckResult:
