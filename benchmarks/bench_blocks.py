@@ -1,13 +1,17 @@
-"""Benchmark of blocks built from family files (issue 3), side by side in one run.
+"""Benchmark of blocks built from family files, side by side in one run.
 
 The model is a shipped preset (``--preset``; default: the preset whose bf16 block is
 closest to 400 MB), so nothing here is specific to a family.
 
-(a) Peak RSS and time to load one block of a locally generated multi-shard checkpoint
-    (>= 2 GB, bf16, the preset's layer shapes) with `distconf.weights.load_block_weights`,
-    against the block's own size, against `safetensors.torch.load_file` of the shard
-    holding it, and against per-tensor `safe_open(...).get_tensor` (memory-mapped). Each
-    variant runs in its own subprocess so its peak RSS is measured alone.
+(a) Time and peak memory to load one block of a locally generated multi-shard checkpoint
+    (>= 2 GB, bf16, the preset's layer shapes) with `distconf.blocks.weights.load_block_weights`
+    (as stored, and cast to fp32), against `safetensors.torch.load_file` of the shard holding
+    most of the block, and against per-tensor `safe_open(...).get_tensor` (memory-mapped).
+    Each variant runs in its own subprocess; its anonymous RSS and its file-backed RSS (pages
+    of memory-mapped files: reclaimable, the kernel can drop and re-read them) are sampled
+    from outside the process every ~0.5 ms, and the exact total high-water mark (VmHWM) is read
+    at the end. Figures are shown against the bytes loaded and, for time (wall clock and
+    process CPU time), against distconf.
 (b) `block_size_bytes` for the largest presets (meta build): milliseconds per call and
     RSS growth over many calls.
 (c) Forward time of the adapted block against calling the HF decoder layer directly on the
@@ -20,6 +24,7 @@ Usage: .venv/bin/python benchmarks/bench_blocks.py [--preset HUB_ID] [--keep DIR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -68,13 +73,18 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _peak_rss() -> int:
-    """High-water RSS of this process image (VmHWM: unlike ru_maxrss, not inherited across exec)."""
-    with open("/proc/self/status", encoding="ascii") as f:
+def _status(pid: int | str = "self") -> dict[str, int]:
+    """Anonymous, file-backed and shared-memory RSS and the total high-water mark, in bytes."""
+    keys = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem", "VmHWM:": "hwm"}
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+            key = line.split(None, 1)[0] if line.strip() else ""
+            if key in keys:
+                out[keys[key]] = int(line.split()[1]) * 1024
+    if len(out) != len(keys):
+        raise RuntimeError(f"/proc/{pid}/status lacks {set(keys.values()) - set(out)}")
+    return out
 
 
 # --------------------------------------------------------------------------- (a)
@@ -125,8 +135,12 @@ def make_checkpoint(directory: Path, preset: str, shard_bytes: int = 1 << 30) ->
             "layer_files": layer_files}
 
 
+MODES = ("distconf", "distconf_f32", "safe_open", "load_file")
+RUNS = 5
+
+
 def _child(mode: str, directory: str) -> None:
-    """Run one loading variant; print a JSON line with time, baseline and peak RSS."""
+    """Run one loading variant; print a JSON line when it starts and one with its results."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -142,10 +156,12 @@ def _child(mode: str, directory: str) -> None:
     build_block(config, LAYER)
     import transformers.core_model_loading  # noqa: F401 - used by the loader's key conversion
 
-    baseline = _rss()
-    start = time.perf_counter()
-    if mode == "distconf":
-        state = load_block_weights(directory, config, LAYER, dtype=torch.bfloat16)
+    baseline = _status()
+    print(json.dumps({"phase": "start", "baseline": baseline}), flush=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    if mode in ("distconf", "distconf_f32"):
+        dtype = torch.bfloat16 if mode == "distconf" else torch.float32
+        state = load_block_weights(directory, config, LAYER, dtype=dtype)
     elif mode == "load_file":  # the whole shard holding most of the block
         biggest = max({files[n] for n in names}, key=lambda f: sum(files[n] == f for n in names))
         state = load_file(str(biggest))
@@ -161,10 +177,58 @@ def _child(mode: str, directory: str) -> None:
     for tensor in state.values():  # use the data (a server copies it to its device): maps every page
         for chunk in tensor.reshape(-1).split(1 << 22):
             chunk.max()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     loaded = sum(t.numel() * t.element_size() for t in state.values())
-    print(json.dumps({"mode": mode, "seconds": seconds, "baseline": baseline, "peak": _peak_rss(),
-                      "loaded_bytes": loaded, "tensors": len(state)}))
+    print(json.dumps({"phase": "end", "mode": mode, "seconds": seconds, "cpu": cpu, "baseline": baseline,
+                      "end": _status(), "loaded_bytes": loaded, "tensors": len(state)}), flush=True)
+
+
+def _messages(lines) -> list[dict]:
+    """The JSON messages among a child's output lines (anything else it prints is skipped)."""
+    out = []
+    while not lines.empty():
+        line = lines.get().strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def _run_child(mode: str, directory: Path) -> dict:
+    """One child run; its anonymous and file-backed RSS are sampled from here while it loads."""
+    import queue
+    import threading
+
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", mode, str(directory)],
+                                stdout=subprocess.PIPE, stderr=errors, text=True)
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        peak = {"anon": 0, "file": 0}
+        started, result = False, None
+        deadline = time.monotonic() + 600
+        while result is None and proc.poll() is None and time.monotonic() < deadline:
+            for message in _messages(lines):
+                started = started or message.get("phase") == "start"
+                result = message if message.get("phase") == "end" else result
+            if started and result is None:
+                with contextlib.suppress(OSError, RuntimeError):
+                    now = _status(proc.pid)
+                    peak = {k: max(peak[k], now[k]) for k in peak}
+            time.sleep(0.0005)
+        if proc.poll() is None and result is None:
+            proc.kill()
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+        result = result or next((m for m in _messages(lines) if m.get("phase") == "end"), None)
+        if result is None:
+            errors.seek(0)
+            raise RuntimeError(f"{mode} run failed: {errors.read()[-2000:]}")
+    base, end_status = result["baseline"], result["end"]
+    peak = {k: max(peak[k], end_status[k]) for k in peak}
+    return {**result, "extra_anon": peak["anon"] - base["anon"], "extra_file": peak["file"] - base["file"],
+            "extra_peak": end_status["hwm"] - (base["anon"] + base["file"] + base["shmem"])}
 
 
 def bench_loading(directory: Path, preset: str) -> dict:
@@ -179,16 +243,12 @@ def bench_loading(directory: Path, preset: str) -> dict:
         info_path.write_text(json.dumps(info))
     block_bytes = block_param_count(bench_config(preset, info["layers"]), LAYER) * 2
     results = {}
-    for mode in ("distconf", "safe_open", "load_file"):
-        runs = []
-        for _ in range(3):  # first run also warms the page cache
-            out = subprocess.run([sys.executable, __file__, "--child", mode, str(directory)],
-                                 check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            runs.append(json.loads(out))
+    for mode in MODES:
+        runs = [_run_child(mode, directory) for _ in range(RUNS)]  # the first run also warms the page cache
         best = min(runs, key=lambda r: r["seconds"])
-        extra = max(r["peak"] - r["baseline"] for r in runs)
-        results[mode] = {"seconds": best["seconds"], "extra_peak_bytes": extra,
-                         "loaded_bytes": best["loaded_bytes"], "ratio_to_block": extra / block_bytes}
+        results[mode] = {"seconds": best["seconds"], "cpu": min(r["cpu"] for r in runs),
+                         "loaded_bytes": best["loaded_bytes"],
+                         **{key: max(r[key] for r in runs) for key in ("extra_anon", "extra_file", "extra_peak")}}
     return {"checkpoint": info, "block_bytes": block_bytes, "results": results}
 
 
@@ -296,6 +356,52 @@ def bench_forward(preset: str, repeats: int) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- output
+
+MB = 1 / 2**20
+
+
+def print_loading(a: dict) -> None:
+    """Part (a): each variant's time and memory, as ratios to distconf's time and to the bytes loaded."""
+    ckpt = a["checkpoint"]
+    print(f"(a) loading block {LAYER} of a {ckpt['files']}-shard, {ckpt['layers']}-layer checkpoint of "
+          f"{ckpt['preset']} shapes ({ckpt['total_bytes'] / 1e9:.2f} GB, bf16; block in "
+          f"{len(ckpt['layer_files'])} shard(s)); block = {a['block_bytes'] * MB:.1f} MB")
+    ref, ref_cpu = a["results"]["distconf"]["seconds"], a["results"]["distconf"]["cpu"]
+    print(f"    {'variant':13s} {'time':>8s} {'/distconf':>9s}   {'CPU':>7s} {'/distconf':>9s}   {'peak anon':>9s} "
+          f"{'/loaded':>7s}   {'file-backed':>11s} {'/loaded':>7s}   {'VmHWM':>8s} {'/loaded':>7s}   loaded")
+    for mode, r in a["results"].items():
+        loaded = r["loaded_bytes"]
+        print(f"    {mode:13s} {r['seconds'] * 1000:6.0f} ms {r['seconds'] / ref:8.2f}x   "
+              f"{r['cpu'] * 1000:4.0f} ms {r['cpu'] / ref_cpu:8.2f}x   "
+              f"{r['extra_anon'] * MB:6.0f} MB {r['extra_anon'] / loaded:6.2f}x   "
+              f"{r['extra_file'] * MB:8.0f} MB {r['extra_file'] / loaded:6.2f}x   "
+              f"{r['extra_peak'] * MB:5.0f} MB {r['extra_peak'] / loaded:6.2f}x   {loaded * MB:.0f} MB")
+    print(f"    (best of {RUNS} runs each; time: wall clock, CPU: process CPU time, steadier on a busy machine; "
+          "anon: private memory the process holds;\n     file-backed: pages of memory-mapped checkpoint files, "
+          "reclaimable by the kernel; VmHWM: exact peak of both)")
+
+
+def print_sizing(rows: list[dict], repeats: int) -> None:
+    """Part (b)."""
+    print("(b) block_size_bytes (meta build of every layer on first use, then cached), largest presets first")
+    for r in rows:
+        print(f"    {r['preset']:36s} {r['bf16_bytes'] / 2**30:6.2f} GiB  first {r['cold_ms']:6.1f} ms "
+              f"({r['layers']} layers)  then {r['ms_median']:5.2f} ms   RSS growth "
+              f"{r['rss_growth_bytes'] / 1024:.0f} KiB over {repeats + 1} calls")
+
+
+def print_forward(c: dict) -> None:
+    """Part (c)."""
+    print(f"(c) forward: adapted block vs {c['layer']} called directly ({c['preset']} shapes, fp32, 1 thread, "
+          "median CPU time, same weights)")
+    for name, r in c.items():
+        if not isinstance(r, dict):
+            continue
+        print(f"    {name:18s} HF {r['hf_ms']:8.2f} ms   adapter {r['adapter_ms']:8.2f} ms   "
+              f"overhead {r['overhead'] * 100:+.1f} %")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
@@ -303,6 +409,7 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="generate/reuse the checkpoint in this folder")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--parts", default="abc", help="which parts to run, e.g. 'a' (default: abc)")
     args = parser.parse_args()
     if args.child:
         _child(*args.child)
@@ -316,39 +423,25 @@ def main() -> int:
     repeats = 5 if args.quick else 20
     preset = args.preset or pick_preset()
     report: dict = {}
-    if args.keep:
+    if "a" in args.parts and args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         report["a"] = bench_loading(args.keep, preset)
-    else:
+    elif "a" in args.parts:
         with tempfile.TemporaryDirectory(prefix="distconf-bench-") as tmp:
             report["a"] = bench_loading(Path(tmp), preset)
-    report["b"] = bench_sizing(repeats)
-    report["c"] = bench_forward(preset, repeats)
+    if "b" in args.parts:
+        report["b"] = bench_sizing(repeats)
+    if "c" in args.parts:
+        report["c"] = bench_forward(preset, repeats)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    mb = 1 / 2**20
-    a = report["a"]
-    ckpt = a["checkpoint"]
-    print(f"(a) loading block {LAYER} of a {ckpt['files']}-shard, {ckpt['layers']}-layer checkpoint of "
-          f"{ckpt['preset']} shapes ({ckpt['total_bytes'] / 1e9:.2f} GB, bf16; block in "
-          f"{len(ckpt['layer_files'])} shard(s)); block = {a['block_bytes'] * mb:.1f} MB")
-    for mode, r in a["results"].items():
-        print(f"    {mode:10s} {r['seconds'] * 1000:8.0f} ms   extra peak RSS {r['extra_peak_bytes'] * mb:8.1f} MB"
-              f"   = {r['ratio_to_block']:.2f} x block   (loaded {r['loaded_bytes'] * mb:.0f} MB)")
-    print("(b) block_size_bytes (meta build of every layer on first use, then cached), largest presets first")
-    for r in report["b"]:
-        print(f"    {r['preset']:36s} {r['bf16_bytes'] / 2**30:6.2f} GiB  first {r['cold_ms']:6.1f} ms "
-              f"({r['layers']} layers)  then {r['ms_median']:5.2f} ms   RSS growth "
-              f"{r['rss_growth_bytes'] / 1024:.0f} KiB over {repeats + 1} calls")
-    c = report["c"]
-    print(f"(c) forward: adapted block vs {c['layer']} called directly ({c['preset']} shapes, fp32, 1 thread, "
-          "median CPU time, same weights)")
-    for name, r in c.items():
-        if not isinstance(r, dict):
-            continue
-        print(f"    {name:18s} HF {r['hf_ms']:8.2f} ms   adapter {r['adapter_ms']:8.2f} ms   "
-              f"overhead {r['overhead'] * 100:+.1f} %")
+    if "a" in report:
+        print_loading(report["a"])
+    if "b" in report:
+        print_sizing(report["b"], repeats)
+    if "c" in report:
+        print_forward(report["c"])
     return 0
 
 

@@ -103,7 +103,7 @@ def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: tor
     """Instantiate block ``layer_idx`` of ``config`` (on ``meta`` no parameter is allocated).
 
     Constructor arguments come from the family file (``block.constructor``). The block is
-    in eval mode. On ``meta``, load weights with `distconf.weights.load_block`; buffers the
+    in eval mode. On ``meta``, load weights with `distconf.blocks.weights.load_block`; buffers the
     layer computes itself (non-persistent, never in checkpoints) are materialized on
     ``buffers_device`` right away (`materialize_buffers`); None leaves them on ``meta``.
     """

@@ -59,7 +59,7 @@ def layer_param_counts(config: Any) -> tuple[int, ...]:
     key = (type(config), _fingerprint(config))
     counts = _counts.get(key)
     if counts is None:
-        counts = tuple(sum(p.numel() for p in build_block(config, i, device="meta").parameters())
+        counts = tuple(sum(p.numel() for p in build_block(config, i, device="meta", buffers_device=None).parameters())
                        for i in range(config.num_hidden_layers))
         with _counts_lock:
             if len(_counts) > 256:
