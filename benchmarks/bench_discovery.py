@@ -6,12 +6,15 @@ Measures (real hivemind DHT on 127.0.0.1, no mocks):
   with distconf's default search beam (5 = hivemind's replica count) and hivemind's (20);
 * the same records read with one request per uid (80 ``run_coroutine`` calls), and the ratio;
 * announce -> visible: from the start of a server's ``announce_blocks`` until a client's
-  ``find_block_servers`` returns the new record (median of several announcements).
+  ``find_block_servers`` returns the new record (median of several announcements);
+* with ``--junk N``: an 8-block model served by two honest peers, read before and after a
+  plain hivemind peer (no validator) stores N well-formed junk records per block under
+  made-up peer ids; the work per key must stay bounded, not grow with N.
 
-Targets (issue 5): batched discovery of all 80 blocks under 100 ms median, >= 5x faster
-than per-uid requests.
+Targets: batched discovery of all 80 blocks under 100 ms median, >= 5x faster than
+per-uid requests (on an idle machine).
 
-    .venv/bin/python benchmarks/bench_discovery.py [--repeats 30] [--json]
+    .venv/bin/python benchmarks/bench_discovery.py [--repeats 30] [--junk 10000] [--json]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=30, help="batched lookups to time (default 30)")
     p.add_argument("--per-uid-repeats", type=int, default=5, help="per-uid rounds to time (default 5)")
     p.add_argument("--announces", type=int, default=7, help="announce->visible samples (default 7)")
+    p.add_argument("--junk", type=int, default=0, help="junk records per block for the flood figure (default 0: skip)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -99,6 +103,7 @@ def main() -> int:
                     break
             else:
                 latencies.append(float("nan"))
+        junk = _junk_figures(peers, servers[:2], client, args.junk) if args.junk > 0 else {}
     finally:
         for node in reversed(nodes):
             node.shutdown()
@@ -112,6 +117,7 @@ def main() -> int:
         "announce_call_median_ms": round(statistics.median(announce_calls) * 1e3, 2),
         "announce_to_visible_median_ms": round(statistics.median(latencies) * 1e3, 2),
         "announce_to_visible_max_ms": round(max(latencies) * 1e3, 2),
+        **junk,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -128,9 +134,65 @@ def main() -> int:
         print(f"announce_blocks call (20 blocks)       : median {result['announce_call_median_ms']:8.2f} ms")
         print(f"announce -> visible to a client        : median {result['announce_to_visible_median_ms']:8.2f} ms "
               f"(max {result['announce_to_visible_max_ms']:.2f} ms, n={len(latencies)})")
+        if junk:
+            print(f"8-block model, before {args.junk} junk records/block : median {junk['junk_before_ms']:8.2f} ms")
+            print(f"  after (most records seen per block: {junk['junk_records_per_block_seen']}) : median "
+                  f"{junk['junk_after_ms']:8.2f} ms (flood stored in {junk['junk_store_s']:.1f} s)")
         ok = med_b < 0.1 and med_u / med_b >= 5
         print(f"targets (<100 ms batched, >=5x): {'met' if ok else 'NOT met'}")
     return 0
+
+
+async def _flood(_dht, node, prefix: str, num_blocks: int, per_block: int) -> int:
+    """Runs in the attacker's DHT process: well-formed records under made-up peer ids."""
+    import os
+
+    import base58
+    from hivemind.utils import get_dht_time
+
+    keys, subkeys = [], []
+    for block in range(num_blocks):
+        for _ in range(per_block):
+            keys.append(f"{prefix}.{block}")
+            subkeys.append(base58.b58encode(bytes([0, 0x24, 8, 1, 0x12, 0x20]) + os.urandom(32)).decode())
+    for i in range(0, len(keys), 2000):
+        await node.store_many(keys[i:i + 2000], [(2, 1.0, {})] * len(keys[i:i + 2000]), get_dht_time() + 600,
+                              subkeys=subkeys[i:i + 2000], num_workers=8)
+    return len(keys)
+
+
+def _junk_figures(peers: list[str], honest: list, client, per_block: int) -> dict[str, float]:
+    """Discovery of an 8-block model before and after a flood of junk records."""
+    from functools import partial
+
+    from hivemind import DHT
+
+    cfg = SimpleNamespace(dht_prefix="bench-junk-model", num_hidden_layers=8, update_period=60.0)
+    for i, server in enumerate(honest):
+        announce_blocks(server, cfg, 0, 8, ServerInfo(state=ServerState.ONLINE, throughput=5.0 + i), expiration=600)
+    before = _median_ms(lambda: find_block_servers(client, cfg, timeout=120), 10)
+    attacker = DHT(initial_peers=peers, start=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    attacker.run_in_background(await_ready=True, timeout=60)
+    try:
+        t = time.perf_counter()
+        attacker.run_coroutine(partial(_flood, prefix=cfg.dht_prefix, num_blocks=8, per_block=per_block),
+                               return_future=True).result(timeout=900)
+        stored = time.perf_counter() - t
+        seen = max(len(b) for b in find_block_servers(client, cfg, timeout=120).servers)
+        after = _median_ms(lambda: find_block_servers(client, cfg, timeout=120), 5)
+    finally:
+        attacker.shutdown()
+    return {"junk_per_block": per_block, "junk_before_ms": before, "junk_after_ms": after,
+            "junk_records_per_block_seen": seen, "junk_store_s": round(stored, 1)}
+
+
+def _median_ms(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 2)
 
 
 def _p90(values: list[float]) -> float:

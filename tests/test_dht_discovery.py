@@ -1,7 +1,8 @@
 """Announce, discover and route on a real hivemind DHT (127.0.0.1 only, no mocks).
 
-One module-scoped swarm: a bootstrap node, three honest servers, a hostile peer that
-stores garbage under the model's keys, and a client. Every wait is bounded.
+One module-scoped swarm: a bootstrap node, three honest servers, a hostile peer (a plain
+hivemind node, without distconf's validator) that stores garbage under the model's keys,
+and a client. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_dht_hostile import made_up_peer_id, start_plain_dht
 
 from distconf.dht import (
     BlockAnnouncer,
@@ -59,8 +61,10 @@ def swarm():
         nodes.append(boot)
         peers = visible_maddrs(boot)
         assert all(p.startswith("/ip4/127.0.0.1/") for p in peers)
-        a, b, c, hostile = (start_local_dht(peers) for _ in range(4))
-        nodes += [a, b, c, hostile]
+        a, b, c = (start_local_dht(peers) for _ in range(3))
+        nodes += [a, b, c]
+        hostile = start_plain_dht(peers)
+        nodes.append(hostile)
         client = start_local_dht(peers, client_mode=True)
         nodes.append(client)
         cfg = model()
@@ -96,11 +100,11 @@ def test_round_trip_with_overlapping_spans(swarm):
 
 def test_discovery_is_one_batched_request(swarm, monkeypatch):
     calls = []
-    original = swarm.client.run_coroutine
+    unpatched = swarm.client.run_coroutine
 
     def counting(coro, return_future=False):
         calls.append(coro)
-        return original(coro, return_future=return_future)
+        return unpatched(coro, return_future=return_future)
 
     monkeypatch.setattr(swarm.client, "run_coroutine", counting)
     find_block_servers(swarm.client, swarm.cfg)
@@ -138,7 +142,7 @@ def test_hostile_garbage_is_skipped_and_honest_peers_still_found(swarm, caplog):
     assert hostile_id not in {hop.peer_id for hop in route}
 
     plain = find_block_servers(swarm.client, model(f"{PREFIX}-plain", 1))
-    assert plain.servers == [{}] and "not a dictionary" in plain.skipped[0].reason
+    assert plain.servers == [{}] and "a plain value where a dictionary" in plain.skipped[0].reason
 
 
 def test_expiry_removes_a_silent_peer(swarm):
@@ -216,22 +220,43 @@ def test_route_over_the_live_swarm(swarm):
 # --------------------------------------------------------------------------- pure routing
 
 
+NAMES: dict[str, str] = {}  # well-formed peer id -> readable name (routing ignores ids that do not parse)
+
+
 def span(peer: str, start: int, end: int, throughput: float = 1.0, state: ServerState = ServerState.ONLINE):
-    return RemoteSpan(peer, start, end, ServerInfo(state=state, throughput=throughput))
+    peer_id = made_up_peer_id(peer)
+    NAMES[peer_id] = peer
+    return RemoteSpan(peer_id, start, end, ServerInfo(state=state, throughput=throughput))
 
 
 def hops(route):
     assert all(x.end == y.start for x, y in itertools.pairwise(route))
-    return [(h.peer_id, h.start, h.end) for h in route]
+    return [(NAMES[h.peer_id], h.start, h.end) for h in route]
 
 
 def test_route_prefers_online_over_joining():
     spans = [span("join", 0, 10, 100.0, ServerState.JOINING), span("on1", 0, 6, 1.0), span("on2", 4, 10, 1.0)]
-    route = make_route(spans, 10)
-    assert [h.peer_id for h in route] == ["on1", "on2"] and route[0].end == route[1].start
+    route = make_route(spans, 10, min_state=ServerState.JOINING)
+    assert [NAMES[h.peer_id] for h in route] == ["on1", "on2"] and route[0].end == route[1].start
     # where only a joining server covers a block, it is used for those blocks only
     spans = [span("join", 0, 10, 1.0, ServerState.JOINING), span("on", 0, 7, 1.0)]
-    assert hops(make_route(spans, 10)) == [("on", 0, 7), ("join", 7, 10)]
+    assert hops(make_route(spans, 10, min_state=ServerState.JOINING)) == [("on", 0, 7), ("join", 7, 10)]
+
+
+def test_route_uses_online_servers_only_by_default():
+    """As Petals 2.x clients do: a JOINING server is still loading its blocks."""
+    spans = [span("join", 0, 10, 1.0, ServerState.JOINING), span("on", 0, 7, 1.0)]
+    with pytest.raises(NoRouteError, match=r"no online server covers block 7 \(only joining servers"):
+        make_route(spans, 10)
+    with pytest.raises(NoRouteError, match="no online or joining server covers block 3"):
+        make_route([span("on", 0, 3)], 10)
+
+
+def test_route_ignores_spans_whose_peer_id_does_not_parse():
+    good = span("good", 0, 4, 1.0)
+    for bad in ("junk1", "12D3KooWabc", "", "Qm" + "1" * 44):
+        liar = RemoteSpan(bad, 0, 4, ServerInfo(state=ServerState.ONLINE, throughput=1e9))
+        assert hops(make_route([liar, good], 4)) == [("good", 0, 4)]
 
 
 def test_route_prefers_throughput_then_fewer_hops():
@@ -304,8 +329,28 @@ def test_route_is_optimal_against_brute_force(case):
     expected = _brute_force_best(spans, n)
     if expected is None:
         with pytest.raises(NoRouteError):
-            make_route(spans, n)
+            make_route(spans, n, min_state=ServerState.JOINING)
         return
-    route = make_route(spans, n)
+    route = make_route(spans, n, min_state=ServerState.JOINING)
     assert route[0].start == 0 and route[-1].end == n
     assert _route_key(hops(route) and route) == expected
+
+
+def test_listing_sets_the_hub_repository_and_skips_private_prefixes(swarm, tmp_path):
+    """As Petals 2.x servers do: ``repository`` is the hub URL of a hub model; ``_`` prefixes are not listed."""
+    info = ServerInfo(state=ServerState.ONLINE, throughput=1.0)
+    configs = {
+        "listing-hub-hf": "org/Listing-Model-v1.5",
+        "_listing-private": "org/private-model",
+        "listing-local": str(tmp_path),  # a local directory: no repository
+    }
+    for prefix, name in configs.items():
+        cfg = SimpleNamespace(dht_prefix=prefix, num_hidden_layers=2, update_period=30.0, name_or_path=name)
+        announce_blocks(swarm.a, cfg, 0, 2, info)
+    models = find_models(swarm.client)
+    assert models["listing-hub-hf"].repository == "https://huggingface.co/org/Listing-Model-v1.5"
+    assert models["listing-local"].repository is None
+    assert "_listing-private" not in models
+    explicit = SimpleNamespace(dht_prefix="listing-explicit", num_hidden_layers=2, update_period=30.0)
+    announce_blocks(swarm.a, explicit, 0, 2, info, repository="https://example.org/m")
+    assert find_models(swarm.client)["listing-explicit"].repository == "https://example.org/m"

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distconf.dht.records import (
+    MAX_NUM_BLOCKS,
     MAX_STR_LEN,
     ModelInfo,
     RecordError,
@@ -33,7 +34,7 @@ FULL = ServerInfo(
 )
 
 
-def test_wire_format_matches_the_original_layout():
+def test_wire_format_matches_the_petals_layout():
     state, throughput, extra = FULL.to_wire()
     assert (state, throughput) == (2, 123.5)
     assert set(extra) == {
@@ -52,7 +53,7 @@ def test_exact_round_trip_through_hivemind_serializer():
     assert ServerInfo.from_wire(wire(minimal.to_wire())) == minimal
 
 
-def test_original_short_forms_and_unknown_extra_keys():
+def test_petals_short_forms_and_unknown_extra_keys():
     assert ServerInfo.from_wire((2, 1.0)).state is ServerState.ONLINE
     assert ServerInfo.from_wire([1, 3, {}]).throughput == 3.0  # list, int throughput: fine
     info = ServerInfo.from_wire((0, 2.0, {"future_field": [1, 2], "public_name": "bob"}))
@@ -100,13 +101,43 @@ def test_bad_server_records_are_rejected(value, fragment):
             ServerInfo.from_wire(wire(value))
 
 
+# What a Petals 2.x server stores: ``ServerInfo.to_tuple()`` (``dataclasses.asdict`` keeps the
+# field order) and ``ModelInfo.to_dict()``, written out by hand here.
+PETALS_PEER = "12D3KooWDErGmEBoDjwZFhQtEgQsES3qP8qCYHxXqM69rt6Cvi2e"
+PETALS_TUPLE = (2, 1234.5, {
+    "start_block": 3, "end_block": 7, "public_name": "petals-server", "version": "2.3.0.dev2",
+    "network_rps": 1000.0, "forward_rps": 900.0, "inference_rps": 300.0, "adapters": ("lora-a",),
+    "torch_dtype": "bfloat16", "quant_type": "nf4", "using_relay": False, "cache_tokens_left": 163840,
+    "next_pings": {PETALS_PEER: 0.012, "12D3KooWfailed": math.inf},
+})
+
+
+def test_petals_records_are_read_and_written_byte_for_byte():
+    raw = MSGPackSerializer.dumps(PETALS_TUPLE)
+    info = ServerInfo.from_wire(MSGPackSerializer.loads(raw))
+    assert info.next_pings["12D3KooWfailed"] == math.inf  # a failed ping (Petals' mark) stays valid
+    assert MSGPackSerializer.dumps(info.to_wire()) == raw
+    minimal = (1, 0.0, {k: None for k in PETALS_TUPLE[2]} | {"adapters": ()})  # a fresh Petals ServerInfo
+    assert MSGPackSerializer.dumps(ServerInfo(state=1, throughput=0.0).to_wire()) == MSGPackSerializer.dumps(minimal)
+    listing = {"num_blocks": 80, "repository": "https://huggingface.co/meta-llama/Llama-2-70b-hf"}
+    assert MSGPackSerializer.dumps(ModelInfo.from_wire(listing).to_wire()) == MSGPackSerializer.dumps(listing)
+    assert MSGPackSerializer.dumps(ModelInfo(num_blocks=8).to_wire()) == MSGPackSerializer.dumps(
+        {"num_blocks": 8, "repository": None})
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0, -math.inf, "1", True])
+def test_bad_pings_are_rejected(bad):
+    with pytest.raises(RecordError, match="next_pings"):
+        ServerInfo.from_wire((2, 1.0, {"next_pings": {PETALS_PEER: bad}}))
+
+
 def test_model_info_round_trip_and_rejection():
     info = ModelInfo(num_blocks=80, repository="https://huggingface.co/meta-llama/Llama-2-70b-hf")
     assert wire(info.to_wire()) == {"num_blocks": 80, "repository": info.repository}
     assert ModelInfo.from_wire(wire(info.to_wire())) == info
     assert ModelInfo.from_wire({"num_blocks": 2, "extra": 1}) == ModelInfo(num_blocks=2)
-    for bad in ({"num_blocks": 0}, {"num_blocks": "80"}, {"num_blocks": True}, {}, [80], {"num_blocks": 2,
-                                                                                            "repository": 3}):
+    for bad in ({"num_blocks": 0}, {"num_blocks": "80"}, {"num_blocks": True}, {}, [80],
+                {"num_blocks": 2, "repository": 3}, {"num_blocks": 2**63}, {"num_blocks": MAX_NUM_BLOCKS + 1}):
         with pytest.raises(RecordError):
             ModelInfo.from_wire(bad)
 

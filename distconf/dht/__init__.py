@@ -3,6 +3,11 @@
 Importing this package needs only pydantic; hivemind is imported when a function that
 talks to a DHT is called. Every DHT helper here dials only the addresses its caller
 gives; `start_local_dht` listens on 127.0.0.1 only.
+
+A swarm is open: any peer may write anything. Every node `start_local_dht` starts
+refuses malformed records at the door (`distconf.dht.validators`, `distconf.dht.guard`);
+discovery isolates bad records and keys; ``signed_records=True`` makes server records
+owned by their peer (see the Security section of the README and each module's docstring).
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from distconf.dht.discovery import (
     find_block_servers,
     find_models,
     find_servers_by_prefix,
+    read_model_listing,
 )
+from distconf.dht.liveness import answering_peers, apply_liveness, ping_peers, pinger
+from distconf.dht.peerids import is_peer_id
 from distconf.dht.records import (
     CHAIN_DELIMITER,
+    MAX_NUM_BLOCKS,
     MODELS_REGISTRY_KEY,
     UID_DELIMITER,
     ModelInfo,
@@ -37,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "CHAIN_DELIMITER",
     "LOOPBACK_MADDRS",
+    "MAX_NUM_BLOCKS",
     "MODELS_REGISTRY_KEY",
     "UID_DELIMITER",
     "BlockAnnouncer",
@@ -47,15 +57,22 @@ __all__ = [
     "ServerInfo",
     "ServerState",
     "SkippedRecord",
+    "SwarmRecordValidator",
     "SwarmState",
     "announce_blocks",
+    "answering_peers",
+    "apply_liveness",
     "block_uid",
     "default_expiration",
     "find_block_servers",
     "find_models",
     "find_servers_by_prefix",
+    "is_peer_id",
     "make_route",
     "parse_block_uid",
+    "ping_peers",
+    "pinger",
+    "read_model_listing",
     "route_summary",
     "start_local_dht",
     "visible_maddrs",
@@ -66,29 +83,76 @@ LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
 def start_local_dht(
-    initial_peers: list[str] | tuple[str, ...] = (), *, startup_timeout: float = 60.0, **kwargs: Any
+    initial_peers: list[str] | tuple[str, ...] = (), *, startup_timeout: float = 60.0,
+    signed_records: bool = False, record_scope: str = "swarm", **kwargs: Any
 ) -> DHT:
     """Start a ``hivemind.DHT`` listening on 127.0.0.1 only (dialing only ``initial_peers``).
 
     Waits up to ``startup_timeout`` seconds for the node to be ready (then shuts it down
     and raises `TimeoutError`). ``kwargs`` go to ``hivemind.DHT`` (e.g.
-    ``client_mode=True``, ``num_workers``). The caller must call ``.shutdown()``.
+    ``client_mode=True``, ``num_workers``, ``record_validators``). The caller must call
+    ``.shutdown()``.
+
+    The node is hardened against hostile peers: it installs a `SwarmRecordValidator`
+    (malformed server and listing records are never stored or returned) and the guard of
+    `distconf.dht.guard` (per-record isolation, bounded records per key).
+
+    :param signed_records: own records (swarms without Petals 2.x clients): the node gets
+        an RSA identity (its peer id is the hash of its RSA key; pass ``identity_path`` to
+        keep one, else a fresh key is used), hivemind's ``RSASignatureValidator`` signs its
+        records, and it accepts only server records signed by the peer they name.
+    :param record_scope: ``"swarm"`` (every key but ``_petals.models`` holds server
+        records: a swarm's own DHT) or ``"listed"`` (only models discovered or announced
+        through this node are checked: a DHT shared with other hivemind applications).
     """
     from hivemind import DHT
+
+    from distconf.dht.validators import SwarmRecordValidator
 
     kwargs.setdefault("host_maddrs", list(LOOPBACK_MADDRS))
     kwargs.pop("start", None)
     kwargs.pop("await_ready", None)
-    dht = DHT(initial_peers=list(initial_peers), start=False, **kwargs)
+    validators = list(kwargs.pop("record_validators", ()))
+    cleanup = None
+    if signed_records:
+        from distconf.dht.identity import rsa_identity
+
+        key, kwargs["identity_path"], cleanup = rsa_identity(kwargs.get("identity_path"))
+        if cleanup is not None:
+            kwargs.setdefault("check_if_identity_free", False)  # a fresh key cannot be taken
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        validators.insert(0, RSASignatureValidator(key))
+    validators.append(SwarmRecordValidator(signed=signed_records, scope=record_scope))
+    dht = DHT(initial_peers=list(initial_peers), start=False, record_validators=validators, **kwargs)
     try:
         dht.run_in_background(await_ready=True, timeout=startup_timeout)
+        dht.run_coroutine(_guard_node, return_future=True).result(timeout=startup_timeout)
     except TimeoutError as exc:  # concurrent.futures.TimeoutError is TimeoutError on 3.11+
         _stop(dht)
         raise TimeoutError(f"DHT node not ready after {startup_timeout} s") from exc
     except BaseException:
         _stop(dht)
         raise
+    finally:
+        if cleanup is not None:
+            cleanup()
     return dht
+
+
+async def _guard_node(_dht: DHT, node: Any) -> bool:
+    from distconf.dht.guard import install_guard
+
+    install_guard(node)
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SwarmRecordValidator":  # subclasses a hivemind class: imported on first use
+        from distconf.dht.validators import SwarmRecordValidator
+
+        return SwarmRecordValidator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _stop(dht: DHT) -> None:

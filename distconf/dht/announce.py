@@ -1,9 +1,12 @@
 """Server side of discovery: announce the blocks a server holds on a hivemind DHT.
 
 A server stores, for every block uid it serves, one record under its own subkey (its
-peer id in base58) and lists the model under ``_petals.models`` (unless the prefix is
-private, i.e. starts with ``_``). Records expire; `BlockAnnouncer` refreshes them every
-``update_period`` seconds until stopped.
+peer id in base58; on a node started with ``signed_records=True``, its peer id followed
+by its owner key, and the record is signed) and lists the model under ``_petals.models``
+(unless the prefix is private, i.e. starts with ``_``), with ``repository`` set to
+``https://huggingface.co/<hub id>`` when the config was loaded by hub id, as Petals 2.x
+servers do. Records expire; `BlockAnnouncer` refreshes them every ``update_period``
+seconds until stopped.
 
 hivemind is imported lazily: importing this module stays cheap.
 """
@@ -11,6 +14,8 @@ hivemind is imported lazily: importing this module stays cheap.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -22,7 +27,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
     from hivemind.dht import DHTNode
 
-__all__ = ["MAX_EXPIRATION", "MAX_RECORD_BYTES", "BlockAnnouncer", "announce_blocks", "default_expiration"]
+__all__ = [
+    "MAX_EXPIRATION", "MAX_RECORD_BYTES", "BlockAnnouncer", "announce_blocks", "default_expiration", "hub_repository",
+    "record_subkey",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +41,47 @@ MAX_RECORD_BYTES = 2048
 DHT process through a pipe it reads non-blocking, from several threads; messages under
 the 4 KiB atomic pipe-write size stay whole."""
 MIN_EXPIRATION = 3.0
-"""Shortest default lifetime: covers clock discrepancies between peers (as the original)."""
+"""Shortest default lifetime: covers clock discrepancies between peers (as in Petals 2.x)."""
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+
+
+def hub_repository(config: Any) -> str | None:
+    """``https://huggingface.co/<hub id>`` when ``config`` was loaded by hub id, else None.
+
+    The hub id is ``config.name_or_path`` (``_name_or_path``); a local path (an existing
+    directory, or anything that does not look like ``org/name``) gives None.
+    """
+    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    if not isinstance(name, str) or not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        return None
+    if os.path.exists(name):
+        return None
+    return f"https://huggingface.co/{name}"
 
 
 def default_expiration(config: Any) -> float:
     """Record lifetime used when none is given: ``max(2 * update_period, 3)`` seconds."""
     return max(2.0 * float(getattr(config, "update_period", 60)), MIN_EXPIRATION)
+
+
+def _subkey(node: DHTNode) -> str:
+    from distconf.dht.guard import install_guard
+
+    guard = install_guard(node)
+    peer = node.peer_id.to_base58()
+    # on a signing node hivemind's RSASignatureValidator signs every record stored under this subkey
+    return peer + guard.owner_marker if guard.signed else peer
+
+
+async def _record_subkey(_dht: DHT, node: DHTNode) -> str:
+    return _subkey(node)
+
+
+def record_subkey(dht: DHT, timeout: float = 10.0) -> str:
+    """The subkey ``dht``'s server records are stored under: its peer id, plus its owner key when signing."""
+    return dht.run_coroutine(_record_subkey, return_future=True).result(timeout=timeout)
 
 
 async def _store_records(
@@ -50,8 +93,12 @@ async def _store_records(
     value: tuple,
     registry: tuple[str, dict] | None,
     expiration_time: float,
+    num_blocks: int | None = None,
 ) -> dict[str, bool]:
-    peer = node.peer_id.to_base58()
+    from distconf.dht.guard import install_guard
+
+    install_guard(node).validator.register_model(prefix, num_blocks or end)
+    peer = _subkey(node)
     uids = [f"{prefix}.{i}" for i in range(start, end)]  # built here: the pipe message stays small
     keys: list[Any] = list(uids)
     subkeys: list[Any] = [peer] * len(uids)
@@ -86,7 +133,9 @@ def announce_blocks(
     :param info: the server record; its ``start_block``/``end_block`` are set to the span.
     :param expiration: lifetime of the records in **seconds from now** (not an absolute
         time); default `default_expiration` (``max(2 * update_period, 3)``).
-    :param repository: stored in the ``_petals.models`` listing (public prefixes only).
+    :param repository: stored in the ``_petals.models`` listing (public prefixes only);
+        default: ``https://huggingface.co/<hub id>`` when ``config.name_or_path`` is a
+        hub id (not a local directory), else None.
     :param timeout: give up waiting for the DHT after this many seconds.
     :returns: for each stored key (block uids, plus ``_petals.models`` when listed),
         whether the store succeeded.
@@ -115,7 +164,9 @@ def announce_blocks(
     if size > MAX_RECORD_BYTES:
         raise ValueError(f"server record is {size} bytes serialized; at most {MAX_RECORD_BYTES} are allowed")
     registry = None
-    if not prefix.startswith("_"):
+    if not prefix.startswith("_"):  # private prefixes stay out of the listing, as in Petals 2.x
+        if repository is None:
+            repository = hub_repository(config)
         registry = (prefix, ModelInfo(num_blocks=num_blocks, repository=repository).to_wire())
     expiration_time = get_dht_time() + expiration
     future = dht.run_coroutine(
@@ -127,6 +178,7 @@ def announce_blocks(
             value=record.to_wire(),
             registry=registry,
             expiration_time=expiration_time,
+            num_blocks=num_blocks,
         ),
         return_future=True,
     )
@@ -151,7 +203,7 @@ class BlockAnnouncer:
     >>> announcer = BlockAnnouncer(dht, config, 0, 4, info)   # doctest: +SKIP
     >>> announcer.start(); ...; announcer.stop()              # doctest: +SKIP
 
-    ``stop()`` re-announces the span as OFFLINE with the full lifetime (as the original
+    ``stop()`` re-announces the span as OFFLINE with the full lifetime (as Petals 2.x
     does on shutdown), so clients stop routing to it at once.
     """
 

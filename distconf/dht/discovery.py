@@ -1,38 +1,48 @@
 """Client side of discovery: who serves which block of a model, read in one DHT request.
 
 `find_block_servers` reads the records of all block uids of a model with ONE batched
-``DHTNode.get_many`` (run inside the DHT process via ``DHT.run_coroutine``), validates
-every entry with `ServerInfo.from_wire`, skips (and logs) entries that do not parse or
-whose subkey is not a peer id, and merges the consecutive blocks of each peer into
+search (run inside the DHT process via ``DHT.run_coroutine``), validates every record
+with `ServerInfo.from_wire`, skips (and logs) records that do not parse or whose subkey
+is not a well-formed libp2p peer id, and merges the consecutive blocks of each peer into
 spans. Everything untrusted stays data: nothing a peer stores is executed or trusted
 beyond its schema.
+
+Failures are isolated per key and per record: the node is guarded first
+(`distconf.dht.guard`: a bad record is dropped on arrival, alone), each key's search
+completes on its own (a key whose search fails or does not finish in time is reported
+in `SwarmState.failed` while the other keys are returned), and at most
+``max_records_per_key`` records per key are parsed.
+
+Server records are data any peer can write (in Petals-compatible mode even under another
+peer's subkey): `distconf.dht.liveness` lets a client confirm that a server answers
+before trusting its record.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from distconf.dht.fetch import DEFAULT_BEAM_SIZE, _fetch, fetch_raw
+from distconf.dht.peerids import owner_matches_peer, peer_id_problem, split_subkey
 from distconf.dht.records import (
     MODELS_REGISTRY_KEY,
     ModelInfo,
     RecordError,
     ServerInfo,
     ServerState,
+    listing_prefix_problem,
 )
 from distconf.dht.uids import config_block_uids, config_dht_prefix, config_num_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
-    from hivemind.dht import DHTNode
 
 __all__ = [
+    "DEFAULT_BEAM_SIZE",
     "RemoteSpan",
     "SkippedRecord",
-    "DEFAULT_BEAM_SIZE",
     "SwarmState",
     "fetch_raw",
     "find_block_servers",
@@ -40,16 +50,10 @@ __all__ = [
     "find_servers_by_prefix",
     "merge_spans",
     "parse_block_records",
+    "read_model_listing",
 ]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BEAM_SIZE = 5
-"""Nodes kept in the search beam when looking for the latest records: hivemind stores
-every record on its ``num_replicas`` (5) nearest nodes, so a beam of 5 visits the
-replica set; hivemind's own default (``bucket_size``, 20) also visits nodes that can
-only hold caches, at about twice the cost on a small swarm. ``None`` = hivemind's default."""
-
 
 @dataclass(frozen=True)
 class RemoteSpan:
@@ -91,7 +95,9 @@ class SwarmState:
 
     ``servers[i]`` maps peer id (base58) to the record it stored for block ``i``;
     ``spans`` are the merged per-peer spans (sorted by start, then peer);
-    ``skipped`` lists the entries that did not parse.
+    ``skipped`` lists the entries that did not parse; ``failed`` maps block uids whose
+    search failed (or did not finish in time) to the reason; ``signed`` says whether
+    only signed records were accepted.
     """
 
     dht_prefix: str
@@ -99,9 +105,15 @@ class SwarmState:
     servers: list[dict[str, ServerInfo]]
     spans: list[RemoteSpan] = field(default_factory=list)
     skipped: list[SkippedRecord] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    signed: bool = False
 
     def throughputs(self, min_state: ServerState = ServerState.JOINING) -> list[float]:
-        """Per block, the sum of the throughputs of servers at ``min_state`` or better."""
+        """Per block, the sum of the throughputs of servers at ``min_state`` or better.
+
+        JOINING counts by default: this is the view a server uses to place itself (as
+        Petals 2.x servers do); clients route through ONLINE servers only.
+        """
         out = []
         for block in self.servers:
             total = 0.0
@@ -121,75 +133,32 @@ class SwarmState:
         return sorted({p for block in self.servers for p in block})
 
 
-async def _get_many(
-    dht: DHT, node: DHTNode, keys: list[str] | None, latest: bool, beam_size: int | None = None,
-    prefix: str | None = None, num_blocks: int = 0,
-) -> dict[str, Any]:
-    """Runs in the DHT process: ONE batched get_many, results flattened to plain data.
-
-    Block uids may be given compactly as ``prefix`` + ``num_blocks``: what travels to the
-    DHT process through its pipe stays small (hivemind reads that pipe non-blocking, and
-    a message larger than the pipe buffer can be lost).
-    """
-    if keys is None:
-        keys = [f"{prefix}.{i}" for i in range(num_blocks)]
-    kwargs: dict[str, Any] = {"num_workers": max(1, len(keys))}
-    if beam_size is not None:
-        kwargs["beam_size"] = beam_size
-    if latest:
-        kwargs["sufficient_expiration_time"] = math.inf
-    found = await node.get_many(keys, **kwargs)
-    out: dict[str, Any] = {}
-    for key in keys:
-        item = found.get(key)
-        if item is None:
-            out[key] = None
-        elif isinstance(item.value, dict):
-            out[key] = ("subkeys", [(sub, v.value, v.expiration_time) for sub, v in item.value.items()])
-        else:
-            out[key] = ("value", item.value, item.expiration_time)
-    return out
-
-
-def fetch_raw(
-    dht: DHT, keys: list[str], *, latest: bool = True, timeout: float | None = 30.0,
-    beam_size: int | None = DEFAULT_BEAM_SIZE, _prefix: str | None = None,
-) -> dict[str, Any]:
-    """Read ``keys`` with one batched request; return plain, unvalidated data per key.
-
-    Each value is ``None`` (not found), ``("subkeys", [(subkey, value, expiration), ...])``
-    or ``("value", value, expiration)``.
-    """
-    keys = list(keys)
-    if _prefix is not None and keys == [f"{_prefix}.{i}" for i in range(len(keys))]:
-        job = partial(_get_many, keys=None, prefix=_prefix, num_blocks=len(keys), latest=latest, beam_size=beam_size)
-    else:
-        job = partial(_get_many, keys=keys, latest=latest, beam_size=beam_size)
-    future = dht.run_coroutine(job, return_future=True)
-    try:
-        return future.result(timeout=timeout)
-    except BaseException:
-        future.cancel()
-        raise
-
-
-def _is_peer_id(subkey: Any) -> bool:
-    from hivemind.p2p import PeerID
-
-    if not isinstance(subkey, str) or not 0 < len(subkey) <= 128:
-        return False
-    try:
-        return PeerID.from_base58(subkey).to_base58() == subkey
-    except Exception:
-        return False
+# --------------------------------------------------------------------------- parsing
+def _record_peer(subkey: Any, signed: bool) -> str:
+    """The peer id of a server-record subkey; `ValueError` if it is not acceptable."""
+    peer, owner = split_subkey(subkey)
+    problem = peer_id_problem(peer)
+    if problem is not None:
+        raise ValueError(f"subkey {peer!r:.60} is not a libp2p peer id: {problem}")
+    if signed:
+        if owner is None:
+            raise ValueError("unsigned record (only signed records are accepted)")
+        if not owner_matches_peer(peer, owner):
+            raise ValueError("the owner key of the record is not the key of its peer id")
+    elif owner is not None:
+        raise ValueError("signed record (this client runs in Petals-compatible mode)")
+    return peer
 
 
 def parse_block_records(
-    uids: list[str], raw: dict[str, Any], now: float | None = None
+    uids: list[str], raw: dict[str, Any], now: float | None = None, *, signed: bool = False,
+    max_records: int | None = None,
 ) -> tuple[list[dict[str, ServerInfo]], list[SkippedRecord]]:
     """Validate raw DHT entries of ``uids``: per-block ``{peer: ServerInfo}`` and skipped entries.
 
     Entries past their expiration (relative to ``now``, DHT time) are dropped silently.
+    With ``signed``, only records whose subkey carries the owner key of their peer id are
+    kept. At most ``max_records`` records per block are examined.
     """
     servers: list[dict[str, ServerInfo]] = []
     skipped: list[SkippedRecord] = []
@@ -200,16 +169,18 @@ def parse_block_records(
             if item[0] != "subkeys":
                 skipped.append(SkippedRecord(uid, "", f"not a dictionary of server records: {type(item[1]).__name__}"))
             else:
-                for subkey, value, expiration in item[1]:
+                records = item[1] if max_records is None else item[1][:max_records]
+                for subkey, value, expiration in records:
                     if now is not None and expiration is not None and expiration < now:
                         continue
-                    if not _is_peer_id(subkey):
-                        skipped.append(SkippedRecord(uid, repr(subkey)[:60], "subkey is not a base58 peer id"))
-                        continue
                     try:
-                        block[subkey] = ServerInfo.from_wire(value)
-                    except RecordError as e:
-                        skipped.append(SkippedRecord(uid, subkey, str(e)))
+                        peer = _record_peer(subkey, signed)
+                        if peer in block:
+                            raise ValueError("a second record for the same peer")
+                        block[peer] = ServerInfo.from_wire(value)
+                    except (RecordError, ValueError) as e:
+                        skipped.append(SkippedRecord(uid, repr(subkey)[:60] if not isinstance(subkey, str)
+                                                     else subkey[:60], str(e)[:300]))
         servers.append(block)
     return servers, skipped
 
@@ -238,67 +209,99 @@ def merge_spans(servers: list[dict[str, ServerInfo]]) -> list[RemoteSpan]:
     return spans
 
 
+# --------------------------------------------------------------------------- finding
 def find_servers_by_prefix(
     dht: DHT, dht_prefix: str, num_blocks: int, *, latest: bool = True, timeout: float | None = 30.0,
-    beam_size: int | None = DEFAULT_BEAM_SIZE,
+    beam_size: int | None = DEFAULT_BEAM_SIZE, max_records_per_block: int | None = None,
 ) -> SwarmState:
     """Like `find_block_servers`, for a model known only by its prefix and block count."""
-    from distconf.dht.records import block_uid
+    from distconf.dht.records import MAX_NUM_BLOCKS, block_uid
 
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+        raise ValueError(f"num_blocks must be an integer in 1..{MAX_NUM_BLOCKS}, got {num_blocks!r}")
     uids = [block_uid(dht_prefix, i) for i in range(num_blocks)]
-    return _find(dht, dht_prefix, uids, latest=latest, timeout=timeout, beam_size=beam_size)
+    return _find(dht, dht_prefix, uids, latest=latest, timeout=timeout, beam_size=beam_size,
+                 max_records=max_records_per_block)
 
 
 def find_block_servers(
     dht: DHT, config: Any, *, latest: bool = True, timeout: float | None = 30.0,
-    beam_size: int | None = DEFAULT_BEAM_SIZE,
+    beam_size: int | None = DEFAULT_BEAM_SIZE, max_records_per_block: int | None = None,
 ) -> SwarmState:
     """Who serves which block of ``config``'s model (all uids in ONE batched request).
 
-    :param dht: a running ``hivemind.DHT`` (client mode is fine).
+    :param dht: a running ``hivemind.DHT`` (client mode is fine). A node started with
+        ``start_local_dht(signed_records=True)`` accepts signed records only.
     :param config: a distributed config (``dht_prefix``, ``num_hidden_layers``).
     :param latest: look for the newest records (asks more peers) rather than any fresh one.
-    :param timeout: give up after this many seconds (`TimeoutError`).
+    :param timeout: give up after this many seconds (`TimeoutError`); keys whose search
+        has not finished shortly before are reported in `SwarmState.failed` instead.
     :param beam_size: search beam (see `DEFAULT_BEAM_SIZE`; ``None`` = hivemind's default).
-    :returns: a `SwarmState` with per-block servers, merged spans and skipped entries.
+    :param max_records_per_block: records examined per block (default: the guard's cap,
+        `distconf.dht.guard.MAX_RECORDS_PER_KEY`).
+    :returns: a `SwarmState` with per-block servers (every state: callers choose, and
+        routing uses ONLINE servers by default), merged spans and skipped entries.
     """
     prefix = config_dht_prefix(config)
     config_num_blocks(config)
-    return _find(dht, prefix, config_block_uids(config), latest=latest, timeout=timeout, beam_size=beam_size)
+    return _find(dht, prefix, config_block_uids(config), latest=latest, timeout=timeout, beam_size=beam_size,
+                 max_records=max_records_per_block)
 
 
 def _find(dht: DHT, prefix: str, uids: list[str], *, latest: bool, timeout: float | None,
-          beam_size: int | None) -> SwarmState:
+          beam_size: int | None, max_records: int | None) -> SwarmState:
     from hivemind.utils import get_dht_time
 
-    raw = fetch_raw(dht, uids, latest=latest, timeout=timeout, beam_size=beam_size, _prefix=prefix)
-    servers, skipped = parse_block_records(uids, raw, now=get_dht_time())
+    fetched = _fetch(dht, uids, latest=latest, timeout=timeout, beam_size=beam_size, prefix=prefix,
+                     max_records=max_records)
+    servers, skipped = parse_block_records(uids, fetched.items, now=get_dht_time(), signed=fetched.signed,
+                                           max_records=max_records)
+    skipped += [SkippedRecord(uid, subkey, f"{reason} (refused on arrival)")
+                for uid in uids for subkey, reason in fetched.refused.get(uid, ())]
     if skipped:
         examples = "; ".join(f"{s.uid}[{s.subkey[:12]}]: {s.reason}" for s in skipped[:3])
         logger.warning("skipped %d unparsable DHT record(s) of %r: %s%s", len(skipped), prefix, examples,
                        " ..." if len(skipped) > 3 else "")
-        for s in skipped:
+        for s in skipped[:100]:
             logger.debug("skipped DHT record %s[%s]: %s", s.uid, s.subkey, s.reason)
-    return SwarmState(prefix, len(uids), servers, merge_spans(servers), skipped)
+    if fetched.failed:
+        first = next(iter(fetched.failed.items()))
+        logger.warning("search failed for %d of %d block(s) of %r (%s: %s); the others are shown",
+                       len(fetched.failed), len(uids), prefix, *first)
+    return SwarmState(prefix, len(uids), servers, merge_spans(servers), skipped, dict(fetched.failed),
+                      fetched.signed)
 
 
-def find_models(dht: DHT, *, latest: bool = True, timeout: float | None = 30.0) -> dict[str, ModelInfo]:
-    """Public models listed under ``_petals.models``: ``{dht_prefix: ModelInfo}`` (bad entries skipped)."""
+def read_model_listing(
+    dht: DHT, *, latest: bool = True, timeout: float | None = 30.0
+) -> tuple[dict[str, ModelInfo], dict[str, str]]:
+    """Models listed under ``_petals.models``: ``({dht_prefix: ModelInfo}, {subkey: why skipped})``."""
     from hivemind.utils import get_dht_time
 
-    raw = fetch_raw(dht, [MODELS_REGISTRY_KEY], latest=latest, timeout=timeout).get(MODELS_REGISTRY_KEY)
+    fetched = _fetch(dht, [MODELS_REGISTRY_KEY], latest=latest, timeout=timeout, beam_size=DEFAULT_BEAM_SIZE)
+    raw = fetched.items.get(MODELS_REGISTRY_KEY)
     models: dict[str, ModelInfo] = {}
+    refused = fetched.refused.get(MODELS_REGISTRY_KEY, ())
+    skipped = {subkey: f"{reason} (refused on arrival)" for subkey, reason in refused}
     if raw is None or raw[0] != "subkeys":
-        return models
+        return models, skipped
     now = get_dht_time()
     for subkey, value, expiration in raw[1]:
         if expiration is not None and expiration < now:
             continue
-        if not isinstance(subkey, str) or "." in subkey or " " in subkey or not subkey:
-            logger.debug("skipped model listing with bad prefix %r", subkey)
+        problem = listing_prefix_problem(subkey)
+        if problem is not None:
+            skipped[repr(subkey)[:60]] = f"not a DHT prefix: {problem}"
             continue
         try:
             models[subkey] = ModelInfo.from_wire(value)
         except RecordError as e:
-            logger.debug("skipped model listing %r: %s", subkey, e)
-    return models
+            skipped[subkey] = str(e)
+    for subkey, reason in list(skipped.items())[:20]:
+        logger.debug("skipped model listing %s: %s", subkey, reason)
+    return models, skipped
+
+
+def find_models(dht: DHT, *, latest: bool = True, timeout: float | None = 30.0) -> dict[str, ModelInfo]:
+    """Public models listed under ``_petals.models``: ``{dht_prefix: ModelInfo}`` (bad entries skipped)."""
+    return read_model_listing(dht, latest=latest, timeout=timeout)[0]

@@ -1,6 +1,6 @@
 """Typed models of the records peers keep on the DHT (wire-compatible with Petals 2.x).
 
-Two kinds of record exist (reference-facts 3):
+Two kinds of record exist, both in Petals 2.x's format:
 
 * a **server record**, stored under key ``f"{dht_prefix}.{block_index}"`` with subkey
   = the server's peer id in base58 and value ``(state, throughput, extra)``;
@@ -11,8 +11,10 @@ Both are parsed from *untrusted* data (any peer may store anything under any key
 parsing is strict: a wrong type, an unknown state, a negative or non-finite number or
 an absurdly large value raises `RecordError` (a `ValueError`); unknown keys in
 ``extra`` are ignored, so newer peers can add fields. ``to_wire`` produces exactly what
-the original stores, and ``from_wire(MSGPackSerializer.loads(MSGPackSerializer.dumps(
-record.to_wire())))`` equals the record.
+Petals 2.x stores (same values, same key order, so the same msgpack bytes), and
+``from_wire(MSGPackSerializer.loads(MSGPackSerializer.dumps(record.to_wire())))`` equals
+the record. Every record a Petals 2.x server writes parses, including ``next_pings``
+entries of ``+inf`` (Petals' mark of a failed ping).
 
 This module imports only pydantic (no torch, no hivemind).
 """
@@ -31,10 +33,11 @@ from pydantic import (
     model_validator,
 )
 
-from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, block_uid, parse_block_uid
+from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, block_uid, dht_prefix_problem, parse_block_uid
 
 __all__ = [
     "CHAIN_DELIMITER",
+    "MAX_NUM_BLOCKS",
     "MODELS_REGISTRY_KEY",
     "UID_DELIMITER",
     "ModelInfo",
@@ -42,6 +45,7 @@ __all__ = [
     "ServerInfo",
     "ServerState",
     "block_uid",
+    "listing_prefix_problem",
     "parse_block_uid",
 ]
 
@@ -53,7 +57,10 @@ MAX_STR_LEN = 1024
 MAX_ITEMS = 4096
 """Most items accepted in a list or mapping inside a record."""
 MAX_INT = 2**63 - 1
-"""Largest integer accepted (block counts, cache tokens)."""
+"""Largest integer accepted (cache tokens, block indices)."""
+MAX_NUM_BLOCKS = 1024
+"""Largest block count accepted in a model listing: real models have at most a few
+hundred blocks, and a client reads one key per block, so a bigger claim is refused."""
 
 
 class RecordError(ValueError):
@@ -61,7 +68,7 @@ class RecordError(ValueError):
 
 
 class ServerState(IntEnum):
-    """State of a server as announced on the DHT (same numbers as the original)."""
+    """State of a server as announced on the DHT (same numbers as Petals 2.x)."""
 
     OFFLINE = 0
     JOINING = 1
@@ -69,6 +76,7 @@ class ServerState(IntEnum):
 
 
 _Rps = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+_Ping = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=True)]  # +inf = failed ping (NaN fails ge=0)
 _Str = Annotated[str, Field(strict=True, max_length=MAX_STR_LEN)]
 _NonNegInt = Annotated[int, Field(strict=True, ge=0, le=MAX_INT)]
 
@@ -89,7 +97,9 @@ class ServerInfo(BaseModel):
 
     ``throughput`` is in requests per second (finite, >= 0). Every other field lives in
     the ``extra`` dict on the wire and is optional. ``start_block``/``end_block`` give
-    the server's whole span (end exclusive).
+    the server's whole span (end exclusive). ``next_pings`` maps peer ids to round-trip
+    seconds, ``+inf`` for a failed ping (as Petals 2.x stores it); NaN and negatives are
+    invalid.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -109,7 +119,7 @@ class ServerInfo(BaseModel):
     quant_type: _Str | None = None
     using_relay: Annotated[bool, Field(strict=True)] | None = None
     cache_tokens_left: _NonNegInt | None = None
-    next_pings: Annotated[dict[_Str, _Rps], Field(max_length=MAX_ITEMS)] | None = None
+    next_pings: Annotated[dict[_Str, _Ping], Field(max_length=MAX_ITEMS)] | None = None
 
     @field_validator("state", mode="before")
     @classmethod
@@ -133,7 +143,7 @@ class ServerInfo(BaseModel):
 
     # ------------------------------------------------------------------ wire format
     def to_wire(self) -> tuple[int, float, dict[str, Any]]:
-        """The value stored on the DHT: ``(state, throughput, extra)``, like the original."""
+        """The value stored on the DHT: ``(state, throughput, extra)``, exactly as Petals 2.x stores it."""
         extra = self.model_dump(exclude={"state", "throughput"})
         return (int(self.state), float(self.throughput), extra)
 
@@ -160,15 +170,19 @@ class ServerInfo(BaseModel):
 
 
 class ModelInfo(BaseModel):
-    """A model listed under ``_petals.models``: ``{"num_blocks": n, "repository": ...}``."""
+    """A model listed under ``_petals.models``: ``{"num_blocks": n, "repository": ...}``.
+
+    ``num_blocks`` is at most `MAX_NUM_BLOCKS`; the listing is a hint written by any
+    peer, so a client that knows the model's config trusts the config instead.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    num_blocks: Annotated[int, Field(strict=True, ge=1, le=MAX_INT)]
+    num_blocks: Annotated[int, Field(strict=True, ge=1, le=MAX_NUM_BLOCKS)]
     repository: _Str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        """The value stored on the DHT (a plain dict, like the original)."""
+        """The value stored on the DHT (a plain dict, exactly as Petals 2.x stores it)."""
         return {"num_blocks": self.num_blocks, "repository": self.repository}
 
     @classmethod
@@ -181,6 +195,20 @@ class ModelInfo(BaseModel):
             return cls(**known)
         except ValidationError as e:
             raise RecordError(_summarize(e)) from None
+
+
+MAX_PREFIX_LEN = 256
+"""Longest DHT prefix accepted as a model listing's subkey."""
+
+
+def listing_prefix_problem(subkey: Any) -> str | None:
+    """Why ``subkey`` cannot be a model listing's subkey (a DHT prefix), or None if it can."""
+    problem = dht_prefix_problem(subkey)
+    if problem is None and len(subkey) > MAX_PREFIX_LEN:
+        problem = f"it is longer than {MAX_PREFIX_LEN} characters"
+    if problem is None and not subkey.isprintable():
+        problem = "it holds control characters"
+    return problem
 
 
 def _describe(value: Any) -> str:

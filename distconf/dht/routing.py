@@ -3,7 +3,8 @@
 `make_route` picks, among all chains of (possibly clipped) spans covering blocks
 ``0..N-1``, the one that is best by, in order:
 
-1. fewest blocks served by JOINING servers (ONLINE preferred; OFFLINE never used);
+1. fewest blocks served by JOINING servers (only when ``min_state=JOINING`` is asked
+   for: by default only ONLINE servers are used; OFFLINE never);
 2. highest bottleneck throughput (the slowest server on the chain limits the chain);
 3. fewest hops (each hop costs a network round trip);
 4. least estimated compute time, sum of ``blocks / throughput`` over the hops (faster
@@ -19,13 +20,18 @@ exact dynamic program in O(boundaries x spans).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from distconf.dht.discovery import RemoteSpan, SwarmState
+from distconf.dht.liveness import apply_liveness
+from distconf.dht.peerids import is_peer_id
 from distconf.dht.records import ServerState
 
-__all__ = ["NoRouteError", "make_route", "route_summary"]
+__all__ = ["MAX_CONFIRM_ROUNDS", "NoRouteError", "make_route", "route_summary"]
+
+MAX_CONFIRM_ROUNDS = 8
+"""Most route-then-ping rounds `make_route` runs with a ``confirm`` callback."""
 
 
 class NoRouteError(ValueError):
@@ -41,28 +47,42 @@ def make_route(
     spans: SwarmState | Iterable[RemoteSpan],
     num_blocks: int | None = None,
     *,
-    min_state: ServerState = ServerState.JOINING,
+    min_state: ServerState = ServerState.ONLINE,
     blocked_peers: Iterable[str] = (),
     allowed_peers: Iterable[str] | None = None,
     start: int = 0,
     end: int | None = None,
+    alive_peers: Iterable[str] | None = None,
+    confirm: Callable[[list[str]], Iterable[str]] | None = None,
+    max_confirm_rounds: int = MAX_CONFIRM_ROUNDS,
 ) -> list[RemoteSpan]:
     """Choose a chain of spans covering blocks ``start..end-1`` (default: the whole model).
 
-    :param spans: a `SwarmState` (from `find_block_servers`) or its spans.
+    :param spans: a `SwarmState` (from `find_block_servers`) or its spans. Spans whose
+        ``peer_id`` is not a well-formed libp2p peer id are ignored.
     :param num_blocks: block count (taken from the `SwarmState` when given one).
-    :param min_state: weakest state a server may have to be used (JOINING by default;
-        pass ``ServerState.ONLINE`` to use online servers only). OFFLINE is never used.
+    :param min_state: weakest state a server may have to be used: ONLINE by default, as
+        Petals 2.x clients route (a JOINING server is still loading its blocks); pass
+        ``ServerState.JOINING`` to use joining servers too. OFFLINE is never used.
     :param blocked_peers: peers never to use. :param allowed_peers: if given, use only these.
+    :param alive_peers: peers the caller has confirmed to be answering: an OFFLINE record
+        of such a peer does not remove it (see `distconf.dht.liveness.apply_liveness`).
+    :param confirm: callback ``confirm(peer_ids) -> answering peer ids`` (e.g.
+        `distconf.dht.liveness.pinger`). When given, every peer on the returned route
+        has been confirmed: peers that do not answer are blocked and the route is
+        recomputed (at most ``max_confirm_rounds`` times).
     :returns: the chain: spans clipped to the blocks each one serves on the route,
         consecutive and covering ``start..end-1`` exactly.
     :raises NoRouteError: naming the first block no usable server covers.
     """
     prefix = None
+    alive = set(alive_peers or ())
     if isinstance(spans, SwarmState):
         prefix = spans.dht_prefix
         num_blocks = spans.num_blocks if num_blocks is None else num_blocks
-        spans = spans.spans
+        spans = apply_liveness(spans, alive).spans if alive else spans.spans
+    elif alive:
+        spans = _revive_spans(list(spans), alive)
     if num_blocks is None:
         raise TypeError("num_blocks is required when passing spans rather than a SwarmState")
     end = num_blocks if end is None else end
@@ -71,27 +91,52 @@ def make_route(
     min_state = max(ServerState(min_state), ServerState.JOINING)
     blocked = set(blocked_peers)
     allowed = None if allowed_peers is None else set(allowed_peers)
-
-    usable = [
+    candidates = [
         s for s in spans
-        if s.state >= min_state and s.peer_id not in blocked and (allowed is None or s.peer_id in allowed)
-        and s.end > start and s.start < end
+        if s.peer_id not in blocked and (allowed is None or s.peer_id in allowed)
+        and s.end > start and s.start < end and is_peer_id(s.peer_id)
     ]
-    usable = [RemoteSpan(s.peer_id, max(s.start, start), min(s.end, end), s.info) for s in usable]
+    if confirm is None:
+        return _best_route(candidates, start, end, num_blocks, min_state, prefix)
+    confirmed, dead = set(alive), set()
+    for _ in range(max(1, max_confirm_rounds)):
+        route = _best_route([s for s in candidates if s.peer_id not in dead], start, end, num_blocks, min_state,
+                            prefix)
+        unknown = sorted({h.peer_id for h in route} - confirmed)
+        if not unknown:
+            return route
+        answered = set(confirm(unknown)) & set(unknown)
+        confirmed |= answered
+        dead |= set(unknown) - answered
+    raise NoRouteError(f"no route of answering servers found after {max_confirm_rounds} rounds of pings "
+                       f"({len(dead)} peer(s) did not answer)", start, prefix)
 
+
+def _revive_spans(spans: list[RemoteSpan], alive: set[str]) -> list[RemoteSpan]:
+    """Spans with OFFLINE spans of answering peers read as ONLINE (adjacent ones merged)."""
+    out: list[RemoteSpan] = []
+    for s in sorted(spans, key=lambda s: (s.peer_id, s.start)):
+        if s.state == ServerState.OFFLINE and s.peer_id in alive:
+            s = RemoteSpan(s.peer_id, s.start, s.end, s.info.model_copy(update={"state": ServerState.ONLINE}))
+        last = out[-1] if out else None
+        if last is not None and last.peer_id == s.peer_id and last.end == s.start and last.state == s.state:
+            out[-1] = RemoteSpan(s.peer_id, last.start, s.end, last.info)
+        else:
+            out.append(s)
+    return out
+
+
+def _best_route(candidates: list[RemoteSpan], start: int, end: int, num_blocks: int, min_state: ServerState,
+                prefix: str | None) -> list[RemoteSpan]:
+    usable = [RemoteSpan(s.peer_id, max(s.start, start), min(s.end, end), s.info)
+              for s in candidates if s.state >= min_state]
     covered = [False] * (end - start)
     for s in usable:
         for b in range(s.start, s.end):
             covered[b - start] = True
     if not all(covered):
         first = start + covered.index(False)
-        reached = f"blocks {start}..{first - 1} are served" if first > start else "no block before it is served"
-        who = f" of {prefix!r}" if prefix else ""
-        states = "online or joining" if min_state == ServerState.JOINING else "online"
-        raise NoRouteError(
-            f"no {states} server covers block {first}{who} ({reached}; model has {num_blocks} blocks)",
-            first, prefix,
-        )
+        raise NoRouteError(_gap_message(candidates, first, start, num_blocks, min_state, prefix), first, prefix)
 
     # The fewest joining blocks is reached with every usable span; the best bottleneck is the
     # highest throughput threshold that still reaches it (monotone: binary search).
@@ -108,6 +153,19 @@ def make_route(
         else:
             hi = mid - 1
     return best[1]
+
+
+def _gap_message(candidates: list[RemoteSpan], first: int, start: int, num_blocks: int, min_state: ServerState,
+                 prefix: str | None) -> str:
+    reached = f"blocks {start}..{first - 1} are served" if first > start else "no block before it is served"
+    who = f" of {prefix!r}" if prefix else ""
+    joining = min_state == ServerState.ONLINE and any(
+        s.state == ServerState.JOINING and s.start <= first < s.end for s in candidates)
+    if joining:
+        what = f"no online server covers block {first}{who} (only joining servers, still loading, do)"
+    else:
+        what = f"no online or joining server covers block {first}{who}"
+    return f"{what} ({reached}; model has {num_blocks} blocks)"
 
 
 _Cost = tuple[int, int, float]  # (blocks on joining servers, hops, sum of blocks / throughput)

@@ -1,0 +1,147 @@
+"""Decoding untrusted DHT bytes without trusting their shape.
+
+hivemind decodes stored values with ``MSGPackSerializer.loads``. Two kinds of bytes any
+peer can store break it:
+
+* values it cannot decode at all (a map with an integer key, lists nested past msgpack's
+  own limit): the decode raises inside hivemind's search, and that key's result never
+  arrives;
+* tuples nested a few hundred levels deep: every tuple level is a msgpack extension
+  decoded by a nested ``msgpack.unpackb`` call, each taking a large C stack frame, so
+  about 200 levels overflow the stack and kill the whole process (seen with hivemind
+  1.1.12 and msgpack 1.0.x).
+
+`safe_loads` decodes a record with hard limits (size, nesting, items) and never
+recurses without bound; `guard_msgpack_depth` makes hivemind's own decoder refuse deep
+extension nesting in the process it is called in (our DHT processes only).
+
+Imports only msgpack (a hivemind dependency) at call time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = [
+    "MAX_EXT_DEPTH",
+    "MAX_NESTING",
+    "MAX_VALUE_BYTES",
+    "TUPLE_EXT_CODE",
+    "WireError",
+    "guard_msgpack_depth",
+    "safe_loads",
+]
+
+MAX_VALUE_BYTES = 16384
+"""Largest serialized record accepted (a Petals 2.x server record with pings to 250
+servers is about 14 KiB; ours are at most 2 KiB)."""
+MAX_NESTING = 16
+"""Deepest nesting of containers accepted in a record (server records nest 3 levels)."""
+MAX_EXT_DEPTH = 32
+"""Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
+MAX_ITEMS_TOTAL = 8192
+"""Most containers and scalars accepted in one record."""
+TUPLE_EXT_CODE = 0x40
+"""hivemind's msgpack extension code for tuples (``MSGPackSerializer._TUPLE_EXT_TYPE_CODE``)."""
+
+
+class WireError(ValueError):
+    """Bytes that are not a bounded, decodable msgpack value (the message says why)."""
+
+
+def safe_loads(
+    buf: bytes, *, max_bytes: int = MAX_VALUE_BYTES, max_nesting: int = MAX_NESTING, other_ext: bool = False
+) -> Any:
+    """Decode hivemind msgpack bytes like ``MSGPackSerializer.loads``, within limits.
+
+    Tuples (hivemind's extension 0x40) are decoded; any other extension type is refused,
+    or left undecoded as ``msgpack.ExtType`` when ``other_ext``. Map keys must be strings
+    or bytes. Raises `WireError` for anything else, including values over ``max_bytes``
+    bytes or nested deeper than ``max_nesting`` containers.
+    """
+    import msgpack
+
+    if not isinstance(buf, (bytes, bytearray)):
+        raise WireError(f"expected bytes, got {type(buf).__name__}")
+    if len(buf) > max_bytes:
+        raise WireError(f"value is {len(buf)} bytes serialized; at most {max_bytes} are accepted")
+    depth = 0
+
+    def hook(code: int, data: bytes) -> Any:
+        nonlocal depth
+        if code != TUPLE_EXT_CODE:
+            if other_ext:
+                return msgpack.ExtType(code, data)
+            raise WireError(f"unexpected msgpack extension type {code}")
+        depth += 1
+        try:
+            if depth > max_nesting:
+                raise WireError(f"value is nested more than {max_nesting} levels deep")
+            return tuple(msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False))
+        finally:
+            depth -= 1
+
+    try:
+        value = msgpack.unpackb(bytes(buf), ext_hook=hook, raw=False, strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises ValueError subclasses, TypeError, StackError ...
+        raise WireError(f"not decodable msgpack: {type(e).__name__}: {e}"[:200]) from None
+    _check_shape(value, max_nesting)
+    return value
+
+
+def _check_shape(value: Any, max_nesting: int) -> None:
+    """Iteratively check nesting depth, item count and map keys (no recursion)."""
+    stack = [(value, 0)]
+    count = 0
+    while stack:
+        item, level = stack.pop()
+        count += 1
+        if count > MAX_ITEMS_TOTAL:
+            raise WireError(f"value holds more than {MAX_ITEMS_TOTAL} items")
+        if isinstance(item, (list, tuple)):
+            if level >= max_nesting:
+                raise WireError(f"value is nested more than {max_nesting} levels deep")
+            stack.extend((x, level + 1) for x in item)
+        elif isinstance(item, dict):
+            if level >= max_nesting:
+                raise WireError(f"value is nested more than {max_nesting} levels deep")
+            for key, sub in item.items():
+                if not isinstance(key, (str, bytes)):
+                    raise WireError(f"map key {key!r:.40} is not a string (hivemind cannot decode it)")
+                stack.append((sub, level + 1))
+
+
+_guard_lock = threading.Lock()
+
+
+def guard_msgpack_depth(limit: int = MAX_EXT_DEPTH) -> None:
+    """Make hivemind's ``MSGPackSerializer`` refuse extension types nested over ``limit`` levels.
+
+    Affects the calling process only (we call it inside our DHT processes): a subkey or
+    dictionary that a peer crafted to overflow the C stack then raises ``ValueError``,
+    which hivemind handles as a bad request or response, instead of crashing the node.
+    Idempotent.
+    """
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    with _guard_lock:
+        current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__
+        if getattr(current, "_distconf_guard", False):
+            return
+        state = threading.local()
+
+        def _decode_ext_types(cls: type, type_code: int, data: bytes) -> Any:
+            level = getattr(state, "level", 0)
+            if level >= limit:
+                raise ValueError(f"msgpack extension types nested more than {limit} levels deep")
+            state.level = level + 1
+            try:
+                return current(cls, type_code, data)
+            finally:
+                state.level = level
+
+        _decode_ext_types._distconf_guard = True  # type: ignore[attr-defined]
+        MSGPackSerializer._decode_ext_types = classmethod(_decode_ext_types)  # type: ignore[method-assign]
