@@ -177,9 +177,8 @@ def test_commands_are_the_explicit_ordered_list() -> None:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(reason="cmd_swarm.py has no examples yet")) if name == "swarm"
-    else name
-    for name in ("list", "validate", "show", "check", "new", "plan", "serve", "generate", "swarm", "demo", "schema")
+    name
+    for name in ("list", "validate", "show", "check", "new", "plan", "serve", "generate", "swarm", "monitor", "demo", "schema")
 ])
 def test_command_help_has_examples(name) -> None:
     text = _subcommands()[name].format_help()

@@ -14,11 +14,20 @@ import os
 import sys
 from typing import Any
 
+from distconf.cli.helptext import add_command
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``swarm`` subcommand."""
-    p = subparsers.add_parser(
-        "swarm", help="show which peers serve which blocks of a model, and whether a full route exists",
+    p = add_command(
+        subparsers, "swarm", summary="show which peers serve which blocks of a model, and whether a full route exists",
+        examples=[
+            ("distconf swarm --initial-peers ADDR --model org/model-petals",
+             "coverage of a model the swarm lists"),
+            ("distconf swarm --initial-peers ADDR --model ./my-model", "block count from the model's config"),
+            ("distconf swarm --initial-peers ADDR --model _private --num-blocks 24 --json",
+             "a private prefix, as JSON"),
+        ],
         description="Join a swarm as a client (through the --initial-peers you give; there is no default) and "
                     "show the coverage of a model: one row per peer span with state, throughput and cache tokens "
                     "left, one column per block (joining servers included), then the route a client would take "
