@@ -9,7 +9,7 @@ peer can store break it:
 * tuples nested a few hundred levels deep: every tuple level is a msgpack extension
   decoded by a nested ``msgpack.unpackb`` call, each taking a large C stack frame, so
   about 200 levels overflow the stack and kill the whole process (seen with hivemind
-  1.1.12 and msgpack 1.0.x).
+  1.1.12 and msgpack 1.2.4 here).
 
 `safe_loads` decodes a record with hard limits (size, nesting, items) and never
 recurses without bound; `guard_msgpack_depth` makes hivemind's own decoder refuse deep
