@@ -8,46 +8,22 @@ calls themselves (``rpc_info``, ``rpc_forward``, ``rpc_backward``, ``rpc_inferen
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
-import time
 from collections.abc import Awaitable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distconf.dht import start_local_dht
+from distconf.dht.liveness import ping_peers
 from distconf.dht.uids import config_num_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
-    from hivemind.dht import DHTNode
     from hivemind.p2p import P2P
 
 __all__ = ["SwarmClient", "release_dht"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-async def _ping_many(_dht: DHT, node: DHTNode, peers: list[str], timeout: float) -> dict[str, float]:
-    """Runs in the DHT process: round-trip time of a DHT ping to each peer (``inf`` on failure)."""
-    from hivemind.p2p import PeerID
-    from hivemind.proto import dht_pb2
-
-    async def one(peer: str) -> float:
-        start = time.perf_counter()
-        try:
-            request = dht_pb2.PingRequest(peer=node.protocol.node_info)
-            await node.protocol.get_stub(PeerID.from_base58(peer)).rpc_ping(request, timeout=timeout)
-        except Exception as exc:
-            if str(exc) == "protocol not supported":  # a client-mode DHT answers, but not to pings
-                return time.perf_counter() - start
-            return math.inf
-        return time.perf_counter() - start
-
-    results = await asyncio.gather(*(one(p) for p in peers))
-    return dict(zip(peers, results))
 
 
 class SwarmClient:
@@ -101,7 +77,7 @@ class SwarmClient:
         """Round-trip time to each peer in seconds, ``inf`` for a peer that did not answer in ``timeout``."""
         if not peers:
             return {}
-        return self.dht.run_coroutine(partial(_ping_many, peers=list(peers), timeout=timeout))
+        return ping_peers(self.dht, peers, timeout)
 
     def shutdown(self) -> None:
         """Close the P2P handle and stop the DHT node, if this client started them.
