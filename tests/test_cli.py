@@ -177,8 +177,7 @@ def test_commands_are_the_explicit_ordered_list() -> None:
 
 
 @pytest.mark.parametrize("name", [
-    name
-    for name in ("list", "validate", "show", "check", "new", "plan", "serve", "generate", "swarm", "monitor", "demo", "schema")
+    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "swarm", "monitor", "demo", "schema",
 ])
 def test_command_help_has_examples(name) -> None:
     text = _subcommands()[name].format_help()
