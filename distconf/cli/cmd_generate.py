@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.helptext import add_command, initial_peers, positive_int
 
 __all__ = ["register", "run", "main", "parse_ids"]
 
@@ -91,11 +91,9 @@ def _tokenizer(model_dir: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; exit 2 on bad arguments, 1 if the swarm cannot serve the model."""
-    from distconf.family.mixins import default_initial_peers
 
-    peers = list(args.initial_peers or default_initial_peers())
-    if not peers:
-        print("distconf generate: give --initial-peers (or set DISTCONF_INITIAL_PEERS)", file=sys.stderr)
+    peers = initial_peers(args, "generate")
+    if peers is None:
         return 2
     if (args.prompt is None) == (args.ids is None):
         print("distconf generate: give either PROMPT or --ids", file=sys.stderr)

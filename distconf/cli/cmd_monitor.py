@@ -13,6 +13,7 @@ import re
 import sys
 
 from distconf.cli.cmd_swarm import _resolve
+from distconf.cli.helptext import initial_peers
 
 __all__ = ["parse_duration", "parse_model", "register", "run"]
 
@@ -84,15 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Join the swarm, then serve the page until interrupted."""
-    from distconf.family.mixins import default_initial_peers
     from distconf.monitor import DEFAULT_MAX_MODELS, Monitor, build_app, dht_reader, serve_forever
     from distconf.monitor.app import LOOPBACK_HOSTS
     from distconf.monitor.serve import is_loopback
 
-    peers = args.initial_peers or default_initial_peers()
-    if not peers:
-        print("distconf monitor: give --initial-peers (or set DISTCONF_INITIAL_PEERS); there is no default swarm",
-              file=sys.stderr)
+    peers = initial_peers(args, "monitor")
+    if peers is None:
         return 2
     if not 0 <= args.port <= 65535:
         print("distconf monitor: --port must be in 0..65535", file=sys.stderr)

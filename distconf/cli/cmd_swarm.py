@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from distconf.cli.helptext import add_command
+from distconf.cli.helptext import add_command, initial_peers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,12 +74,9 @@ def _resolve(model: str) -> tuple[str, int | None]:
 def run(args: argparse.Namespace) -> int:
     """Print the coverage table and route."""
     from distconf.dht import MAX_NUM_BLOCKS
-    from distconf.family.mixins import default_initial_peers
 
-    peers = args.initial_peers or default_initial_peers()
-    if not peers:
-        print("distconf swarm: give --initial-peers (or set DISTCONF_INITIAL_PEERS); there is no default swarm",
-              file=sys.stderr)
+    peers = initial_peers(args, "swarm")
+    if peers is None:
         return 2
     if args.num_blocks is not None and not 1 <= args.num_blocks <= MAX_NUM_BLOCKS:
         print(f"distconf swarm: --num-blocks must be in 1..{MAX_NUM_BLOCKS}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 from collections.abc import Sequence
 
@@ -32,3 +33,18 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
     return value
+
+
+def initial_peers(args: argparse.Namespace, command: str) -> list[str] | None:
+    """``--initial-peers``, else ``DISTCONF_INITIAL_PEERS``; None (after saying why on stderr) when neither is set.
+
+    There is deliberately no default swarm: a command that joins one needs an address.
+    """
+    from distconf.family.mixins import default_initial_peers
+
+    peers = list(args.initial_peers or default_initial_peers())
+    if not peers:
+        print(f"distconf {command}: give --initial-peers (or set DISTCONF_INITIAL_PEERS); there is no default swarm",
+              file=sys.stderr)
+        return None
+    return peers
