@@ -56,7 +56,8 @@ class ServerProcess:
                                      start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.peer_id: str | None = None
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -99,6 +100,7 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        self._pump_thread.join(10)  # the last lines (e.g. the shutdown checks) reach the log before it closes
         self.log.close()
 
 

@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, default=300.0, help="wait for an inference step at most (s)")
     p.add_argument("--max-alloc-timeout", type=float, default=600.0, help="cap on a request's alloc_timeout (s)")
     p.add_argument("--repository", default=None, help="repository URL announced with the model")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="hash the served blocks' weights after loading and again at shutdown, and log whether "
+                        "they are unchanged (the load-time sha256 is also reported by rpc_info)")
     p.set_defaults(func=run)
 
 
@@ -72,7 +75,8 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         public_name=args.public_name, update_period=args.update_period, request_timeout=args.request_timeout,
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
-        attn_cache_tokens=args.attn_cache_tokens, repository=args.repository)
+        attn_cache_tokens=args.attn_cache_tokens, repository=args.repository,
+        verify_weights=args.verify_weights)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 `BlockServer.start()` (= `join()` then `serve()`) joins (or starts) a DHT on the given host, plans and places its span,
 announces JOINING, loads its blocks with progress, measures its throughput, registers its
 handlers and announces ONLINE; records are refreshed every ``update_period`` with the cache
-tokens left. `BlockServer.stop()` announces OFFLINE and releases everything.
+tokens left. `BlockServer.stop()` announces OFFLINE and releases everything. With
+``verify_weights``, the served weights are hashed (`distconf.server.integrity.weights_digest`)
+after loading and again at stop, and the server logs whether they are unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ServeOptions:
     attn_cache_tokens: int | None = None
     repository: str | None = None
     compute_threads: int | None = None
+    verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
 
 
 def hub_repository(model_dir: str | os.PathLike[str]) -> str | None:
@@ -86,6 +89,8 @@ class BlockServer:
         self.executor: ThreadPoolExecutor | None = None
         self.start_block = self.end_block = 0
         self.throughput = 0.0
+        self.modules: list[Any] = []
+        self.weights_sha256: str | None = None  # at load, with ``verify_weights``
 
     # ------------------------------------------------------------------ properties
 
@@ -179,11 +184,16 @@ class BlockServer:
         from distconf.rpc.protocol import chain_uid, split_chain
         from distconf.server.compute import ServedBlock
         from distconf.server.handler import BlockHandler, HandlerSettings
+        from distconf.server.integrity import weights_digest
         from distconf.server.loading import load_blocks, measure_throughput
         from distconf.server.memory import CacheBudget
 
         o, config = self.options, self.config
         modules = load_blocks(o.model_dir, config, span.start, span.end, self.dtype, on_block=self._check_stop)
+        self.modules = modules
+        if o.verify_weights:
+            self.weights_sha256 = weights_digest(modules, first_block=span.start)
+            logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
         speed = measure_throughput(modules, config.hidden_size, self.dtype)
         self.throughput = speed.throughput
         uids = split_chain(chain_uid(config.dht_prefix, span.start, span.end))
@@ -194,7 +204,8 @@ class BlockServer:
             dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,
             inference_max_length=o.inference_max_length or default_max_length(config),
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
-            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)))
+            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
+            weights_sha256=self.weights_sha256)
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
         self.handler = BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings,
                                     self.executor)
@@ -212,8 +223,27 @@ class BlockServer:
         if self.stop_event is not None and self.stop_event.is_set():
             raise InterruptedError(f"stopped while loading blocks {self.start_block}..{self.end_block - 1}")
 
+    def verify_weights(self) -> bool | None:
+        """Hash the served weights again and log whether they equal the digest taken at load.
+
+        Returns True if unchanged, False if changed (logged as an ERROR), None when no
+        digest was taken at load (``verify_weights`` off, or loading did not finish).
+        """
+        from distconf.server.integrity import weights_digest
+
+        if self.weights_sha256 is None or not self.modules:
+            return None
+        now = weights_digest(self.modules, first_block=self.start_block)
+        span = f"blocks {self.start_block}..{self.end_block - 1}"
+        if now == self.weights_sha256:
+            logger.info("weights sha256 of %s at stop: %s (unchanged)", span, now)
+            return True
+        logger.error("weights sha256 of %s at stop: %s (CHANGED since load)", span, now)
+        return False
+
     def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
-        """Announce OFFLINE (when announced), stop serving, shut the DHT node down. Idempotent."""
+        """Announce OFFLINE (when announced), stop serving, check the weights (with ``verify_weights``),
+        shut the DHT node down. Idempotent."""
         t0 = time.monotonic()
         if self.announcer is not None:
             self.announcer.stop(offline=offline, timeout=timeout)
@@ -229,6 +259,13 @@ class BlockServer:
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
             self.executor = None
+        if self.modules:
+            try:
+                self.verify_weights()
+            except Exception as exc:  # stopping goes on regardless
+                logger.error("weights of blocks %d..%d could not be hashed at stop: %r", self.start_block,
+                             self.end_block - 1, exc)
+            self.modules = []
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
