@@ -90,7 +90,7 @@ class _Recorder:
         self.position = 0
         self.calls: list[tuple[str, Any]] = []
 
-    def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, hypo_ids: torch.Tensor | None = None, prompts: Any = None) -> torch.Tensor:
         self.calls.append(("step", None if hypo_ids is None else hypo_ids.tolist()))
         self.position += hidden.shape[1]
         return hidden
@@ -130,3 +130,32 @@ def test_retry_delays_follow_backoff_fields() -> None:
     manager = SequenceManager(config, _Swarm())
     assert [manager.retry_delay(a) for a in range(5)] == [0.0, 0.5, 1.0, 2.0, 3.0]
     assert [manager.retries_left(a) for a in range(3)] == [True, True, False]
+
+
+def test_tied_embeddings_are_loaded_once_and_stay_shared(dht: Any, tmp_path: Path) -> None:
+    """A head tied to the input embedding is one tensor, read once, even if the checkpoint names it twice."""
+    from safetensors.torch import load_file, save_file
+
+    from distconf.blocks.checkpoint import Checkpoint
+    from distconf.client import AutoDistributedModelForCausalLM, LMHead
+    from distconf.client.model import _load_non_block_weights
+
+    model_dir, local = make_model_dir(tmp_path / "qwen3", "qwen3", layers=2)
+    assert local.config.tie_word_embeddings
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    assert "lm_head.weight" not in tensors  # transformers saves a tied tensor once
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # a checkpoint naming it twice
+    save_file(tensors, path, metadata={"format": "pt"})
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht)
+    try:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        assert isinstance(head, LMHead)
+        assert head.weight is embed.weight and head.weight.data_ptr() == embed.weight.data_ptr()
+        unique = {id(p) for p in model.state_dict(keep_vars=True).values()}
+        with Checkpoint(model_dir) as checkpoint:
+            assert _load_non_block_weights(model, model.config, checkpoint, torch.float32) == len(unique)
+        assert len(unique) == len(model.state_dict()) - 1  # the two names hold one tensor
+        assert torch.equal(head.weight, local.get_input_embeddings().weight)
+    finally:
+        model.shutdown()

@@ -2,17 +2,21 @@
 
 `AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[...])` gives
 the family's Hugging Face causal LM with its decoder layers on the swarm; ``generate``
-works as usual (a `RemoteCache` stands for the remote session).
+works as usual (a `RemoteCache` stands for the remote session). With ``tuning_mode``
+set, the model trains prompts through the swarm (`PromptTuning`); its LM head follows
+the config's ``use_chunked_forward`` (`LMHead`).
 """
 
 from distconf.client.cache import RemoteCache
+from distconf.client.lmhead import LMHead
 from distconf.client.model import AutoDistributedModelForCausalLM, distributed_model_class
+from distconf.client.ptune import PromptTuning
 from distconf.client.routing import RetriesExhausted, SequenceManager
 from distconf.client.sequential import RemoteSequential
 from distconf.client.session import InferenceSession
 from distconf.client.swarm import SwarmClient
 
 __all__ = [
-    "AutoDistributedModelForCausalLM", "InferenceSession", "RemoteCache", "RemoteSequential", "RetriesExhausted",
-    "SequenceManager", "SwarmClient", "distributed_model_class",
+    "AutoDistributedModelForCausalLM", "InferenceSession", "LMHead", "PromptTuning", "RemoteCache", "RemoteSequential",
+    "RetriesExhausted", "SequenceManager", "SwarmClient", "distributed_model_class",
 ]

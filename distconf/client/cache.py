@@ -6,6 +6,10 @@ and values live on the servers, so the cache holds only the position; ``reorder_
 becomes the next step's ``hypo_ids`` and ``crop`` its ``start_from_position``. The
 decoder-layer stand-in finds this object among its arguments and runs the step
 through `RemoteCache.step`.
+
+With prompt tuning, the session's first step carries the trained prompts in front of
+the user's positions; the cache reports only the user's positions to transformers
+(the prompt positions stay on the servers for the whole session, rewinds included).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 if TYPE_CHECKING:  # pragma: no cover
+    from distconf.client.ptune import PromptTuning
     from distconf.client.session import InferenceSession
 
 __all__ = ["RemoteCache"]
@@ -72,15 +77,18 @@ class RemoteCache(Cache):
     :param remote: the model's `RemoteSequential` (opens the session on the first step).
     :param max_length: most tokens the session will hold (prompt + new tokens).
     :param num_layers: number of decoder layers (for code that counts cache layers).
+    :param prompts: the model's trained prompts (`PromptTuning`), sent on the first step.
 
     Use it as ``model.generate(..., cache=cache)`` to continue a session across calls, or
     let ``generate`` make one. Close it (or use ``with``) to free the servers' memory.
     """
 
-    def __init__(self, remote: Any, max_length: int, num_layers: int) -> None:
+    def __init__(self, remote: Any, max_length: int, num_layers: int, prompts: PromptTuning | None = None) -> None:
         super().__init__(layers=[_PositionLayer(self) for _ in range(num_layers)])
         self.remote = remote
         self.max_length = int(max_length)
+        self.prompts = prompts
+        self.prefix = prompts.pre_seq_len if prompts is not None else 0
         self.position = 0
         self.session: InferenceSession | None = None
         self._hypo_ids: torch.Tensor | None = None
@@ -132,15 +140,21 @@ class RemoteCache(Cache):
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Run new hidden states ``[batch, new_tokens, hidden]`` through every block of the swarm."""
         if self.session is None:
-            self.session = self.remote.inference_session(self.max_length)
+            self.session = self.remote.inference_session(self.max_length + self.prefix)
         if self._rewind is not None:
-            self.session.rewind(self._rewind)
+            self.session.rewind(min(self._rewind + self.prefix, self.session.position))
             self._rewind = None
         hypo_ids, self._hypo_ids = self._hypo_ids, None
+        n_user = hidden_states.shape[1]
+        deep = None
         with torch.no_grad():
-            outputs = self.session.step(hidden_states, hypo_ids=hypo_ids)
-        self.position = self.session.position
-        return outputs
+            if self.prompts is not None and self.session.position == 0:
+                prefix = self.prompts.input_prompts(hidden_states.shape[0], hidden_states.dtype)
+                hidden_states = torch.cat([prefix.to(hidden_states.device), hidden_states], dim=1)
+                deep = self.prompts.deep_prompts(hidden_states.dtype)
+            outputs = self.session.step(hidden_states, hypo_ids=hypo_ids, prompts=deep)
+        self.position = self.session.position - self.prefix
+        return outputs[:, outputs.shape[1] - n_user:]
 
     def close(self) -> None:
         """End the session on every server (frees their cache)."""

@@ -4,9 +4,15 @@ The model is the family's own transformers class (``MODEL_FOR_CAUSAL_LM_MAPPING`
 ``cls.hf_config_class``), built on the meta device. Its decoder-layer list (found through
 the family file's ``block.prefix``) is replaced by one stand-in module that runs all
 blocks remotely; only the other modules (embeddings, final norm, LM head, rotary
-tables) are materialized, and only their tensors are read from the checkpoint, with
-``safetensors``. Nothing here knows a family: the layer list, the checkpoint names and
-the way a layer's output is consumed are found from the spec and the model itself.
+tables) are materialized, and only their tensors are read from the checkpoint (through
+`distconf.blocks.checkpoint.Checkpoint`, with its file checks; a tensor shared by tied
+modules is read once). Nothing here knows a family: the layer list, the checkpoint names
+and the way a layer's output is consumed are found from the spec and the model itself.
+
+The config's ``PTuneConfig`` adds trainable prompts (`distconf.client.ptune`): the only
+trainable parameters of the model. ``LMHeadConfig`` picks the LM head's forward
+(`distconf.client.lmhead`). ``save_pretrained`` writes the config and the client-side
+tensors, trained prompts included; ``from_pretrained`` on that folder loads them back.
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ from typing import Any
 
 import torch
 
+from distconf.blocks.checkpoint import Checkpoint
 from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
-from distconf.blocks.weights import checkpoint_files, layer_prefixes
+from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
+from distconf.client.lmhead import install_lm_head
+from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
 from distconf.family.auto import AutoDistributedConfig
 
-__all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "RemoteLayers", "distributed_model_class"]
+__all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
+           "distributed_model_class"]
+
+#: Where a model holds its `PromptTuning` (so its tensors are saved as ``ptune.*``).
+PROMPTS_ATTRIBUTE = "ptune"
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -37,8 +50,9 @@ class RemoteLayers(torch.nn.Module):
     """Stands in for the whole decoder-layer list: one call runs every block on the swarm.
 
     Inside ``generate`` (a `RemoteCache` among the arguments) it steps the inference
-    session; otherwise it runs a differentiable forward through the swarm. It returns
-    what the model's layer loop expects (a tensor, or a tuple holding it).
+    session; otherwise it runs a differentiable forward through the swarm, with the
+    model's trained prompts (if any) in front and cut off again after the last block.
+    It returns what the model's layer loop expects (a tensor, or a tuple holding it).
     """
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any]) -> None:
@@ -46,8 +60,13 @@ class RemoteLayers(torch.nn.Module):
         self.remote = remote
         self.returns_tuple = False
         self.probing = False
+        self.__dict__["prompts"] = None  # the model owns the prompts; a reference here is not a submodule
         for name, value in attributes.items():
             setattr(self, name, value)
+
+    def use_prompts(self, prompts: PromptTuning | None) -> None:
+        """Run with these trained prompts (held by the model, not registered here)."""
+        self.__dict__["prompts"] = prompts
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``)."""
@@ -55,8 +74,17 @@ class RemoteLayers(torch.nn.Module):
             out = hidden_states
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
-            out = cache.step(hidden_states) if cache is not None else self.remote(hidden_states)
+            out = cache.step(hidden_states) if cache is not None else self._forward(hidden_states)
         return (out,) if self.returns_tuple else out
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        prompts: PromptTuning | None = self.__dict__["prompts"]
+        if prompts is None:
+            return self.remote(hidden_states)
+        prefix = prompts.input_prompts(hidden_states.shape[0], hidden_states.dtype).to(hidden_states.device)
+        deep = prompts.deep_prompts(hidden_states.dtype)
+        out = self.remote(torch.cat([prefix, hidden_states], dim=1), deep)
+        return out[:, prompts.pre_seq_len:]
 
 
 def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
@@ -91,9 +119,17 @@ class DistributedCausalLMMixin:
         """The blocks on the swarm (`RemoteSequential`)."""
         return self.remote_layers.remote
 
+    @property
+    def prompts(self) -> PromptTuning | None:
+        """The trained prompts (``config.tuning_mode``), or None."""
+        return getattr(self, PROMPTS_ATTRIBUTE, None)
+
     def inference_session(self, max_length: int) -> RemoteCache:
-        """A remote session usable as ``generate(..., cache=session)``; close it (or ``with``) when done."""
-        return RemoteCache(self.remote, max_length, self.config.num_hidden_layers)
+        """A remote session usable as ``generate(..., cache=session)``; close it (or ``with``) when done.
+
+        ``max_length`` counts the user's tokens; the session also holds the prompt positions.
+        """
+        return RemoteCache(self.remote, max_length, self.config.num_hidden_layers, prompts=self.prompts)
 
     def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any,
                                       **kwargs: Any) -> Any:
@@ -153,11 +189,14 @@ class AutoDistributedModelForCausalLM:
                         dtype: torch.dtype | str | None = None, **config_kwargs: Any) -> Any:
         """Build the model of ``model_dir`` with its blocks on the swarm.
 
-        :param model_dir: a local folder with ``config.json`` and safetensors weights.
+        :param model_dir: a local folder with ``config.json`` and safetensors weights (the
+            original checkpoint, or a folder written by the model's ``save_pretrained``,
+            which holds the trained prompts too).
         :param dht: a running ``hivemind.DHT`` to reuse (default: start a client-mode node).
         :param dtype: dtype of the local modules and hidden states (default: float32).
         :param config_kwargs: config fields, e.g. ``initial_peers``, ``dht_prefix`` and any
-            other ClientConfig field (``ban_timeout``, ``use_server_to_server``, ...).
+            other ClientConfig field (``ban_timeout``, ``use_server_to_server``, ...),
+            ``tuning_mode``/``pre_seq_len`` (prompt tuning) or the LM head's settings.
         """
         config = AutoDistributedConfig.from_pretrained(os.fspath(model_dir), **config_kwargs)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
@@ -184,11 +223,18 @@ def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.d
     model._created_caches = []
     model.to_empty(device="cpu")
     model.tie_weights()
-    _load_non_block_weights(model, config, model_dir, dtype)
-    model.initialize_weights()  # only what the checkpoint did not give: non-persistent buffers
-    model.to(dtype)
-    model.eval()
-    model.requires_grad_(False)
+    with Checkpoint(model_dir) as checkpoint:
+        _load_non_block_weights(model, config, checkpoint, dtype)
+        model.initialize_weights()  # only what the checkpoint did not give: non-persistent buffers
+        model.to(dtype)
+        model.eval()
+        model.requires_grad_(False)
+        install_lm_head(model, config)
+        prompts = prompt_tuning_for(config, model.get_input_embeddings())
+        if prompts is not None:
+            setattr(model, PROMPTS_ATTRIBUTE, prompts)  # trainable, float32
+            _load_prompts(prompts, checkpoint)
+    stand_in.use_prompts(prompts)
     _probe_layer_output(model, stand_in, config)
     return model
 
@@ -223,34 +269,56 @@ def _checkpoint_name_map(config: Any, names: list[str], wanted: set[str], model_
     return found
 
 
-def _load_non_block_weights(model: torch.nn.Module, config: Any, model_dir: Path, dtype: torch.dtype) -> None:
-    """Copy the embeddings, final norm, LM head (tied tensors once) from the checkpoint."""
-    from safetensors import safe_open
+def _load_non_block_weights(model: torch.nn.Module, config: Any, checkpoint: Checkpoint, dtype: torch.dtype
+                            ) -> int:
+    """Copy the embeddings, final norm, LM head from the checkpoint; return the number of tensors read.
 
-    files = checkpoint_files(model_dir)
+    A parameter shared by tied modules (head and input embedding) is read once, whichever
+    of its names the checkpoint holds.
+    """
     state = model.state_dict(keep_vars=True)
     tied = dict(getattr(model, "all_tied_weights_keys", {}) or {})
     wanted = set(state)
-    mapping = _checkpoint_name_map(config, list(files), wanted, type(model))
-    missing = sorted(k for k in wanted if k not in mapping and k not in tied)
+    mapping = _checkpoint_name_map(config, list(checkpoint.names), wanted, type(model))
+    missing = sorted(k for k in wanted if k not in mapping and k not in tied
+                     and not any(state[k] is state[m] for m in mapping))
     if missing:
-        raise ValueError(f"{model_dir}: the checkpoint has no tensor for {', '.join(missing)} (non-block weights "
-                         f"of {type(model).__name__}; checked names with and without the base-model prefix)")
-    by_file: dict[Path, list[str]] = {}
-    for target, source in mapping.items():
-        by_file.setdefault(files[source], []).append(target)
+        raise ValueError(f"{checkpoint.model_dir}: the checkpoint has no tensor for {', '.join(missing)} (non-block "
+                         f"weights of {type(model).__name__}; checked names with and without the base-model prefix)")
+    done: set[int] = set()
     with torch.no_grad():
-        for path, targets in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for target in targets:
-                    tensor = f.get_tensor(mapping[target])
-                    param = state[target]
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"{path.name}: {mapping[target]} has shape {list(tensor.shape)}, "
-                                         f"{type(model).__name__}.{target} needs {list(param.shape)}")
-                    param.copy_(tensor.to(param.dtype))
-                    param._is_hf_initialized = True
-    logger.debug("loaded %d non-block tensors from %d file(s)", len(mapping), len(by_file))
+        for target in sorted(mapping):
+            param = state[target]
+            if id(param) in done:
+                continue
+            _copy_tensor(checkpoint, mapping[target], param, f"{type(model).__name__}.{target}")
+            done.add(id(param))
+    logger.debug("loaded %d non-block tensors (%d files)", len(done), len(checkpoint.files_opened))
+    return len(done)
+
+
+def _copy_tensor(checkpoint: Checkpoint, name: str, param: torch.Tensor, what: str) -> None:
+    """Copy checkpoint tensor ``name`` into ``param`` (shape checked from the header before reading)."""
+    _, shape = checkpoint.info(name)
+    if shape != tuple(param.shape):
+        raise ValueError(f"{checkpoint.names[name]}: {name} has shape {list(shape)}, {what} needs "
+                         f"{list(param.shape)}")
+    param.copy_(checkpoint.tensor(name).to(param.dtype))
+    param._is_hf_initialized = True
+
+
+def _load_prompts(prompts: PromptTuning, checkpoint: Checkpoint) -> None:
+    """Trained prompts saved with the model (``ptune.*``), when the checkpoint has them."""
+    loaded = []
+    with torch.no_grad():
+        for name, param in prompts.named_parameters(prefix=PROMPTS_ATTRIBUTE):
+            if name in checkpoint.names:
+                _copy_tensor(checkpoint, name, param, "the prompts")
+                loaded.append(name)
+    if loaded:
+        logger.info("loaded trained prompts from %s: %s", checkpoint.model_dir, ", ".join(loaded))
+    else:
+        logger.info("%s holds no trained prompts: prompt tuning starts from fresh prompts", checkpoint.model_dir)
 
 
 def _probe_layer_output(model: Any, stand_in: RemoteLayers, config: Any) -> None:

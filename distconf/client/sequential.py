@@ -1,8 +1,9 @@
 """`RemoteSequential`: all blocks of a model, run on the swarm, forward and backward.
 
-Forward sends the hidden states through the route span by span (``rpc_forward``, or
-``rpc_forward_stream`` for large payloads) and keeps each span's inputs; backward goes
-through the same spans in reverse (``rpc_backward``). A failed span is retried on
+Forward sends the hidden states (and the deep prompts of each span's blocks, if any)
+through the route span by span (``rpc_forward``, or ``rpc_forward_stream`` for large
+payloads) and keeps each span's inputs; backward goes through the same spans in reverse
+(``rpc_backward``), collecting the deep prompts' gradients block by block. A failed span is retried on
 another route over its blocks (the failed server is banned), as often as the retry
 policy allows. Inference goes through `InferenceSession` (`inference_session`).
 """
@@ -41,12 +42,29 @@ class RemoteSequential(torch.nn.Module):
         return self.manager.num_blocks
 
     def forward(self, hidden_states: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
-        """All blocks on ``[batch, seq, hidden]`` (differentiable: backward runs on the servers too)."""
-        return _RemoteBlocks.apply(hidden_states, self.manager, prompts)
+        """All blocks on ``[batch, seq, hidden]`` (differentiable: backward runs on the servers too).
+
+        ``prompts``: deep prompts ``[num_blocks, batch or 1, pre_seq_len, hidden]`` added by the
+        servers to the first ``pre_seq_len`` positions of each block's input; gradients reach
+        them through ``rpc_backward``.
+        """
+        if prompts is not None:
+            _check_prompts(prompts, self.manager.num_blocks, hidden_states)
+        return _RemoteBlocks.apply(hidden_states, prompts, self.manager)
 
     def inference_session(self, max_length: int) -> InferenceSession:
         """A new inference session holding up to ``max_length`` tokens (close it when done)."""
         return InferenceSession(self.manager, max_length, dtype=_float_dtype(self.config))
+
+
+def _check_prompts(prompts: torch.Tensor, num_blocks: int, hidden_states: torch.Tensor) -> None:
+    batch, seq, hidden = hidden_states.shape
+    shape = tuple(prompts.shape)
+    if len(shape) != 4 or shape[0] != num_blocks or shape[1] not in (1, batch) or shape[3] != hidden:
+        raise ValueError(f"deep prompts must have shape [{num_blocks}, {batch} or 1, pre_seq_len, {hidden}], "
+                         f"got {list(shape)}")
+    if shape[2] > seq:
+        raise ValueError(f"deep prompts cover {shape[2]} positions but the input has only {seq}")
 
 
 def _float_dtype(config: Any) -> torch.dtype:
@@ -62,10 +80,16 @@ def _timeouts(manager: SequenceManager) -> tuple[float, float]:
     return timeout, timeout + float(manager.config.connect_timeout) + 1
 
 
-def _forward_span(manager: SequenceManager, span: RemoteSpan, x: torch.Tensor) -> torch.Tensor:
+def _span_prompts(prompts: torch.Tensor | None, span: RemoteSpan) -> torch.Tensor | None:
+    return None if prompts is None else prompts[span.start:span.end]
+
+
+def _forward_span(manager: SequenceManager, span: RemoteSpan, x: torch.Tensor, prompts: torch.Tensor | None
+                  ) -> torch.Tensor:
     """One ``rpc_forward`` call to ``span``'s server (checked: same shape back)."""
     timeout, wait = _timeouts(manager)
-    coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x, timeout=timeout,
+    coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x, _span_prompts(prompts, span),
+                        timeout=timeout,
                         dtype=manager.server_dtype(span), metadata=manager.request_metadata())
     out = manager.swarm.run(coro, timeout=wait)
     if out.shape != x.shape:
@@ -73,18 +97,22 @@ def _forward_span(manager: SequenceManager, span: RemoteSpan, x: torch.Tensor) -
     return out.to(x.dtype)
 
 
-def _backward_hop(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor
-                  ) -> list[torch.Tensor]:
+def _backward_hop(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,
+                  prompts: torch.Tensor | None) -> list[torch.Tensor]:
     """One ``rpc_backward`` call to ``span``'s server."""
     timeout, wait = _timeouts(manager)
-    coro = call_backward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), inputs, grad, timeout=timeout,
+    coro = call_backward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), inputs, grad,
+                         _span_prompts(prompts, span), timeout=timeout,
                          dtype=manager.server_dtype(span), metadata=manager.request_metadata())
     return manager.swarm.run(coro, timeout=wait)
 
 
-def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: int | None = None
-                ) -> tuple[torch.Tensor, list[tuple[RemoteSpan, torch.Tensor]]]:
-    """Blocks ``start..end-1`` on ``x``; returns the outputs and each span with its inputs."""
+def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: int | None = None,
+                prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[RemoteSpan, torch.Tensor]]]:
+    """Blocks ``start..end-1`` on ``x``; returns the outputs and each span with its inputs.
+
+    ``prompts``: deep prompts of all blocks of the model (indexed by block), or None.
+    """
     end = manager.num_blocks if end is None else end
     records: list[tuple[RemoteSpan, torch.Tensor]] = []
     block = start
@@ -92,7 +120,7 @@ def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: 
         def attempt(_: int, block: int = block, x: torch.Tensor = x) -> tuple[RemoteSpan, torch.Tensor]:
             span = manager.make_route(block, end)[0]
             try:
-                return span, _forward_span(manager, span, x)
+                return span, _forward_span(manager, span, x, prompts)
             except Exception as exc:
                 manager.on_failure(span.peer_id, exc)
                 raise
@@ -104,47 +132,70 @@ def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: 
     return x, records
 
 
-def run_backward(manager: SequenceManager, records: list[tuple[RemoteSpan, torch.Tensor]],
-                 grad: torch.Tensor) -> torch.Tensor:
-    """Gradient w.r.t. the first span's inputs, through ``records`` in reverse."""
+def run_backward(manager: SequenceManager, records: list[tuple[RemoteSpan, torch.Tensor]], grad: torch.Tensor,
+                 prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients w.r.t. the first span's inputs and the deep prompts, through ``records`` in reverse."""
+    grad_prompts = None if prompts is None else torch.zeros_like(prompts)
     for span, inputs in reversed(records):
-        grad = _backward_span(manager, span, inputs, grad)
-    return grad
+        grad = _backward_span(manager, span, inputs, grad, prompts, grad_prompts)
+    return grad, grad_prompts
 
 
-def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor
-                   ) -> torch.Tensor:
+def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,
+                   prompts: torch.Tensor | None, grad_prompts: torch.Tensor | None) -> torch.Tensor:
     def attempt(n: int) -> torch.Tensor:
         if n == 0:
             chain = [(span, inputs)]
         else:  # re-route the span's blocks; recompute the inputs of each new hop
-            _, chain = run_forward(manager, inputs, span.start, span.end)
+            _, chain = run_forward(manager, inputs, span.start, span.end, prompts)
         g = grad
+        hop_prompt_grads = []
         for hop, hop_inputs in reversed(chain):
             try:
-                out = _backward_hop(manager, hop, hop_inputs, g)
+                out = _backward_hop(manager, hop, hop_inputs, g, prompts)
             except Exception as exc:
                 manager.on_failure(hop.peer_id, exc)
                 raise
-            if not out or out[0].shape != hop_inputs.shape:
-                raise ConnectionError(f"…{hop.peer_id[-6:]} returned a gradient of the wrong shape")
+            _check_backward_reply(hop, out, hop_inputs, _span_prompts(prompts, hop))
             g = out[0].to(grad.dtype)
+            if prompts is not None:
+                hop_prompt_grads.append((hop, out[1]))
+        if grad_prompts is not None:  # only once the whole span succeeded: a retry must not count twice
+            for hop, hop_grad in hop_prompt_grads:
+                grad_prompts[hop.start:hop.end] += hop_grad.to(grad_prompts.dtype)
         return g
 
     return manager.with_retries(f"backward of blocks {span.start}..{span.end - 1}", attempt)
+
+
+def _check_backward_reply(hop: RemoteSpan, out: list[torch.Tensor], inputs: torch.Tensor,
+                          prompts: torch.Tensor | None) -> None:
+    """A server's ``rpc_backward`` reply must hold a gradient per tensor it was asked about."""
+    if not out or out[0].shape != inputs.shape:
+        raise ConnectionError(f"…{hop.peer_id[-6:]} returned a gradient of the wrong shape")
+    if prompts is not None and (len(out) < 2 or out[1].shape != prompts.shape):
+        got = list(out[1].shape) if len(out) > 1 else "none"
+        raise ConnectionError(f"…{hop.peer_id[-6:]} returned a deep-prompt gradient of shape {got} "
+                              f"for prompts {list(prompts.shape)}")
 
 
 class _RemoteBlocks(torch.autograd.Function):
     """Autograd over the swarm: forward and backward both run on the servers."""
 
     @staticmethod
-    def forward(ctx: Any, hidden_states: torch.Tensor, manager: SequenceManager, prompts: Any) -> torch.Tensor:
+    def forward(ctx: Any, hidden_states: torch.Tensor, prompts: torch.Tensor | None,
+                manager: SequenceManager) -> torch.Tensor:
         x = hidden_states.detach().cpu()
-        out, records = run_forward(manager, x)
-        ctx.manager, ctx.records = manager, records
+        sent_prompts = None if prompts is None else prompts.detach().cpu().to(x.dtype)
+        out, records = run_forward(manager, x, prompts=sent_prompts)
+        ctx.manager, ctx.records, ctx.prompts = manager, records, sent_prompts
+        ctx.prompts_meta = None if prompts is None else (prompts.device, prompts.dtype)
         return out.to(hidden_states.device, hidden_states.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        grad = run_backward(ctx.manager, ctx.records, grad_output.detach().cpu().to(ctx.records[0][1].dtype))
-        return grad.to(grad_output.device, grad_output.dtype), None, None
+        grad, grad_prompts = run_backward(ctx.manager, ctx.records,
+                                          grad_output.detach().cpu().to(ctx.records[0][1].dtype), ctx.prompts)
+        if grad_prompts is not None:
+            grad_prompts = grad_prompts.to(*ctx.prompts_meta)
+        return grad.to(grad_output.device, grad_output.dtype), grad_prompts, None

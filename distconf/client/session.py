@@ -5,7 +5,9 @@
 server's cache when ``hypo_ids`` are given). When a server fails, the session bans it,
 routes the failed span's blocks again, opens fresh streams there and replays the
 history to them (no ``start_from_position`` for a fresh stream: it starts empty), then
-continues. With ``use_server_to_server`` each step also names the following servers
+continues. Deep prompts given on the first step are kept and sent with every
+message that covers prompt positions (the first step, and a replay after failover).
+With ``use_server_to_server`` each step also names the following servers
 (``next_servers``) so a server pushes its outputs straight to the next one; the
 client's own copy is de-duplicated by ``step_id`` on the server.
 """
@@ -84,10 +86,12 @@ class SpanSession:
 
     # ------------------------------------------------------------------ one step
     def step(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
-             step_id: str, next_servers: list[tuple[str, str, int, int]]) -> torch.Tensor:
+             step_id: str, next_servers: list[tuple[str, str, int, int]],
+             prompts: torch.Tensor | None = None) -> torch.Tensor:
         """Send this step; return the outputs for what was sent (all positions when replaying).
 
         ``inputs`` holds either the ``n_new`` new positions or all ``position + n_new``.
+        ``prompts``: the session's deep prompts for all blocks (sliced to this span here).
         """
         if self.closed:
             raise RuntimeError("span session is closed")
@@ -115,7 +119,12 @@ class SpanSession:
         metadata = self._step_metadata(step_id, next_servers)
         if self.wire_dtype is None:
             self.wire_dtype = self.manager.server_dtype(self.span) or self.dtype
-        request = inference_step_request(self.uid, sent, hypo_ids=step_hypo, metadata=metadata, dtype=self.wire_dtype)
+        first = position + n_new - sent.shape[1]  # absolute position of sent[:, 0]
+        span_prompts = None
+        if prompts is not None and first < prompts.shape[2]:
+            span_prompts = prompts[self.span.start:self.span.end]
+        request = inference_step_request(self.uid, sent, span_prompts, hypo_ids=step_hypo, metadata=metadata,
+                                         dtype=self.wire_dtype)
         timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
         response = self.swarm.run(self._exchange(request), timeout=timeout)
         outputs = deserialize_tensors(response.tensors)
@@ -178,6 +187,7 @@ class InferenceSession:
         self.sessions: list[SpanSession] = []
         self.closed = False
         self.failovers = 0
+        self.prompts: torch.Tensor | None = None
 
     @property
     def route(self) -> list[RemoteSpan]:
@@ -192,11 +202,21 @@ class InferenceSession:
             s.rewind(position)
         self.position = position
 
-    def step(self, hidden_states: torch.Tensor, hypo_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run ``[batch, new_tokens, hidden]`` through every block; return the last block's outputs."""
+    def step(self, hidden_states: torch.Tensor, hypo_ids: torch.Tensor | None = None,
+             prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``[batch, new_tokens, hidden]`` through every block; return the last block's outputs.
+
+        ``prompts``: deep prompts ``[num_blocks, batch or 1, pre_seq_len, hidden]``, given on the
+        first step (which must cover the prompt positions); the session keeps them for replays.
+        """
         if self.closed:
             raise RuntimeError("the inference session is closed")
         n_new = int(hidden_states.shape[1])
+        if prompts is not None:
+            if self.position != 0 or prompts.shape[2] > n_new:
+                raise ValueError(f"deep prompts for {prompts.shape[2]} positions must come with the first step "
+                                 f"and be covered by it (session at {self.position}, {n_new} new positions)")
+            self.prompts = prompts.detach().cpu().to(self.dtype)
         if self.position + n_new > self.max_length:
             raise ValueError(f"session max_length {self.max_length} exceeded: {self.position} tokens + {n_new} new")
         if hypo_ids is not None:
@@ -222,7 +242,8 @@ class InferenceSession:
                 if index >= len(self.sessions) or attempt > 0:
                     self._reroute(index, block, failed=attempt > 0)
                 session = self.sessions[index]
-                out = session.step(x, n_new, self.position, hypo_ids, step_id, self._next_servers(index))
+                out = session.step(x, n_new, self.position, hypo_ids, step_id, self._next_servers(index),
+                                   self.prompts)
                 self.manager.on_success(session.peer_id)
                 return index + 1, session.span.end, out
             except Exception as exc:
