@@ -17,8 +17,12 @@
 5. it generates greedily through the swarm (`generation`); after a few tokens one server
    of its route is stopped, the client fails over to the spare, and the tokens are
    compared with the local Hugging Face model's: the demo fails unless they are identical;
-6. one more server leaves and the client reports the gap; every server (they announce
-   OFFLINE) and DHT node is stopped, also on failure or Ctrl-C.
+6. it trains deep prompts through the swarm (`tuning`): a few Adam steps whose forward and
+   backward passes run on the servers teach the model to answer the prompt with a chosen
+   token; the demo fails unless the loss at least halves;
+7. one more server leaves and the client reports the gap; every server (they announce
+   OFFLINE) and DHT node is stopped, also on failure or Ctrl-C; each server hashed its
+   weights at load and at stop, and the demo fails unless all are unchanged.
 
 Servers are started together (imports overlap) but choose their blocks one after
 another, so each sees its predecessors: that is what the placement rule needs. The

@@ -44,13 +44,20 @@ def blocks_per_server(num_servers: int, layers: int = DEMO_LAYERS) -> int:
     return layers if num_servers <= 2 else math.ceil(layers / (num_servers - 1))
 
 
+WEIGHT_NOISE = 0.1
+"""Standard deviation of the noise added to every initialized weight."""
+
+
 def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO_SEED) -> Any:
     """Write a tiny random model of ``family`` (safetensors) to ``model_dir``; return its config.
 
     The model is the family file's ``tiny_config`` (first variant) with `DEMO_LAYERS`
     layers, built from the family's HF config class, with an output layer of its own
     (untied from the input embeddings: a random tied model's greedy output repeats one
-    token). The saved ``config.json`` is the distributed config's, so it carries ``dht_prefix``.
+    token). Every weight gets `WEIGHT_NOISE` of extra random noise: at initialization
+    scale the blocks are nearly the identity and the next-token distributions nearly
+    uniform, which is nothing like a trained model (and leaves prompt tuning nothing to
+    move). The saved ``config.json`` is the distributed config's, so it carries ``dht_prefix``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -67,6 +74,9 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO
     model_dir = Path(model_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(reference)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape) * WEIGHT_NOISE)
     hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(model_dir, safe_serialization=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from distconf.tools.demo.generation import (
+    CLIENT_SETTINGS,
     NEW_TOKENS,
     STOP_AFTER,
     Hop,
@@ -30,6 +31,7 @@ from distconf.tools.demo.model import (
     memory_for,
 )
 from distconf.tools.demo.process import ServerProcess
+from distconf.tools.demo.tuning import PRE_SEQ_LEN, STEPS, target_token, tune_prompts, weights_report
 
 __all__ = ["run_swarm_demo"]
 
@@ -117,7 +119,12 @@ def run_swarm_demo(
         clean = all(c == 0 for c in codes)
         out(f"stopped {len(codes)} servers ({'cleanly' if clean else f'exit codes {codes}'}) and the DHT "
             f"in {demo.elapsed()} total")
-        return 0 if ok and clean else 1
+        log.flush()
+        unchanged, checked = weights_report(log_path.read_text(errors="replace"))
+        frozen = checked == len(codes) and unchanged == checked
+        out(f"server weights unchanged (sha256 at load = at stop): {unchanged} of {checked} servers"
+            + ("" if frozen else f"; expected {len(codes)} unchanged"))
+        return 0 if ok and clean and frozen else 1
 
 
 def _show_log(out: Out, log: IO[str], log_path: Path) -> None:
@@ -155,15 +162,34 @@ def _start_servers(demo: _Demo, num_servers: int, log: IO[str]) -> None:
 
 
 def _client(demo: _Demo, vocab_size: int) -> bool:
-    """Discovery and route, then the generation with a server stopped mid-way, then one more server leaves."""
+    """Discovery and route, the generation with a server stopped mid-way, prompt tuning, one more server leaves."""
     model = open_client(demo.model_dir, demo.peers)
     try:
         ok = _route(demo, model.remote.swarm.dht)
         ok = _generate(demo, model, vocab_size) and ok
+        ok = _tune(demo, model.remote.swarm.dht, vocab_size) and ok
         _one_leaves(demo, model.remote.swarm.dht)
         return ok
     finally:
         model.shutdown()
+
+
+def _tune(demo: _Demo, dht: Any, vocab_size: int) -> bool:
+    """Deep prompt tuning through the swarm on the servers still up; True if the loss at least halved."""
+    prompt = demo_prompt(vocab_size)
+    target = target_token(prompt, vocab_size)
+    demo.out(f"prompt tuning: {STEPS} Adam steps of deep_ptune ({PRE_SEQ_LEN} prompt positions) teaching the model "
+             f"to answer the prompt with token {target}; forward and backward run on the servers")
+    result = _bounded(lambda: tune_prompts(demo.model_dir, dht, prompt, vocab_size, CLIENT_SETTINGS),
+                      demo.deadline, "prompt tuning through the swarm")
+    losses = result.losses
+    demo.out(f"  trainable on the client: {result.trainable:,} prompt values (no block weight is local)")
+    demo.out(f"  loss: {losses[0]:.3f} -> {losses[-1]:.3f} ({losses[-1] / losses[0]:.2f}x), "
+             f"{result.seconds_per_step * 1000:.0f} ms per step")
+    demo.out(f"  next token after the prompt: {result.answer_before} before, {result.answer_after} after")
+    if not result.halved:
+        demo.out("  but the loss did not halve")
+    return result.halved
 
 
 def _route(demo: _Demo, dht: Any) -> bool:

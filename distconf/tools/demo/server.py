@@ -59,7 +59,8 @@ def serve(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     server = BlockServer(ServeOptions(
         model_dir=args.model_dir, initial_peers=list(args.initial_peers), memory=args.memory, dtype="fp32",
-        host="127.0.0.1", public_name=args.name, update_period=DEMO_UPDATE_PERIOD, compute_threads=1))
+        host="127.0.0.1", public_name=args.name, update_period=DEMO_UPDATE_PERIOD, compute_threads=1,
+        verify_weights=True))
     try:
         server.join()
         # read stdin only now: the DHT is a forked process whose bootstrap closes stdin, which
