@@ -167,6 +167,29 @@ def test_prompts_change_outputs_and_hidden_states_hide_prompt_positions(swarm: S
     assert plain.prompts is None
 
 
+def test_bfloat16_client_trains_float32_prompts_with_the_chunked_head(swarm: Swarm) -> None:
+    """A half-precision client: prompts stay float32, the LM head chunks ("auto" on CPU), gradients arrive."""
+    from distconf.client.lmhead import chunked_forward_wanted
+
+    full = swarm.model(tuning_mode="deep_ptune", pre_seq_len=PRE)
+    half = swarm.model(tuning_mode="deep_ptune", pre_seq_len=PRE, dtype=torch.bfloat16, chunked_forward_step=50)
+    randomize(full.prompts, seed=11)
+    half.prompts.load_state_dict(full.prompts.state_dict())
+    head = half.get_output_embeddings()
+    assert chunked_forward_wanted(half.config.use_chunked_forward, head.weight.device, head.weight.dtype)
+    assert head.weight.dtype == torch.bfloat16 and half.prompts.prompt_embeddings.dtype == torch.float32
+    x = ids(12)
+    logits = half(x, use_cache=False).logits
+    assert logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        reference = full(x, use_cache=False).logits
+    assert rel_err(logits.detach().float(), reference) < 0.05  # bfloat16 rounding through 4 blocks
+    logits.float().logsumexp(-1).sum().backward()
+    for p in half.prompts.parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+        assert p.grad.abs().sum() > 0
+
+
 def greedy_local(local: Any, x: torch.Tensor, prompt: torch.Tensor, deep: torch.Tensor | None, n: int,
                  scores: list[torch.Tensor] | None = None) -> list[list[int]]:
     """Greedy decoding with the local reference (each step's last logits appended to ``scores``)."""

@@ -90,7 +90,8 @@ def prompt_tuning_for(config: Any, input_embeddings: torch.nn.Module | None) -> 
     weight = getattr(input_embeddings, "weight", None)
     std = 0.02
     if isinstance(weight, torch.Tensor) and weight.numel() > 1 and weight.device.type != "meta":
-        std = float(weight.detach().float().std()) or std
+        rows = weight.detach()[:: max(1, weight.shape[0] // 4096)]  # a sample: no float32 copy of a large table
+        std = float(rows.float().std()) or std
     tuning = PromptTuning(int(config.pre_seq_len), int(config.hidden_size), int(config.num_hidden_layers),
                           deep=mode == "deep_ptune", init_std=std)
     logger.debug("prompt tuning: %s, %d prompt positions", mode, tuning.pre_seq_len)
