@@ -310,3 +310,23 @@ def test_training_deep_ptune_halves_the_loss_and_servers_keep_their_weights(swar
         assert at_load.group(1) == at_stop.group(1) == digest
     if losses[-1] < 0.7:  # well trained: the answer is the target
         assert answer.tolist() == target.tolist()
+
+
+def test_backward_reply_with_per_row_prompt_gradients_is_summed() -> None:
+    """Prompts sent with batch 1: a server (Petals 2.x does) may reply with one gradient per batch row."""
+    from distconf.client.sequential import _check_backward_reply
+    from distconf.dht import RemoteSpan, ServerInfo
+
+    hop = RemoteSpan(peer_id="12D3KooWPeer", start=0, end=2, info=ServerInfo(state=2, throughput=1.0))
+    inputs = torch.zeros(3, 7, 8)
+    prompts = torch.zeros(2, 1, 4, 8)
+    per_row = torch.randn(2, 3, 4, 8)
+    assert torch.equal(_check_backward_reply(hop, [inputs, per_row], inputs, prompts), per_row.sum(1, keepdim=True))
+    summed = per_row.sum(1, keepdim=True)
+    assert torch.equal(_check_backward_reply(hop, [inputs, summed], inputs, prompts), summed)
+    assert _check_backward_reply(hop, [inputs], inputs, None) is None
+    for bad in ([inputs], [inputs, torch.zeros(2, 3, 5, 8)], [inputs, torch.zeros(3, 1, 4, 8)]):
+        with pytest.raises(ConnectionError, match="deep-prompt gradient"):
+            _check_backward_reply(hop, bad, inputs, prompts)
+    with pytest.raises(ConnectionError, match="wrong shape"):
+        _check_backward_reply(hop, [torch.zeros(3, 6, 8)], inputs, prompts)

@@ -156,10 +156,10 @@ def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Ten
             except Exception as exc:
                 manager.on_failure(hop.peer_id, exc)
                 raise
-            _check_backward_reply(hop, out, hop_inputs, _span_prompts(prompts, hop))
+            hop_prompt_grad = _check_backward_reply(hop, out, hop_inputs, _span_prompts(prompts, hop))
             g = out[0].to(grad.dtype)
-            if prompts is not None:
-                hop_prompt_grads.append((hop, out[1]))
+            if hop_prompt_grad is not None:
+                hop_prompt_grads.append((hop, hop_prompt_grad))
         if grad_prompts is not None:  # only once the whole span succeeded: a retry must not count twice
             for hop, hop_grad in hop_prompt_grads:
                 grad_prompts[hop.start:hop.end] += hop_grad.to(grad_prompts.dtype)
@@ -169,14 +169,26 @@ def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Ten
 
 
 def _check_backward_reply(hop: RemoteSpan, out: list[torch.Tensor], inputs: torch.Tensor,
-                          prompts: torch.Tensor | None) -> None:
-    """A server's ``rpc_backward`` reply must hold a gradient per tensor it was asked about."""
+                          prompts: torch.Tensor | None) -> torch.Tensor | None:
+    """Check a server's ``rpc_backward`` reply; return the deep prompts' gradient (shaped like ``prompts``).
+
+    Prompts sent with batch 1 are broadcast by the server; some servers (Petals 2.x) reply
+    with the gradient per batch row, which is summed here.
+    """
     if not out or out[0].shape != inputs.shape:
         raise ConnectionError(f"…{hop.peer_id[-6:]} returned a gradient of the wrong shape")
-    if prompts is not None and (len(out) < 2 or out[1].shape != prompts.shape):
-        got = list(out[1].shape) if len(out) > 1 else "none"
+    if prompts is None:
+        return None
+    grad = out[1] if len(out) > 1 else None
+    if grad is not None and grad.shape != prompts.shape and prompts.shape[1] == 1 and grad.ndim == 4 \
+            and grad.shape[1] == inputs.shape[0] and (grad.shape[0], *grad.shape[2:]) == (prompts.shape[0],
+                                                                                           *prompts.shape[2:]):
+        grad = grad.sum(dim=1, keepdim=True)
+    if grad is None or grad.shape != prompts.shape:
+        got = list(grad.shape) if grad is not None else "none"
         raise ConnectionError(f"…{hop.peer_id[-6:]} returned a deep-prompt gradient of shape {got} "
                               f"for prompts {list(prompts.shape)}")
+    return grad
 
 
 class _RemoteBlocks(torch.autograd.Function):
