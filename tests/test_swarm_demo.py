@@ -14,7 +14,8 @@ from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_d
 
 def test_swarm_demo_runs_end_to_end(tmp_path):
     """Block servers in separate processes place themselves and load real weights; a client routes, then
-    generates through them while one is stopped, and gets exactly the local model's tokens."""
+    generates through them while one is stopped, and gets exactly the local model's tokens; then it trains deep
+    prompts through the swarm (the loss at least halves) and every server's weights are unchanged at stop."""
     proc = subprocess.run(
         [sys.executable, "-m", "distconf.tools.demo", "--timeout", "400", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=480,
@@ -39,7 +40,12 @@ def test_swarm_demo_runs_end_to_end(tmp_path):
     assert replaced.group(1) == stopped.group(1) != replaced.group(2) and replaced.group(3) == stopped.group(2)
     assert "leaves too (exit 0, announced OFFLINE); the client sees:\n  no full route: no online or joining server " \
         "covers block" in out
+    tuned = re.search(r"^  loss: ([\d.]+) -> ([\d.]+) \(([\d.]+)x\)", out, re.M)
+    assert tuned and float(tuned.group(2)) <= 0.5 * float(tuned.group(1)), out
+    assert re.search(r"^  next token after the prompt: \d+ before, \d+ after$", out, re.M), out
+    assert "trainable on the client: 2,304 prompt values (no block weight is local)" in out
     assert "stopped 3 servers (cleanly)" in out
+    assert "server weights unchanged (sha256 at load = at stop): 3 of 3 servers" in out
     assert len(list(tmp_path.glob("distconf-demo-tiny-*/model.safetensors"))) == 1
 
 

@@ -21,7 +21,7 @@ PRE_SEQ_LEN = 4
 """Prompt positions trained."""
 STEPS = 20
 """Optimizer steps."""
-LEARNING_RATE = 0.05
+LEARNING_RATE = 0.1
 
 
 @dataclass
