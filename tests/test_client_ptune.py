@@ -190,6 +190,19 @@ def test_bfloat16_client_trains_float32_prompts_with_the_chunked_head(swarm: Swa
         assert p.grad.abs().sum() > 0
 
 
+def test_output_hidden_states_are_the_blocks_input_and_output_without_prompt_positions(swarm: Swarm) -> None:
+    plain = swarm.model()
+    tuned = swarm.model(tuning_mode="deep_ptune", pre_seq_len=PRE)
+    x = ids(13)
+    with torch.no_grad():
+        got = plain(x, use_cache=False, output_hidden_states=True).hidden_states
+        want = swarm.local(x, use_cache=False, output_hidden_states=True).hidden_states
+        tuned_states = tuned(x, use_cache=False, output_hidden_states=True).hidden_states
+    assert len(got) == 2  # the layers are remote: the first block's input and the last block's output
+    assert torch.allclose(got[0], want[0]) and torch.allclose(got[-1], want[-1], atol=1e-5)
+    assert [tuple(h.shape) for h in tuned_states] == [(BATCH, x.shape[1], tuned.config.hidden_size)] * 2
+
+
 def greedy_local(local: Any, x: torch.Tensor, prompt: torch.Tensor, deep: torch.Tensor | None, n: int,
                  scores: list[torch.Tensor] | None = None) -> list[list[int]]:
     """Greedy decoding with the local reference (each step's last logits appended to ``scores``)."""

@@ -151,3 +151,18 @@ def initialize_computed_buffers(module: Any, owners: list[Any], hf_config_class:
         for owner in owners:
             model_class._init_weights(holder, owner)
     return True
+
+
+def record_as_decoder_layer(module: Any) -> bool:
+    """Have transformers' output capturing record ``module``'s input and output as a decoder layer's.
+
+    Models that collect ``hidden_states`` with hooks on their decoder-layer class (rather
+    than in their layer loop) would otherwise return none for a module standing in for
+    the whole layer list. Returns False if this transformers has no output capturing.
+    """
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError:  # pragma: no cover - older transformers collect hidden states in the loop
+        return False
+    install_output_capuring_hook(module, "hidden_states", 0, True)
+    return True

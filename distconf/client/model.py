@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.checkpoint import Checkpoint
-from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
+from distconf.blocks.hf_compat import checkpoint_conversions, record_as_decoder_layer, rename_checkpoint_key
 from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
 from distconf.client.lmhead import install_lm_head
@@ -218,6 +218,7 @@ def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.d
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]))
+    record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     model.remote_layers = stand_in
     model._created_caches = []
