@@ -138,7 +138,7 @@ def test_tied_embeddings_are_loaded_once_and_stay_shared(dht: Any, tmp_path: Pat
 
     from distconf.blocks.checkpoint import Checkpoint
     from distconf.client import AutoDistributedModelForCausalLM, LMHead
-    from distconf.client.model import _load_non_block_weights
+    from distconf.client.weights import load_non_block_weights
 
     model_dir, local = make_model_dir(tmp_path / "qwen3", "qwen3", layers=2)
     assert local.config.tie_word_embeddings
@@ -154,7 +154,7 @@ def test_tied_embeddings_are_loaded_once_and_stay_shared(dht: Any, tmp_path: Pat
         assert head.weight is embed.weight and head.weight.data_ptr() == embed.weight.data_ptr()
         unique = {id(p) for p in model.state_dict(keep_vars=True).values()}
         with Checkpoint(model_dir) as checkpoint:
-            assert _load_non_block_weights(model, model.config, checkpoint, torch.float32) == len(unique)
+            assert load_non_block_weights(model, model.config, checkpoint) == len(unique)
         assert len(unique) == len(model.state_dict()) - 1  # the two names hold one tensor
         assert torch.equal(head.weight, local.get_input_embeddings().weight)
     finally:
