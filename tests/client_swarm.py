@@ -128,6 +128,16 @@ def stop_all(servers: list[ServerProcess]) -> None:
         s.stop()
 
 
+def close_swarm(models: Any, servers: list[ServerProcess], dht: Any) -> None:
+    """Shut the client models down, stop the servers, then release the DHT node."""
+    for model in models:
+        model.shutdown()
+    stop_all(servers)
+    from distconf.client.swarm import release_dht
+
+    release_dht(dht)
+
+
 def server_info(model: Any, peer_id: str) -> dict[str, Any]:
     """``rpc_info`` of a server, through the model's swarm connection."""
     from distconf.rpc.calls import call_info

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import make_model_dir, prompts, start_servers, stop_all
+from client_swarm import close_swarm, make_model_dir, prompts, start_servers, stop_all
 
 GROUPS = [("bloom", "llama"), ("falcon", "mixtral"), ("qwen3", "gemma2"), ("deepseek_v2",)]
 FAMILIES = [family for group in GROUPS for family in group]
@@ -44,10 +44,7 @@ class _Swarms:
         return self.dht, *self.models[family]
 
     def close(self) -> None:
-        stop_all(self.servers)
-        from distconf.client.swarm import release_dht
-
-        release_dht(self.dht)
+        close_swarm([], self.servers, self.dht)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import make_model_dir, start_servers, stop_all
+from client_swarm import close_swarm, make_model_dir, start_servers, stop_all
 
 PRE = 3
 BATCH = 2
@@ -47,12 +47,7 @@ class Swarm:
         return model
 
     def close(self) -> None:
-        for model in self.models:
-            model.shutdown()
-        stop_all(self.servers)
-        from distconf.client.swarm import release_dht
-
-        release_dht(self.dht)
+        close_swarm(self.models, self.servers, self.dht)
 
 
 @pytest.fixture(scope="module")

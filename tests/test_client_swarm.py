@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import make_model_dir, prompts, server_info, start_servers, stop_all
+from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
 
 FAST = {"max_retries": 0, "min_backoff": 0.01, "max_backoff": 0.02}
 
@@ -75,12 +75,7 @@ class Swarm:
             return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
 
     def close(self) -> None:
-        for model in self.models:
-            model.shutdown()
-        stop_all(self.servers)
-        from distconf.client.swarm import release_dht
-
-        release_dht(self.dht)
+        close_swarm(self.models, self.servers, self.dht)
 
 
 @pytest.fixture(scope="module")
