@@ -14,6 +14,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
+from dhthelpers import stand_in_config, wait_for
 from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,18 +40,8 @@ NUM_BLOCKS = 8
 
 
 def model(prefix: str = PREFIX, n: int = NUM_BLOCKS):
-    """A stand-in config: discovery reads only dht_prefix, num_hidden_layers, update_period."""
-    return SimpleNamespace(dht_prefix=prefix, num_hidden_layers=n, update_period=30.0)
-
-
-def wait_for(predicate, timeout: float = 15.0, interval: float = 0.25):
-    """Poll ``predicate`` until it returns a truthy value; bounded in time (and so in count)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(interval)
+    """A stand-in config of ``n`` blocks under ``prefix``."""
+    return stand_in_config(prefix, n)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import time
 from functools import partial
 from types import SimpleNamespace
 
 import base58
 import pytest
+from dhthelpers import stand_in_config, wait_for
 from hivemind.utils import get_dht_time
 
 from distconf.dht import (
@@ -37,8 +37,8 @@ TTL = 600.0
 
 
 def model(prefix: str = PREFIX, n: int = NUM_BLOCKS):
-    """A stand-in config: discovery reads only dht_prefix, num_hidden_layers, update_period."""
-    return SimpleNamespace(dht_prefix=prefix, num_hidden_layers=n, update_period=30.0)
+    """A stand-in config of ``n`` blocks under ``prefix``."""
+    return stand_in_config(prefix, n)
 
 
 def made_up_peer_id(seed: str) -> str:
@@ -92,16 +92,6 @@ def deep_tuple(levels: int):
     for _ in range(levels):
         value = (value,)
     return value
-
-
-def wait_for(predicate, timeout: float = 15.0, interval: float = 0.25):
-    """Poll ``predicate`` until truthy; bounded in time (and so in count)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ and in the model listing, and the monitor's client node. The monitor reads the s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from dhthelpers import stand_in_config
+from dhthelpers import wait_for as _wait_for
 from test_dht_hostile import made_up_peer_id, start_plain_dht, store_raw
 
 from distconf.cli import cmd_monitor
@@ -42,19 +45,12 @@ LEAVE_PREFIX = "monitor-leave-hf"
 HOSTILE_NAME = '<img src=x onerror="document.title=1">'
 
 
+wait_for = functools.partial(_wait_for, timeout=60.0, interval=0.2)  # the page refreshes in the background
+
+
 def model(prefix: str = PREFIX, n: int = 8):
-    """A stand-in config: discovery reads only dht_prefix, num_hidden_layers, update_period."""
-    return SimpleNamespace(dht_prefix=prefix, num_hidden_layers=n, update_period=30.0)
-
-
-def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2):
-    """Poll ``predicate`` until it returns a truthy value; bounded in time (and so in count)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(interval)
+    """A stand-in config of ``n`` blocks under ``prefix``."""
+    return stand_in_config(prefix, n)
 
 
 def get(url: str, host: str | None = None, timeout: float = 20.0) -> tuple[int, dict, bytes]:

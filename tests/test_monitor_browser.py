@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_monitor import HOSTILE_NAME, model, start_monitor, wait_for
+from dhthelpers import wait_for
+from test_monitor import HOSTILE_NAME, model, start_monitor
 
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
 
