@@ -629,6 +629,15 @@ def test_bad_session_gets_its_error_and_others_continue(swarm: Swarm, case: str)
     assert expected in _with_honest_session(swarm, lambda: _expect_stream_error(swarm, messages))
 
 
+def test_refused_requests_are_one_log_line_each(swarm: Swarm) -> None:
+    """hivemind's traceback for a refused request becomes one line with the reason (runs after the cases above)."""
+    log = (swarm.root / "server-b.log").read_text(errors="replace")
+    refused = [line for line in log.splitlines() if "refused a request: " in line]
+    assert len(refused) >= len(_bad_sessions()), log[-3000:]  # unary refusals are not logged by hivemind at all
+    assert any("is not served" in line for line in refused) and any("whole cache budget" in line for line in refused)
+    assert "Traceback" not in log and "Handler failed with the exception" not in log
+
+
 def test_silent_peer_times_out_and_frees_its_cache(swarm: Swarm) -> None:
     """A peer that opens a session and never sends, and one that allocates and then goes quiet."""
 

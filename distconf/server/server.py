@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+from distconf.server.logfilter import install_refused_request_filter
 
 __all__ = ["BlockServer", "ServeOptions", "hub_repository"]
 
@@ -79,6 +80,7 @@ class BlockServer:
 
     def __init__(self, options: ServeOptions, config: Any = None, *, stop_event: threading.Event | None = None) -> None:
         """``stop_event``: when set while blocks load, `serve` stops early (`InterruptedError`)."""
+        install_refused_request_filter()
         self.options = options
         self.config = config
         self.stop_event = stop_event
