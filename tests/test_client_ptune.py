@@ -234,6 +234,21 @@ def test_generation_with_trained_prompts_equals_local(swarm: Swarm) -> None:
         assert first.tolist() == [row[: x.shape[1] + 3] for row in got]
 
 
+def test_beam_search_with_prompts_equals_local(swarm: Swarm) -> None:
+    model = swarm.model(tuning_mode="ptune", pre_seq_len=PRE)
+    randomize(model.prompts, seed=15)
+    x = ids(14)
+    kwargs = {"max_new_tokens": 5, "num_beams": 2, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        got = model.generate(x, attention_mask=torch.ones_like(x), **kwargs)[:, x.shape[1]:]
+        embeds = swarm.local.get_input_embeddings()(x)
+        prefix = model.prompts.prompt_embeddings.unsqueeze(0).expand(BATCH, -1, -1)
+        embeds = torch.cat([prefix, embeds], dim=1)
+        want = swarm.local.generate(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+                                    **kwargs)
+    assert got.tolist() == want[:, -got.shape[1]:].tolist()
+
+
 def test_save_pretrained_keeps_trained_prompts(swarm: Swarm, tmp_path: Path) -> None:
     model = swarm.model(tuning_mode="deep_ptune", pre_seq_len=PRE)
     randomize(model.prompts, seed=7)
@@ -246,6 +261,27 @@ def test_save_pretrained_keeps_trained_prompts(swarm: Swarm, tmp_path: Path) -> 
     x = ids(6)
     with torch.no_grad():
         assert torch.allclose(again(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-6)
+    # `distconf generate` on the saved folder runs with the trained prompts
+    import os
+    import subprocess
+    import sys
+
+    from client_swarm import REPO
+
+    result = subprocess.run(
+        [sys.executable, "-m", "distconf.cli.cmd_generate", str(tmp_path / "tuned"), "--initial-peers", *swarm.peers,
+         "--ids", "5,17,42", "--max-new-tokens", "5"],
+        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    prompt = torch.tensor([[5, 17, 42]])
+    with torch.no_grad():
+        expected = again.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                                  pad_token_id=0)[0, 3:].tolist()
+    assert [int(t) for t in result.stdout.split()] == expected
+    with torch.no_grad():  # the prompts matter: without them the tokens differ
+        plain = swarm.local.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                                     do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert plain != expected
     # a saved prompt tensor of the wrong shape is named, with its file
     from safetensors.torch import load_file, save_file
 
