@@ -13,7 +13,7 @@ import re
 import sys
 
 from distconf.cli.cmd_swarm import _resolve
-from distconf.cli.helptext import initial_peers
+from distconf.cli.helptext import initial_peers, join_swarm
 
 __all__ = ["parse_duration", "parse_model", "register", "run"]
 
@@ -99,12 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if max_models < 1:
         print("distconf monitor: --max-models must be at least 1", file=sys.stderr)
         return 2
-    from distconf.dht import start_local_dht
-
-    try:
-        dht = start_local_dht(peers, client_mode=True)
-    except Exception as exc:  # hivemind raises several types for unreachable/invalid peers
-        print(f"distconf monitor: cannot join the swarm through {peers}: {exc}", file=sys.stderr)
+    dht = join_swarm(peers, "monitor")
+    if dht is None:
         return 2
     try:
         monitor = Monitor(dht_reader(dht, dict(args.model), max_models=max_models, timeout=args.timeout),

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from distconf.cli.helptext import add_command, initial_peers
+from distconf.cli.helptext import add_command, initial_peers, join_swarm
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,12 +91,10 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    from distconf.dht import find_servers_by_prefix, read_model_listing, start_local_dht
+    from distconf.dht import find_servers_by_prefix, read_model_listing
 
-    try:
-        dht = start_local_dht(peers, client_mode=True)
-    except Exception as exc:  # hivemind raises several types for unreachable/invalid peers
-        print(f"distconf swarm: cannot join the swarm through {peers}: {exc}", file=sys.stderr)
+    dht = join_swarm(peers, "swarm")
+    if dht is None:
         return 2
     try:
         try:

@@ -6,6 +6,7 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["add_command", "positive_int"]
 
@@ -48,3 +49,14 @@ def initial_peers(args: argparse.Namespace, command: str) -> list[str] | None:
               file=sys.stderr)
         return None
     return peers
+
+
+def join_swarm(peers: list[str], command: str) -> Any:
+    """A client-mode DHT node joined through ``peers``; None (after saying why on stderr) if it cannot join."""
+    from distconf.dht import start_local_dht
+
+    try:
+        return start_local_dht(peers, client_mode=True)
+    except Exception as exc:  # hivemind raises several types for unreachable/invalid peers
+        print(f"distconf {command}: cannot join the swarm through {peers}: {exc}", file=sys.stderr)
+        return None
