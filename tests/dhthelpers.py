@@ -1,11 +1,14 @@
-"""Helpers shared by the DHT and monitor tests: a stand-in config and a bounded wait."""
+"""Helpers shared by the DHT and monitor tests: a stand-in config, bounded waits, plain hivemind nodes."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hivemind import DHT
 
 
 def stand_in_config(prefix: str, n: int) -> SimpleNamespace:
@@ -21,3 +24,38 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: floa
         if result or time.monotonic() > deadline:
             return result
         time.sleep(interval)
+
+
+def start_plain_dht(initial_peers: list[str], timeout: float = 60.0) -> DHT:
+    """A hivemind DHT node with no validator and no guard (a Petals 2.x node, or an attacker).
+
+    Its cache refresh is off (``cache_refresh_before_expiry=0``, ``cache_on_store=False``):
+    a plain node decodes every record it holds under a key when it refreshes that key
+    (hivemind refreshes at once when the node stores into a key it also caches), so the
+    deep records the hostile tests plant would crash the plain node itself, not the
+    guarded node under test, at a moment that depends on timing.
+    """
+    from hivemind import DHT
+
+    dht = DHT(initial_peers=list(initial_peers), start=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              cache_refresh_before_expiry=0, cache_on_store=False)
+    dht.run_in_background(await_ready=True, timeout=timeout)
+    return dht
+
+
+def run_in_node(dht: DHT, job: Callable[..., Any], timeout: float = 60.0) -> Any:
+    """Run ``job(dht, node)`` in the DHT's process and return its result.
+
+    Bounded in time; fails at once, naming the exit code, if the node's process dies
+    (a dead node never answers, and waiting out the timeout would hide why).
+    """
+    future = dht.run_coroutine(job, return_future=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except TimeoutError:
+            if not dht.is_alive():
+                raise AssertionError(f"DHT node pid {dht.pid} died (exit code {dht.exitcode})") from None
+            if time.monotonic() >= deadline:
+                raise

@@ -14,11 +14,11 @@ from functools import partial
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import stand_in_config, wait_for
+from dhthelpers import run_in_node, stand_in_config, start_plain_dht, wait_for
 from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dht_hostile import made_up_peer_id, start_plain_dht
+from test_dht_hostile import made_up_peer_id
 
 from distconf.dht import (
     BlockAnnouncer,
@@ -117,7 +117,7 @@ def test_hostile_garbage_is_skipped_and_honest_peers_still_found(swarm, caplog):
     items += [(f"{PREFIX}.0", "not-a-peer-id", (2, 100.0, {}), 60), (f"{PREFIX}.1", 12345, (2, 100.0, {}), 60)]
     items += [(f"{PREFIX}-plain.0", None, (2, 1.0, {}), 60)]  # a plain value where a dict of servers belongs
     # (payloads through run_coroutine stay small: hivemind reads its command pipe non-blocking)
-    swarm.hostile.run_coroutine(partial(_store_raw, items=items), return_future=True).result(timeout=30)
+    run_in_node(swarm.hostile, partial(_store_raw, items=items), timeout=30)
 
     with caplog.at_level(logging.WARNING, logger="distconf.dht.discovery"):
         state = wait_for(lambda: len((s := find_block_servers(swarm.client, swarm.cfg)).skipped) >= 10 and s)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import base58
 import pytest
-from dhthelpers import stand_in_config, wait_for
+from dhthelpers import run_in_node, stand_in_config, start_plain_dht, wait_for
 from hivemind.utils import get_dht_time
 
 from distconf.dht import (
@@ -47,15 +47,6 @@ def made_up_peer_id(seed: str) -> str:
     return base58.b58encode(bytes([0, 0x24, 8, 1, 0x12, 0x20]) + key).decode()
 
 
-def start_plain_dht(initial_peers, timeout: float = 60.0):
-    """A hivemind DHT node with no validator at all (a Petals 2.x node, or an attacker)."""
-    from hivemind import DHT
-
-    dht = DHT(initial_peers=list(initial_peers), start=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dht.run_in_background(await_ready=True, timeout=timeout)
-    return dht
-
-
 async def _store_raw(_dht, node, items):
     """Runs in the attacker's process: store each (key, subkey, value, ttl) as given."""
     for key, subkey, value, ttl in items:
@@ -65,7 +56,7 @@ async def _store_raw(_dht, node, items):
 
 def store_raw(dht, items, timeout: float = 60.0):
     """Store raw items through ``dht`` (payloads stay small: hivemind reads its pipe non-blocking)."""
-    return dht.run_coroutine(partial(_store_raw, items=items), return_future=True).result(timeout=timeout)
+    return run_in_node(dht, partial(_store_raw, items=items), timeout=timeout)
 
 
 async def _local_subkeys(_dht, node, key):
@@ -83,7 +74,7 @@ async def _local_subkeys(_dht, node, key):
 
 def local_subkeys(dht, key):
     """What ``dht``'s node keeps in its own storage under ``key``."""
-    return dht.run_coroutine(partial(_local_subkeys, key=key), return_future=True).result(timeout=30)
+    return run_in_node(dht, partial(_local_subkeys, key=key), timeout=30)
 
 
 def deep_tuple(levels: int):
@@ -259,8 +250,8 @@ async def _flood(_dht, node, prefix, num_blocks, per_block, ttl):
 def test_junk_subkeys_are_bounded_per_key(swarm):
     """Thousands of junk subkeys per block made discovery linear in the junk."""
     per_block = MAX_RECORDS_PER_KEY + 200
-    swarm.attacker.run_coroutine(partial(_flood, prefix=PREFIX, num_blocks=NUM_BLOCKS, per_block=per_block,
-                                         ttl=TTL), return_future=True).result(timeout=300)
+    run_in_node(swarm.attacker, partial(_flood, prefix=PREFIX, num_blocks=NUM_BLOCKS, per_block=per_block, ttl=TTL),
+                timeout=300)
     assert len(local_subkeys(swarm.petals, f"{PREFIX}.0")) > per_block  # unguarded storage keeps it all
     assert len(local_subkeys(swarm.a, f"{PREFIX}.0")) <= MAX_RECORDS_PER_KEY  # ours store at most the cap
     state = find_block_servers(swarm.client, swarm.cfg, timeout=30)
@@ -286,10 +277,44 @@ async def _store_locally(_dht, node, key, subkey, value, ttl):
 def test_deep_subkey_cannot_crash_a_guarded_node(swarm):
     """A subkey nested 300 deep overflows the C stack of any unguarded node that decodes it (the client did)."""
     job = partial(_store_locally, key=f"{PREFIX}.6", subkey=deep_tuple(300), value=(2, 1.0, {}), ttl=TTL)
-    assert swarm.attacker.run_coroutine(job, return_future=True).result(timeout=60)
+    assert run_in_node(swarm.attacker, job, timeout=60)
     state = find_block_servers(swarm.client, swarm.cfg, timeout=30)
     assert honest_blocks(state, swarm.ids) == EXPECTED
     assert all(node.is_alive() for node in (swarm.client, swarm.boot, swarm.a, swarm.b))
+
+
+async def _refresh_over_a_deep_record(_dht, node, key):
+    """Runs in a node's process: a deep record in its storage, the key in its cache, then a store into the key.
+
+    hivemind then refreshes the key at once, decoding every record the node holds under it.
+    """
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    key_id, expiration = DHTID.generate(source=key), get_dht_time() + TTL
+    node.protocol.storage.store_subkey(key_id, "planted", MSGPackSerializer.dumps(deep_tuple(300)), expiration)
+    node.protocol.cache.store_subkey(key_id, "cached", MSGPackSerializer.dumps(1), expiration)
+    await node.store(key, (2, 1.0, {}), expiration, subkey="own")
+    return True
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "plain"])
+def test_cache_refresh_over_a_deep_record(guarded):
+    """A plain hivemind node that refreshes a key holding a deep record crashes itself (SIGSEGV); ours does not."""
+    from hivemind import DHT
+
+    node = start_local_dht() if guarded else DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        try:
+            run_in_node(node, partial(_refresh_over_a_deep_record, key="refresh-test.0"), timeout=30)
+        except AssertionError:  # the node died before answering
+            assert not guarded
+        wait_for(lambda: not node.is_alive(), timeout=3)
+        assert node.is_alive() == guarded, f"exit code {node.exitcode}"
+    finally:
+        if node.is_alive():
+            node.shutdown()
+
 
 
 # --------------------------------------------------------------------------- the listing and the CLI

@@ -12,7 +12,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from test_dht_hostile import local_subkeys, start_plain_dht, store_raw
+from dhthelpers import start_plain_dht
+from test_dht_hostile import local_subkeys, store_raw
 
 from distconf.dht import (
     ServerInfo,

@@ -19,9 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import stand_in_config
+from dhthelpers import stand_in_config, start_plain_dht
 from dhthelpers import wait_for as _wait_for
-from test_dht_hostile import made_up_peer_id, start_plain_dht, store_raw
+from test_dht_hostile import made_up_peer_id, store_raw
 
 from distconf.cli import cmd_monitor
 from distconf.dht import (
