@@ -288,9 +288,12 @@ async def _refresh_over_a_deep_record(_dht, node, key):
 
     hivemind then refreshes the key at once, decoding every record the node holds under it.
     """
+    import resource
+
     from hivemind.dht.routing import DHTID
     from hivemind.utils.serializer import MSGPackSerializer
 
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a plain node crashes here: no core file
     key_id, expiration = DHTID.generate(source=key), get_dht_time() + TTL
     node.protocol.storage.store_subkey(key_id, "planted", MSGPackSerializer.dumps(deep_tuple(300)), expiration)
     node.protocol.cache.store_subkey(key_id, "cached", MSGPackSerializer.dumps(1), expiration)
