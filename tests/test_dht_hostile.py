@@ -319,7 +319,6 @@ def test_cache_refresh_over_a_deep_record(guarded):
             node.shutdown()
 
 
-
 # --------------------------------------------------------------------------- the listing and the CLI
 CLI_CODE = """
 import resource, sys
