@@ -46,7 +46,7 @@ def pick_preset() -> str:
     """The shipped preset whose bf16 block is closest to 400 MB (any family)."""
     from distconf import load_preset
     from distconf.blocks.sizing import block_size_bytes
-    from distconf.family.presets import list_presets
+    from distconf.loader.presets import list_presets
 
     sizes = {}
     for hub_id in list_presets():
@@ -261,7 +261,7 @@ def bench_sizing(repeats: int) -> list[dict]:
     from distconf.blocks import sizing
     from distconf.blocks.sizing import block_size_bytes
     from distconf.errors import FamilyNotFoundError
-    from distconf.family.presets import list_presets
+    from distconf.loader.presets import list_presets
 
     rows = []
     for hub_id in list_presets():

@@ -82,7 +82,7 @@ def _child(variant: str, seq: int, vocab: int, hidden_size: int, step: int, repe
     import torch
 
     from distconf.client.lmhead import LMHead
-    from distconf.family.mixins import LMHeadConfig
+    from distconf.loader.mixins import LMHeadConfig
 
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):  # initialise the matmul kernels for this shape outside the figures

@@ -58,8 +58,8 @@ def main() -> None:
     import transformers  # noqa: F401 - measured with transformers already imported
 
     import distconf
-    from distconf.family.presets import list_presets
-    from distconf.family.registry import clear_cache
+    from distconf.loader.presets import list_presets
+    from distconf.loader.registry import clear_cache
 
     families = distconf.list_families()
     probe = families[0]

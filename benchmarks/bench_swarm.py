@@ -37,7 +37,7 @@ PLAIN = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
 
 def plain_family() -> str:
     """The first family (sorted) whose tiny config uses only plain decoder fields."""
-    from distconf.family import list_families, load_family
+    from distconf.loader import list_families, load_family
 
     for name in sorted(list_families()):
         tiny = load_family(name).family_spec.tiny_config
@@ -50,8 +50,8 @@ def make_model(directory: Path, family: str, overrides: dict[str, Any]) -> tuple
     """A random model of ``family`` with ``overrides`` on its tiny config, saved with a distributed config."""
     from transformers import AutoModelForCausalLM
 
-    from distconf.family import load_family
-    from distconf.family.auto import AutoDistributedConfig
+    from distconf.loader import load_family
+    from distconf.loader.auto import AutoDistributedConfig
     from distconf.tools.checker import tiny_variants
 
     cls = load_family(family)

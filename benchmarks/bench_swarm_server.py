@@ -51,7 +51,7 @@ def make_model(directory: Path, family: str, overrides: dict[str, Any]) -> Any:
     """A model of ``family`` (its tiny config + ``overrides``), random weights (safetensors), distributed config."""
     from transformers import AutoModelForCausalLM
 
-    from distconf.family import load_family
+    from distconf.loader import load_family
     from distconf.tools.checker import tiny_variants
 
     cls = load_family(family)
@@ -115,7 +115,7 @@ class Server:
 
 def bare_rss() -> int:
     """Peak RSS of a process that imported the server stack and did nothing else."""
-    code = ("import torch, transformers, hivemind, distconf.server.server, distconf.server.handler;"
+    code = ("import torch, transformers, hivemind, distconf.server.block_server, distconf.server.handler;"
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -5,16 +5,16 @@ Hugging Face config; `load_family` turns it into a ``Distributed<Name>Config`` c
 Importing this package does not import torch or transformers.
 
 The package is layered, each layer importing only the ones before it:
-`distconf.family` (the core), `distconf.blocks` (what consumes a config),
+`distconf.loader` (the core), `distconf.blocks` (what consumes a config),
 `distconf.dht` and `distconf.planning` (the swarm), then `distconf.cli` and `distconf.tools`.
 """
 
 from __future__ import annotations
 
 from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
-from distconf.family.auto import AutoDistributedConfig, load_preset
-from distconf.family.registry import get_family_spec, load_family
-from distconf.family.search import list_families, validate_paths
+from distconf.loader.auto import AutoDistributedConfig, load_preset
+from distconf.loader.registry import get_family_spec, load_family
+from distconf.loader.search import list_families, validate_paths
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.weights import layer_prefixes
-from distconf.family import load_family
+from distconf.loader import load_family
 from distconf.tools.checker import tiny_variants
 
 SEED_CASES = [

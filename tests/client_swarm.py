@@ -27,7 +27,7 @@ def make_model_dir(directory: Path, family: str, *, layers: int = 4, seed: int =
     Returns the folder and the local Hugging Face model (the reference). ``noise`` is
     added to every weight so that greedy generation does not settle on one token.
     """
-    from distconf.family.auto import AutoDistributedConfig
+    from distconf.loader.auto import AutoDistributedConfig
 
     _, hf_config, _ = family_config(family, variant, num_hidden_layers=layers)
     model = hf_model(hf_config, seed=seed)

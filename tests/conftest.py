@@ -21,7 +21,7 @@ def _isolated_search_path(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def fresh_cache():
     """Forget synthesized classes before and after the test (for tests that change the search path)."""
-    from distconf.family.registry import clear_cache
+    from distconf.loader.registry import clear_cache
 
     clear_cache()
     yield

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from distconf import FamilyValidationError, load_family
-from distconf.family.search import validate_paths
-from distconf.family.source import read_family_file
+from distconf.loader.search import validate_paths
+from distconf.loader.source import read_family_file
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

@@ -11,7 +11,7 @@ from blockhelpers import SEED_CASES, family_config, hf_layer, hf_model, record_l
 from distconf.blocks import build_block, make_block_class
 from distconf.blocks.kvcache import kv_geometry
 from distconf.errors import FamilyValidationError
-from distconf.family import load_family
+from distconf.loader import load_family
 
 SEQ = 9
 ATOL = 1e-5

@@ -14,8 +14,8 @@ from torch.overrides import TorchFunctionMode
 
 from distconf.client import lmhead
 from distconf.client.lmhead import LMHead, chunked_forward_wanted, has_linear_kernel, install_lm_head
-from distconf.family.data import builtin_families_dir
-from distconf.family.search import list_families
+from distconf.loader.data import builtin_families_dir
+from distconf.loader.search import list_families
 
 FAMILIES = list_families()
 STEP = 7  # divides no tiny vocabulary (128, 256): many chunks and a ragged last one

@@ -120,7 +120,7 @@ def test_remote_cache_maps_reorder_and_crop_to_the_protocol() -> None:
 
 def test_retry_delays_follow_backoff_fields() -> None:
     from distconf.client import SequenceManager
-    from distconf.family import load_family
+    from distconf.loader import load_family
 
     config = load_family("llama")(min_backoff=0.5, max_backoff=3.0, max_retries=2, dht_prefix="x")
 
@@ -138,7 +138,7 @@ def test_tied_embeddings_are_loaded_once_and_stay_shared(dht: Any, tmp_path: Pat
 
     from distconf.blocks.checkpoint import Checkpoint
     from distconf.client import AutoDistributedModelForCausalLM, LMHead
-    from distconf.client.weights import load_non_block_weights
+    from distconf.client.local_weights import load_non_block_weights
 
     model_dir, local = make_model_dir(tmp_path / "qwen3", "qwen3", layers=2)
     assert local.config.tie_word_embeddings

@@ -33,7 +33,7 @@ class Swarm:
         self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
                                      self.peers, root)
         self.a, self.b, self.c = (s.peer_id for s in self.servers)
-        from distconf.family.auto import AutoDistributedConfig
+        from distconf.loader.auto import AutoDistributedConfig
 
         self.config = AutoDistributedConfig.from_pretrained(str(self.model_dir))
         self.dead_peer = self._gone_peer()
@@ -139,7 +139,7 @@ def test_allowed_and_blocked_servers(swarm: Swarm) -> None:
 
 def test_show_route(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
     ids = prompts()
-    caplog.set_level(logging.INFO, logger="distconf.client.routing")
+    caplog.set_level(logging.INFO, logger="distconf.client.sequence_manager")
     for show, forward_logged, inference_logged in ((True, True, True), (False, False, False),
                                                    ("inference", False, True)):
         model = swarm.model(show_route=show)
@@ -208,7 +208,7 @@ def test_max_retries_and_ban_timeout(swarm: Swarm, decoy: str) -> None:
 
 
 def test_backoff_delays(swarm: Swarm, decoy: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="distconf.client.routing")
+    caplog.set_level(logging.WARNING, logger="distconf.client.sequence_manager")
     swarm.store(swarm.dead_peer, 2, 4, throughput=2e6)  # a second bad server: two failures in a row
     try:
         model = swarm.model(max_retries=4, min_backoff=0.125, max_backoff=0.2, max_pinged=0)

@@ -8,7 +8,7 @@ import pytest
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MixtralConfig
 
 from distconf import ConfigValueError, load_family
-from distconf.family.naming import derive_dht_prefix
+from distconf.loader.naming import derive_dht_prefix
 
 CASES = {
     "bloom": [

@@ -69,7 +69,7 @@ def test_draft_finds_the_family_structure(preset: str, tmp_path: Path, fresh_cac
     # the rendered file validates, synthesizes a class, and its tiny config builds
     path = tmp_path / f"{family}.yaml"
     path.write_text(draft.to_yaml(), encoding="utf-8")
-    from distconf.family import load_family, read_family_file
+    from distconf.loader import load_family, read_family_file
 
     spec = read_family_file(path).spec
     assert spec.block.prefix == prefix and spec.model_type == _preset(preset)["model_type"]
@@ -208,7 +208,7 @@ def test_cli_new_writes_a_valid_draft(tmp_path: Path, capsys: pytest.CaptureFixt
     path = tmp_path / "drafted_mistral.yaml"
     assert f"wrote {path}" in out and "distconf check" in out
     assert "every layer has sliding-window attention (4096 tokens" in out
-    from distconf.family.source import read_family_file
+    from distconf.loader.source import read_family_file
 
     assert read_family_file(path).spec.block.mask.kind == "sliding_window"
 

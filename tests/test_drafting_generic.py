@@ -162,7 +162,7 @@ def test_draft_from_class_defaults_runs(model_type: str) -> None:
 
 def test_schema_line_is_never_a_machine_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from distconf.cli.cmd_new import _schema_reference
-    from distconf.family.spec import SCHEMA_ID
+    from distconf.loader.spec import SCHEMA_ID
 
     assert _schema_reference(REPO / "families" / "x.yaml") == "../schemas/family.schema.json"
     assert _schema_reference(tmp_path / "x.yaml") == SCHEMA_ID

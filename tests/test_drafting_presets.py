@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from distconf.cli import main
-from distconf.family.presets import list_presets, preset_path
+from distconf.loader.presets import list_presets, preset_path
 
 CHECKED_IN_TEST_DRAFTING = {"Qwen/Qwen3-4B", "google/gemma-2-9b", "deepseek-ai/DeepSeek-V2-Lite",
                             "EleutherAI/gpt-neox-20b", "Qwen/Qwen3-30B-A3B", "microsoft/Phi-3-mini-4k-instruct"}

@@ -97,7 +97,7 @@ def test_unpinned_model_uses_main(tmp_path) -> None:
 
 
 def test_only_falcon_pins_revisions() -> None:
-    from distconf.family.mixins import PinnedRevisionMixin
+    from distconf.loader.mixins import PinnedRevisionMixin
 
     assert issubclass(load_family("falcon"), PinnedRevisionMixin)
     assert load_family("falcon").__bases__[0] is PinnedRevisionMixin
@@ -177,7 +177,7 @@ def test_preset_values_match_public_configs() -> None:
 
 
 def test_preset_files_are_plain_config_json() -> None:
-    from distconf.family.presets import list_presets, preset_path
+    from distconf.loader.presets import list_presets, preset_path
 
     for hub_id in list_presets():
         data = json.loads(preset_path(hub_id).read_text())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distconf.family.formula import Formula, FormulaError
+from distconf.loader.formula import Formula, FormulaError
 
 
 @pytest.mark.parametrize("source,values,expected", [

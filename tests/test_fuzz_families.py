@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distconf import FamilyValidationError
-from distconf.family.source import read_family_file
-from distconf.family.synthesis import resolve_source
+from distconf.loader.source import read_family_file
+from distconf.loader.synthesis import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = ["bloom", "falcon", "llama", "mixtral"]

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from distconf import ConfigValueError, FamilyValidationError, load_family, load_preset
-from distconf.family.formula import Formula, FormulaError
-from distconf.family.search import find_family_file, list_families, validate_paths
-from distconf.family.source import read_family_file
-from distconf.family.yamlsafe import parse_yaml
+from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.search import find_family_file, list_families, validate_paths
+from distconf.loader.source import read_family_file
+from distconf.loader.yamlsafe import parse_yaml
 
 HUGE = 8 << 30  # 8 GiB, sparse
 
@@ -164,7 +164,7 @@ def test_bad_files_on_search_path_are_skipped(tmp_path, monkeypatch, caplog, fre
     pipe = fifo(user / "pipe.yaml")
     (user / "zero.yaml").symlink_to("/dev/zero")
     monkeypatch.setenv("DISTCONF_FAMILIES_PATH", str(user))
-    caplog.set_level(logging.WARNING, logger="distconf.family.source")
+    caplog.set_level(logging.WARNING, logger="distconf.loader.source")
     with memory_cap():
         names = call_bounded(list_families, unblock=pipe)
         assert {"llama", "falcon", "huge"} <= set(names) and "pipe" not in names and "zero" not in names

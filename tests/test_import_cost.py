@@ -49,7 +49,7 @@ def test_probe_sees_heavy_modules() -> None:
 
 # package -> what importing it must not load (its docstring makes the same promise)
 LIGHT = {
-    "distconf.family": ("torch", "transformers", "hivemind", "modeling"),
+    "distconf.loader": ("torch", "transformers", "hivemind", "modeling"),
     "distconf.dht": ("torch", "transformers", "hivemind", "modeling"),
     "distconf.planning": ("torch", "transformers", "hivemind", "modeling"),
     "distconf.blocks": ("torch", "hivemind", "modeling"),

@@ -11,7 +11,7 @@ from distconf.blocks.build import materialize_buffers
 from distconf.blocks.weights import load_block
 from distconf.cli import main
 from distconf.errors import FamilyValidationError
-from distconf.family import load_family
+from distconf.loader import load_family
 from distconf.tools.checker import check_family
 
 # --- chunked attention -----------------------------------------------------------------------------------------

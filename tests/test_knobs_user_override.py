@@ -8,10 +8,10 @@ import pytest
 
 from distconf.cli import main
 from distconf.errors import FamilyValidationError
-from distconf.family import load_family
-from distconf.family.data import builtin_families_dir
-from distconf.family.registry import family_for_model_type
-from distconf.family.search import FAMILIES_PATH_ENV, find_family_file, scan_valid_sources
+from distconf.loader import load_family
+from distconf.loader.data import builtin_families_dir
+from distconf.loader.registry import family_for_model_type
+from distconf.loader.search import FAMILIES_PATH_ENV, find_family_file, scan_valid_sources
 
 
 def _user_llama(folder, marker: str):
@@ -25,7 +25,7 @@ def _user_llama(folder, marker: str):
 def test_user_file_overrides_the_builtin(tmp_path, monkeypatch, fresh_cache, caplog, capsys) -> None:
     user = _user_llama(tmp_path / "mine", "MyLlama")
     monkeypatch.setenv(FAMILIES_PATH_ENV, str(tmp_path / "mine"))
-    with caplog.at_level(logging.INFO, logger="distconf.family.search"):
+    with caplog.at_level(logging.INFO, logger="distconf.loader.search"):
         assert find_family_file("llama") == user.resolve()
         cls = load_family("llama")
     assert cls.__name__ == "DistributedMyLlamaConfig"

@@ -6,8 +6,8 @@ import pytest
 from blockhelpers import write_family
 
 from distconf.cli import main
-from distconf.family import load_family
-from distconf.family.data import builtin_families_dir
+from distconf.loader import load_family
+from distconf.loader.data import builtin_families_dir
 from distconf.tools.checker import check_family
 from distconf.tools.checker.kinds import coverage, layer_kinds, real_configs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distconf.cli import main
-from distconf.family.presets import preset_path
+from distconf.loader.presets import preset_path
 
 
 @pytest.mark.parametrize("hub_id", ["google/gemma-2-9b", "EleutherAI/gpt-neo-1.3B"])

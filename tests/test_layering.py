@@ -1,4 +1,4 @@
-"""The package imports one way: errors/family -> blocks -> dht/planning -> server/client -> cli/tools.
+"""The package imports one way: errors/loader -> blocks -> dht/planning -> server/client -> cli/tools.
 
 The import graph is read from the source with `ast` (every import statement, including
 those inside functions and under ``if TYPE_CHECKING``), so a lazy import that points the
@@ -28,13 +28,13 @@ PACKAGE = "distconf"
 # Layer of each top-level part of the package (a later layer may import an earlier one, never the reverse).
 # ``distconf`` itself (the package __init__) re-exports the core only, so it is in the bottom layer.
 LAYERS: dict[str, int] = {
-    "distconf": 0, "distconf.errors": 0, "distconf.family": 0,
+    "distconf": 0, "distconf.errors": 0, "distconf.loader": 0,
     "distconf.blocks": 1,
     "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2,
     "distconf.server": 3, "distconf.client": 3,
     "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.__main__": 4,
 }
-LAYER_NAMES = {0: "errors/family", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor"}
+LAYER_NAMES = {0: "errors/loader", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor"}
 
 
 def module_files(root: Path = REPO / PACKAGE) -> dict[str, Path]:
@@ -222,28 +222,28 @@ def test_cycle_finder_names_a_cycle() -> None:
 
 def test_edges_read_from_source(tmp_path) -> None:
     pkg = tmp_path / PACKAGE
-    for name in ("family", "blocks"):
+    for name in ("loader", "blocks"):
         (pkg / name).mkdir(parents=True)
         (pkg / name / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("from distconf.family import core\n")
-    (pkg / "family" / "core.py").write_text(
+    (pkg / "__init__.py").write_text("from distconf.loader import core\n")
+    (pkg / "loader" / "core.py").write_text(
         "def later():\n    from distconf.blocks import build\n    return build\n")
-    (pkg / "family" / "other.py").write_text("from . import core\nfrom .core import later\n")
-    (pkg / "family" / "typed.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from distconf.family.other import later\n")
-    (pkg / "blocks" / "build.py").write_text("import distconf.family.core\nimport torch\n")
+    (pkg / "loader" / "other.py").write_text("from . import core\nfrom .core import later\n")
+    (pkg / "loader" / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from distconf.loader.other import later\n")
+    (pkg / "blocks" / "build.py").write_text("import distconf.loader.core\nimport torch\n")
     graph = import_graph(pkg)
-    assert set(graph["distconf"]) == {"distconf.family.core"}
-    assert set(graph["distconf.family.core"]) == {"distconf.blocks.build"}  # inside a function; submodule by name
-    assert set(graph["distconf.family.other"]) == {"distconf.family.core"}  # relative imports resolved
-    assert set(graph["distconf.blocks.build"]) == {"distconf.family.core"}  # outside packages ignored
-    assert set(graph["distconf.family.typed"]) == {"distconf.family.other"}  # type-only imports count
-    assert graph["distconf.family.typed"]["distconf.family.other"].endswith("typed.py:3 under TYPE_CHECKING")
-    assert find_cycles(graph) == [["distconf.blocks.build", "distconf.family.core", "distconf.blocks.build"]]
+    assert set(graph["distconf"]) == {"distconf.loader.core"}
+    assert set(graph["distconf.loader.core"]) == {"distconf.blocks.build"}  # inside a function; submodule by name
+    assert set(graph["distconf.loader.other"]) == {"distconf.loader.core"}  # relative imports resolved
+    assert set(graph["distconf.blocks.build"]) == {"distconf.loader.core"}  # outside packages ignored
+    assert set(graph["distconf.loader.typed"]) == {"distconf.loader.other"}  # type-only imports count
+    assert graph["distconf.loader.typed"]["distconf.loader.other"].endswith("typed.py:3 under TYPE_CHECKING")
+    assert find_cycles(graph) == [["distconf.blocks.build", "distconf.loader.core", "distconf.blocks.build"]]
     assert layer_violations(graph) == [
-        "distconf.family.core (errors/family) imports distconf.blocks.build (blocks) at distconf/family/core.py:2"]
+        "distconf.loader.core (errors/loader) imports distconf.blocks.build (blocks) at distconf/loader/core.py:2"]
     cycle = describe_cycle(find_cycles(graph)[0], graph)
-    assert cycle.endswith("(distconf/blocks/build.py:1, distconf/family/core.py:2)")
+    assert cycle.endswith("(distconf/blocks/build.py:1, distconf/loader/core.py:2)")
 
 
 # --- the package ------------------------------------------------------------------------------------------
@@ -255,9 +255,9 @@ def graph() -> Graph:
 
 
 def test_graph_sees_the_package(graph) -> None:
-    assert {"distconf.family.registry", "distconf.blocks.build", "distconf.dht.discovery"} <= set(graph)
-    assert "distconf.family.spec" in graph["distconf.family.source"]
-    assert "distconf.family.registry" in graph["distconf"]
+    assert {"distconf.loader.registry", "distconf.blocks.build", "distconf.dht.discovery"} <= set(graph)
+    assert "distconf.loader.spec" in graph["distconf.loader.source"]
+    assert "distconf.loader.registry" in graph["distconf"]
 
 
 def test_no_import_cycle(graph) -> None:

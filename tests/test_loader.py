@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from distconf import AutoDistributedConfig, FamilyNotFoundError, get_family_spec, list_families, load_family
-from distconf.family.spec import FamilySpec
+from distconf.loader.spec import FamilySpec
 
 SEEDS = ["bloom", "falcon", "llama", "mixtral"]
 
@@ -124,8 +124,8 @@ def test_auto_finds_user_family(tmp_path, monkeypatch, fresh_cache) -> None:
 
 
 def test_load_by_class_name_for_pickle(fresh_cache) -> None:
-    import distconf.family.registry
+    import distconf.loader.registry
 
-    assert distconf.family.registry.DistributedBloomConfig is load_family("bloom")
+    assert distconf.loader.registry.DistributedBloomConfig is load_family("bloom")
     with pytest.raises(AttributeError):
-        _ = distconf.family.registry.NotAClass
+        _ = distconf.loader.registry.NotAClass

@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from distconf import AutoDistributedConfig, FamilyNotFoundError, load_family
-from distconf.family.mixins import ClientConfig, LMHeadConfig, PTuneConfig
+from distconf.loader.mixins import ClientConfig, LMHeadConfig, PTuneConfig
 
 BASES = {
     "bloom": transformers.BloomConfig, "llama": transformers.LlamaConfig,
@@ -45,7 +45,7 @@ NON_DEFAULT_MIXIN_VALUES = {
 def test_class_shape(family: str) -> None:
     cls = load_family(family)
     assert cls.__name__ == f"Distributed{family.capitalize()}Config"
-    assert cls.__module__ == "distconf.family.registry"
+    assert cls.__module__ == "distconf.loader.registry"
     bases = [b for b in cls.__bases__ if b.__name__ != "PinnedRevisionMixin"]
     assert bases == [BASES[family], ClientConfig, PTuneConfig, LMHeadConfig]
     cfg = cls()
@@ -128,7 +128,7 @@ def test_pickle_in_spawned_process() -> None:
         module, name, prefix, groups, back = queue.get(timeout=120)
     finally:
         proc.join(timeout=30)
-    assert (module, name, prefix, groups) == ("distconf.family.registry", "DistributedFalconConfig", "spawned", 4)
+    assert (module, name, prefix, groups) == ("distconf.loader.registry", "DistributedFalconConfig", "spawned", 4)
     assert pickle.loads(back).to_dict() == cfg.to_dict()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distconf.family.schema import schema_text
+from distconf.loader.json_schema import schema_text
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,7 @@ HEX = r"[0-9a-f]{64}"
 
 
 def _load(model_dir: Path, dtype: torch.dtype = torch.float32, start: int = 0, end: int = LAYERS) -> list[Any]:
-    from distconf.family.auto import AutoDistributedConfig
+    from distconf.loader.auto import AutoDistributedConfig
 
     config = AutoDistributedConfig.from_pretrained(str(model_dir))
     return load_blocks(model_dir, config, start, end, dtype)
@@ -116,7 +116,7 @@ def test_digest_differs_between_dtypes_of_equal_bytes() -> None:
 
 def test_memory_mapped_bfloat16_block_hashes(tmp_path: Path) -> None:
     """A bfloat16 checkpoint loaded as bfloat16: the parameters are views of the mapped file."""
-    from distconf.family import load_family
+    from distconf.loader import load_family
 
     _, hf_cfg, _ = family_config("llama", num_hidden_layers=1)
     save_checkpoint(hf_model(hf_cfg).to(torch.bfloat16), tmp_path, shards=1)
@@ -143,9 +143,9 @@ def test_server_reports_a_changed_weight_at_stop(model_dir: Path, caplog: pytest
     from hivemind.proto import runtime_pb2
 
     from distconf.rpc.protocol import loads_metadata
+    from distconf.server.block_server import BlockServer, ServeOptions
     from distconf.server.handler import BlockHandler, HandlerSettings
     from distconf.server.memory import CacheBudget
-    from distconf.server.server import BlockServer, ServeOptions
 
     caplog.set_level(logging.INFO, logger="distconf.server")
     server = BlockServer(ServeOptions(model_dir=str(model_dir), new_swarm=True, blocks=(0, LAYERS), dtype="fp32",
@@ -180,7 +180,7 @@ class Served:
 
     def __init__(self, model_dir: Path, root: Path) -> None:
         from distconf.dht import start_local_dht, visible_maddrs
-        from distconf.family.auto import AutoDistributedConfig
+        from distconf.loader.auto import AutoDistributedConfig
         from distconf.rpc import RpcLoop, chain_uid
 
         self.config = AutoDistributedConfig.from_pretrained(str(model_dir))

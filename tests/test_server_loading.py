@@ -10,8 +10,8 @@ import pytest
 import torch
 from blockhelpers import family_config, hf_model, record_layers, save_checkpoint
 
+from distconf.server.block_server import hub_repository
 from distconf.server.loading import Progress, load_blocks, measure_throughput, plan_span
-from distconf.server.server import hub_repository
 
 
 class _Terminal(io.StringIO):
@@ -46,7 +46,7 @@ def test_hub_repository_from_a_cache_snapshot(tmp_path: Path) -> None:
 
 
 def test_load_measure_and_place_real_blocks(tmp_path: Path) -> None:
-    from distconf.family import load_family
+    from distconf.loader import load_family
 
     _, hf_cfg, _ = family_config("llama", num_hidden_layers=3)
     model = hf_model(hf_cfg)
@@ -77,8 +77,8 @@ def test_stop_while_loading_ends_the_server(tmp_path: Path) -> None:
     """A stop request (SIGINT/SIGTERM in ``distconf serve``) during loading stops at the next block."""
     import threading
 
-    from distconf.family import load_family
-    from distconf.server.server import BlockServer, ServeOptions
+    from distconf.loader import load_family
+    from distconf.server.block_server import BlockServer, ServeOptions
 
     _, hf_cfg, _ = family_config("llama", num_hidden_layers=2)
     save_checkpoint(hf_model(hf_cfg), tmp_path, shards=1)

@@ -87,7 +87,7 @@ class Swarm:
     """Two servers (blocks 0:2 and 2:4), a client DHT node, its RPC loop and the local reference model."""
 
     def __init__(self, root: Path) -> None:
-        from distconf.family import load_family
+        from distconf.loader import load_family
 
         _, hf_cfg, _ = family_config("llama", num_hidden_layers=LAYERS)
         self.model = hf_model(hf_cfg)

@@ -10,7 +10,7 @@ from distconf import load_preset
 from distconf.blocks.kvcache import kv_geometry
 from distconf.blocks.sizing import block_param_count, block_size_bytes, bytes_per_value, kv_cache_bytes_per_token
 from distconf.errors import ConfigValueError
-from distconf.family import load_family
+from distconf.loader import load_family
 
 KNOWN_KV_BF16 = {
     "bigscience/bloom": 57344,

@@ -53,7 +53,7 @@ def test_demo_chooses_a_replaceable_server():
     """The server stopped mid-generation is one whose blocks other servers hold; the placement makes one."""
     from distconf.planning import choose_blocks
     from distconf.tools.demo.generation import replaceable_server
-    from distconf.tools.demo.model import DEMO_LAYERS, blocks_per_server
+    from distconf.tools.demo.tiny_model import DEMO_LAYERS, blocks_per_server
 
     spans = {"a": (0, 4), "b": (4, 8), "c": (4, 8)}
     assert replaceable_server([("a", 0, 4), ("c", 4, 8)], spans) == "c"

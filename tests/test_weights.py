@@ -10,7 +10,7 @@ from blockhelpers import family_config, hf_layer, hf_model, save_checkpoint, wri
 from safetensors.torch import load_file, save_file
 
 from distconf.blocks.weights import BlockWeightsError, checkpoint_files, load_block, load_block_weights
-from distconf.family import load_family
+from distconf.loader import load_family
 
 
 def _assert_same_as_layer(state, model, config, layer_idx):

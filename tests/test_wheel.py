@@ -23,7 +23,7 @@ def test_wheel_contains_data_and_works(tmp_path) -> None:
     unpacked = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(unpacked)
     code = (
-        "import distconf, distconf.family.data as d\n"
+        "import distconf, distconf.loader.data as d\n"
         f"assert str(d.builtin_families_dir()).startswith({str(unpacked)!r}), d.builtin_families_dir()\n"
         "from distconf.cli import main\n"
         "assert main(['validate', '-q']) == 0\n"

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.errors import ConfigValueError
-from distconf.family.formula import FormulaError
-from distconf.family.spec_block import BlockSpec
-from distconf.family.synthesis import import_object
+from distconf.loader.formula import FormulaError
+from distconf.loader.spec_block import BlockSpec
+from distconf.loader.synthesis import import_object
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.adapter import BlockAdapter, import_named
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
-from distconf.family.formula import FormulaError
-from distconf.family.registry import load_family_by_class_name
+from distconf.loader.formula import FormulaError
+from distconf.loader.registry import load_family_by_class_name
 
 if TYPE_CHECKING:
     import torch

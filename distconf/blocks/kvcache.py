@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.errors import ConfigValueError
-from distconf.family.formula import Formula, FormulaError
+from distconf.loader.formula import Formula, FormulaError
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 

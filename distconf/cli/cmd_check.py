@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from distconf.cli.table import format_table
-    from distconf.family.search import find_family_file, is_family_path, list_families
+    from distconf.loader.search import find_family_file, is_family_path, list_families
     from distconf.tools.checker import TOLERANCE, check_family
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit 1 if anything fails."""
     from distconf.errors import FamilyValidationError
-    from distconf.family.data import builtin_families_dir
-    from distconf.family.search import validate_paths
+    from distconf.loader.data import builtin_families_dir
+    from distconf.loader.search import validate_paths
 
     print("== 1. validate the built-in family files")
     try:
@@ -63,8 +63,8 @@ def _preset_table() -> str:
     """One row per shipped preset a family file serves: class, DHT prefix, blocks, sizes."""
     from distconf.cli.table import format_table
     from distconf.errors import FamilyNotFoundError
-    from distconf.family.auto import load_preset
-    from distconf.family.presets import list_presets
+    from distconf.loader.auto import load_preset
+    from distconf.loader.presets import list_presets
 
     rows: list[list[Any]] = []
     skipped = []

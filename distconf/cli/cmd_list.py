@@ -24,8 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print one row per family; invalid files are reported, not hidden."""
     from distconf.errors import FamilyValidationError
-    from distconf.family.search import find_family_file, list_families
-    from distconf.family.source import read_family_file
+    from distconf.loader.search import find_family_file, list_families
+    from distconf.loader.source import read_family_file
 
     rows = []
     status = 0

@@ -34,7 +34,7 @@ def parse_duration(text: str) -> float:
 def parse_model(text: str) -> tuple[str, int]:
     """``PREFIX:NUM_BLOCKS``, a shipped preset or a model directory -> (dht_prefix, block count)."""
     from distconf.dht import MAX_NUM_BLOCKS
-    from distconf.family.naming import dht_prefix_problem
+    from distconf.loader.naming import dht_prefix_problem
 
     head, sep, tail = text.rpartition(":")
     if sep and tail.isdigit():

@@ -52,8 +52,8 @@ def _schema_reference(output: Path) -> str:
     schema (a source checkout's ``families/``), else the schema's ``$id`` URL, which
     does not depend on where distconf is installed.
     """
-    from distconf.family.data import schema_path
-    from distconf.family.spec import SCHEMA_ID
+    from distconf.loader.data import schema_path
+    from distconf.loader.spec import SCHEMA_ID
 
     schema = schema_path()
     root = schema.parent.parent
@@ -65,7 +65,7 @@ def _schema_reference(output: Path) -> str:
 
 def _kind_coverage(output: Path, config: dict, source: str) -> str:
     """How many layer kinds of the config drafted from the tiny variants run (as ``distconf check`` counts them)."""
-    from distconf.family import load_family
+    from distconf.loader import load_family
     from distconf.tools.checker.kinds import compare_kinds, tiny_configs
 
     try:
@@ -81,7 +81,7 @@ def _kind_coverage(output: Path, config: dict, source: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Draft, write, validate; print what was found and what to review."""
     from distconf.errors import FamilyValidationError
-    from distconf.family.source import read_family_file
+    from distconf.loader.source import read_family_file
     from distconf.tools.drafting import DraftingError, draft_family, read_config_json
 
     output = _output_path(args.family, args.out)

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_model_config(name: str) -> Any:
     """A distributed config from a local directory or a shipped preset."""
     if os.path.isdir(name):
-        from distconf.family.auto import AutoDistributedConfig
+        from distconf.loader.auto import AutoDistributedConfig
 
         return AutoDistributedConfig.from_pretrained(name)
     from distconf import load_preset

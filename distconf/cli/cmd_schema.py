@@ -27,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Generate, then write or compare."""
-    from distconf.family.data import schema_path
-    from distconf.family.schema import schema_text
+    from distconf.loader.data import schema_path
+    from distconf.loader.json_schema import schema_text
 
     text = schema_text()
     target = args.output or schema_path()

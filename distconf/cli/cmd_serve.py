@@ -67,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace, peers: list[str]) -> Any:
-    from distconf.server.server import ServeOptions
+    from distconf.server.block_server import ServeOptions
 
     return ServeOptions(
         model_dir=args.model_dir, initial_peers=peers, new_swarm=args.new_swarm, blocks=args.blocks,
@@ -81,7 +81,7 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; exit 0 after announcing OFFLINE, 2 on bad arguments."""
-    from distconf.family.mixins import default_initial_peers
+    from distconf.loader.mixins import default_initial_peers
 
     peers = list(args.initial_peers or ([] if args.new_swarm else default_initial_peers()))
     if not peers and not args.new_swarm:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from distconf.server.server import BlockServer
+    from distconf.server.block_server import BlockServer
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

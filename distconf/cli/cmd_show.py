@@ -32,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print a two-column description."""
     from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
-    from distconf.family import load_family
-    from distconf.family.auto import AutoDistributedConfig
-    from distconf.family.naming import derive_dht_prefix
+    from distconf.loader import load_family
+    from distconf.loader.auto import AutoDistributedConfig
+    from distconf.loader.naming import derive_dht_prefix
     from distconf.tools.describe import describe_class, describe_config
 
     if args.config and args.preset:
@@ -70,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _model_type(args: argparse.Namespace) -> str:
-    from distconf.family.auto import read_model_type as _read_model_type
+    from distconf.loader.auto import read_model_type as _read_model_type
 
     return _read_model_type(args.preset or args.config, bool(args.preset), {})

@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _resolve(model: str) -> tuple[str, int | None]:
     """(dht_prefix, block count or None) of a preset, a model directory or a bare prefix."""
     if os.path.isdir(model):
-        from distconf.family.auto import AutoDistributedConfig
+        from distconf.loader.auto import AutoDistributedConfig
 
         cfg = AutoDistributedConfig.from_pretrained(model)
         if not cfg.dht_prefix:
@@ -61,7 +61,7 @@ def _resolve(model: str) -> tuple[str, int | None]:
     if "/" in model:
         try:
             from distconf import load_preset
-            from distconf.family.presets import list_presets
+            from distconf.loader.presets import list_presets
 
             if model in list_presets():
                 cfg = load_preset(model)

@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate; print one line per file, problems on stderr."""
     from distconf.errors import FamilyValidationError
-    from distconf.family.data import builtin_families_dir
-    from distconf.family.search import validate_paths
+    from distconf.loader.data import builtin_families_dir
+    from distconf.loader.search import validate_paths
 
     paths = args.paths or [builtin_families_dir()]
     try:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print("no family files found in " + " ".join(map(str, paths)), file=sys.stderr)
         return 1
     if args.resolve:
-        from distconf.family.synthesis import resolve_source
+        from distconf.loader.synthesis import resolve_source
 
         problems = []
         for source in sources:

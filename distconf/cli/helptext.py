@@ -41,7 +41,7 @@ def initial_peers(args: argparse.Namespace, command: str) -> list[str] | None:
 
     There is deliberately no default swarm: a command that joins one needs an address.
     """
-    from distconf.family.mixins import default_initial_peers
+    from distconf.loader.mixins import default_initial_peers
 
     peers = list(args.initial_peers or default_initial_peers())
     if not peers:

@@ -11,7 +11,7 @@ from distconf.client.cache import RemoteCache
 from distconf.client.lmhead import LMHead
 from distconf.client.model import AutoDistributedModelForCausalLM, distributed_model_class
 from distconf.client.ptune import PromptTuning
-from distconf.client.routing import RetriesExhausted, SequenceManager
+from distconf.client.sequence_manager import RetriesExhausted, SequenceManager
 from distconf.client.sequential import RemoteSequential
 from distconf.client.session import InferenceSession
 from distconf.client.swarm import SwarmClient

@@ -30,11 +30,11 @@ from distconf.blocks.hf_compat import record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
 from distconf.client.lmhead import install_lm_head
+from distconf.client.local_weights import load_non_block_weights, load_prompts
 from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
-from distconf.client.weights import load_non_block_weights, load_prompts
-from distconf.family.auto import AutoDistributedConfig
+from distconf.loader.auto import AutoDistributedConfig
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
            "distributed_model_class"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distconf.client.routing import SequenceManager
+from distconf.client.sequence_manager import SequenceManager
 from distconf.client.session import InferenceSession
 from distconf.dht import RemoteSpan
 from distconf.rpc.calls import call_backward, call_forward

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from distconf.client.routing import RetriesExhausted
+from distconf.client.sequence_manager import RetriesExhausted
 from distconf.dht import RemoteSpan
 from distconf.rpc.calls import InferenceStream, inference_step_request
 from distconf.rpc.protocol import (

@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, block_uid, dht_prefix_problem, parse_block_uid
+from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER, block_uid, dht_prefix_problem, parse_block_uid
 
 __all__ = [
     "CHAIN_DELIMITER",

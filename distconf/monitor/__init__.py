@@ -16,8 +16,8 @@ from __future__ import annotations
 from distconf.monitor.app import build_app, state_of
 from distconf.monitor.metrics import render_metrics
 from distconf.monitor.refresher import DEFAULT_MAX_MODELS, Monitor, Snapshot, dht_reader
-from distconf.monitor.schema import SCHEMA_VERSION, ModelStateV1, RouteV1, ServerRowV1, SwarmStateV1
 from distconf.monitor.serve import RunningServer, serve_forever, start_in_thread
+from distconf.monitor.state_schema import SCHEMA_VERSION, ModelStateV1, RouteV1, ServerRowV1, SwarmStateV1
 
 __all__ = [
     "DEFAULT_MAX_MODELS",

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from distconf.monitor.metrics import CONTENT_TYPE, render_metrics
 from distconf.monitor.refresher import Monitor
-from distconf.monitor.schema import SwarmStateV1
+from distconf.monitor.state_schema import SwarmStateV1
 
 __all__ = ["DEFAULT_PAGE_SIZE", "LOOPBACK_HOSTS", "MAX_PAGE_SIZE", "STATIC_FILES", "build_app", "state_of"]
 

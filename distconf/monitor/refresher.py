@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from distconf.monitor.schema import ModelStateV1
 from distconf.monitor.snapshot import ListingRead, ModelWanted, describe_error, read_listing, read_model, with_error
+from distconf.monitor.state_schema import ModelStateV1
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT

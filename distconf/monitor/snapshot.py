@@ -1,4 +1,4 @@
-"""Read a swarm into the schema of `distconf.monitor.schema`, with discovery's own functions.
+"""Read a swarm into the schema of `distconf.monitor.state_schema`, with discovery's own functions.
 
 `read_models` reads the ``_petals.models`` listing and then each model's blocks with
 `distconf.dht.find_servers_by_prefix` (the same batched read and the same record checks
@@ -26,7 +26,7 @@ from distconf.dht import (
     make_route,
     read_model_listing,
 )
-from distconf.monitor.schema import MAX_PINGS, ModelStateV1, RouteV1, ServerRowV1
+from distconf.monitor.state_schema import MAX_PINGS, ModelStateV1, RouteV1, ServerRowV1
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT

@@ -24,7 +24,7 @@ from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER, dht_prefix_problem
+from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER, dht_prefix_problem
 
 __all__ = [
     "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",

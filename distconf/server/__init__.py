@@ -12,6 +12,6 @@
 Importing this package is cheap; torch and hivemind are imported by the modules that need them.
 """
 
-from distconf.server.server import BlockServer, ServeOptions, hub_repository
+from distconf.server.block_server import BlockServer, ServeOptions, hub_repository
 
 __all__ = ["BlockServer", "ServeOptions", "hub_repository"]

@@ -61,7 +61,7 @@ class CacheBudget:
             async with changed:
                 try:
                     await asyncio.wait_for(changed.wait_for(lambda: nbytes <= self.bytes_left), timeout or 1e-3)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise AllocationFailed(
                         f"{what} needs {nbytes} bytes of KV cache; only {self.bytes_left} of {self.total_bytes} "
                         f"were free within alloc_timeout={timeout:g} s") from None

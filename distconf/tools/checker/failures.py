@@ -40,7 +40,7 @@ def validation_failure(exc: FamilyValidationError) -> CheckFailure:
 
 def crash_failure(cls: type, exc: Exception) -> CheckFailure:
     """Name the most likely field when running a block raised an exception."""
-    from distconf.family.synthesis import import_object
+    from distconf.loader.synthesis import import_object
 
     spec = cls.family_spec  # type: ignore[attr-defined]
     message = f"{type(exc).__name__}: {exc}"

@@ -109,7 +109,7 @@ def _layer_count_keys(cls: type) -> set[str]:
 
 def real_configs(cls: type) -> list[tuple[str, Any]]:
     """``(name, config)`` of the real models of a family: its presets, else the tiny config at full depth."""
-    from distconf.family.presets import list_presets, preset_model_type, preset_path
+    from distconf.loader.presets import list_presets, preset_model_type, preset_path
 
     spec = cls.family_spec  # type: ignore[attr-defined]
     found = []

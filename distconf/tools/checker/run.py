@@ -59,8 +59,8 @@ def check_family(name_or_path: str | Path) -> list[CheckResult]:
     A family name that is on no search path raises `FamilyNotFoundError` (a usage mistake,
     not a defect of a family file).
     """
-    from distconf.family import load_family
-    from distconf.family.search import is_family_path
+    from distconf.loader import load_family
+    from distconf.loader.search import is_family_path
 
     try:
         cls = load_family(name_or_path)

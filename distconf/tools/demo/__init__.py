@@ -30,8 +30,8 @@ orchestrator talks to each server over a one-line-per-message protocol on its
 stdin/stdout (`process`).
 """
 
-from distconf.tools.demo.model import DEMO_LAYERS, demo_family, demo_prefix, make_tiny_checkpoint
 from distconf.tools.demo.orchestrator import run_swarm_demo
 from distconf.tools.demo.server import serve
+from distconf.tools.demo.tiny_model import DEMO_LAYERS, demo_family, demo_prefix, make_tiny_checkpoint
 
 __all__ = ["DEMO_LAYERS", "demo_family", "demo_prefix", "make_tiny_checkpoint", "run_swarm_demo", "serve"]

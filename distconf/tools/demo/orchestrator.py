@@ -22,7 +22,8 @@ from distconf.tools.demo.generation import (
     replaceable_server,
     swarm_generation,
 )
-from distconf.tools.demo.model import (
+from distconf.tools.demo.process import ServerProcess
+from distconf.tools.demo.tiny_model import (
     DEMO_DTYPE,
     blocks_per_server,
     demo_family,
@@ -30,7 +31,6 @@ from distconf.tools.demo.model import (
     make_tiny_checkpoint,
     memory_for,
 )
-from distconf.tools.demo.process import ServerProcess
 from distconf.tools.demo.tuning import PRE_SEQ_LEN, STEPS, target_token, tune_prompts, weights_report
 
 __all__ = ["run_swarm_demo"]

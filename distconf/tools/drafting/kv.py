@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distconf.family.formula import Formula, FormulaError, evaluate_on
+from distconf.loader.formula import Formula, FormulaError, evaluate_on
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
 from distconf.tools.drafting.probe import TinyRun

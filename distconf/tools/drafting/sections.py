@@ -11,8 +11,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.calls import LayerCall, read_layer_call
 from distconf.tools.drafting.common import MISSING, field_value, module_path
+from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
 

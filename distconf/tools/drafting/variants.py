@@ -26,7 +26,7 @@ __all__ = ["sibling_presets", "tiny_plan", "variant_values", "sibling_variants"]
 
 def sibling_presets(config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Shipped presets of ``config``'s model_type, except ``config`` itself."""
-    from distconf.family.presets import list_presets, preset_model_type, preset_path
+    from distconf.loader.presets import list_presets, preset_model_type, preset_path
 
     mine = {k: v for k, v in config.items() if k not in CHECKPOINT_KEYS}
     found = []

@@ -13,9 +13,9 @@ import threading
 from typing import Any
 
 from distconf.errors import FamilyNotFoundError, FamilyValidationError
-from distconf.family.search import FAMILIES_PATH_ENV, find_family_file, is_family_path, scan_valid_sources
-from distconf.family.source import FamilySource, read_family_file
-from distconf.family.spec import FamilySpec
+from distconf.loader.search import FAMILIES_PATH_ENV, find_family_file, is_family_path, scan_valid_sources
+from distconf.loader.source import FamilySource, read_family_file
+from distconf.loader.spec import FamilySpec
 
 __all__ = [
     "load_family", "get_family_spec", "family_for_model_type", "load_family_by_class_name", "clear_cache",
@@ -66,7 +66,7 @@ def load_family(name_or_path: str | os.PathLike[str]) -> type:
             ])
         cls = _classes.get(family) if known is not None else None
         if cls is None:
-            from distconf.family.synthesis import synthesize_config_class
+            from distconf.loader.synthesis import synthesize_config_class
 
             cls = synthesize_config_class(source, module=__name__)
             _sources[family] = source

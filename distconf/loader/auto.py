@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distconf.family.presets import preset_model_type
-from distconf.family.registry import family_for_model_type, load_family
+from distconf.loader.presets import preset_model_type
+from distconf.loader.registry import family_for_model_type, load_family
 
 __all__ = ["AutoDistributedConfig", "load_preset", "read_model_type"]
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
 
 from distconf.errors import excerpt
-from distconf.family.formula import Formula, FormulaError
+from distconf.loader.formula import Formula, FormulaError
 
 __all__ = [
     "StrictModel", "ClassPath", "IntOrFormula", "FormulaText", "Identifier", "ScalarValue",

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from distconf.family.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = [
     "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "PositionSpec", "MaskSpec", "MaskKind",

@@ -2,8 +2,8 @@
 
 Family files are untrusted. A file is checked with ``stat`` before it is opened: only
 a regular file of at most 1 MiB is read (never a FIFO or device, which could block or
-never end), and never more than that many bytes (`distconf.family.files`). Finding
-files on the search path is `distconf.family.search`. Nothing here imports torch or
+never end), and never more than that many bytes (`distconf.loader.files`). Finding
+files on the search path is `distconf.loader.search`. Nothing here imports torch or
 transformers.
 
 A `FamilySource` is the validated file: its `FamilySpec` plus the line and column of
@@ -21,9 +21,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from distconf.errors import FamilyValidationError, Problem, excerpt
-from distconf.family.files import UnreadableFile, read_capped
-from distconf.family.spec import FamilySpec
-from distconf.family.yamlsafe import Location, YamlProblem, parse_yaml
+from distconf.loader.files import UnreadableFile, read_capped
+from distconf.loader.spec import FamilySpec
+from distconf.loader.yamlsafe import Location, YamlProblem, parse_yaml
 
 __all__ = ["FamilySource", "FAMILY_SUFFIXES", "read_family_file", "MAX_FILE_BYTES"]
 

@@ -19,7 +19,7 @@ DEMO_SEED = 2
 
 def demo_family(family: str | None = None) -> str:
     """The family the demo serves: ``family``, else the first built-in one with a ``tiny_config``."""
-    from distconf.family import list_families, load_family
+    from distconf.loader import list_families, load_family
 
     if family is not None:
         return family
@@ -63,7 +63,7 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from distconf.family import load_family
+    from distconf.loader import load_family
     from distconf.tools.checker import tiny_variants
 
     cls = load_family(family)

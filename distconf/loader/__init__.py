@@ -9,8 +9,8 @@ The modules form one chain, each importing only the ones before it::
 Nothing here imports torch or transformers until a class is synthesized.
 """
 
-from distconf.family.registry import get_family_spec, load_family
-from distconf.family.search import list_families, validate_paths
-from distconf.family.source import FamilySource, read_family_file
+from distconf.loader.registry import get_family_spec, load_family
+from distconf.loader.search import list_families, validate_paths
+from distconf.loader.source import FamilySource, read_family_file
 
 __all__ = ["FamilySource", "get_family_spec", "list_families", "load_family", "read_family_file", "validate_paths"]

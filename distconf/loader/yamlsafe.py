@@ -1,6 +1,6 @@
 """Safe YAML parsing that keeps the line and column of every value.
 
-Family files are untrusted input (`distconf.family.files` reads their bytes safely).
+Family files are untrusted input (`distconf.loader.files` reads their bytes safely).
 This loader accepts only plain YAML data:
 mappings with string keys, sequences, and the standard scalar tags. It rejects
 python/custom tags, anchors used as aliases (no alias bombs), and duplicate keys, each

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from distconf.errors import FamilyNotFoundError, FamilyValidationError, Problem
-from distconf.family.data import builtin_families_dir
-from distconf.family.files import file_kind, file_problem
-from distconf.family.source import FAMILY_SUFFIXES, MAX_FILE_BYTES, FamilySource, read_family_file
+from distconf.loader.data import builtin_families_dir
+from distconf.loader.files import file_kind, file_problem
+from distconf.loader.source import FAMILY_SUFFIXES, MAX_FILE_BYTES, FamilySource, read_family_file
 
 __all__ = [
     "FAMILIES_PATH_ENV", "family_search_path", "validate_paths", "find_family_file", "list_families",

@@ -25,7 +25,7 @@ CHAIN_DELIMITER = " "
 
 
 class PrefixRule(Protocol):
-    """What `derive_dht_prefix` reads of a family's ``dht_prefix`` rule (`distconf.family.spec.DhtPrefixRule`)."""
+    """What `derive_dht_prefix` reads of a family's ``dht_prefix`` rule (`distconf.loader.spec.DhtPrefixRule`)."""
 
     name: str
     suffix: str

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from distconf.errors import FamilyNotFoundError
-from distconf.family.data import presets_dir
+from distconf.loader.data import presets_dir
 
 __all__ = ["list_presets", "preset_path", "preset_model_type"]
 

@@ -12,10 +12,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from distconf.errors import ConfigValueError, excerpt
-from distconf.family.formula import Formula, FormulaError
-from distconf.family.naming import CHAIN_DELIMITER, UID_DELIMITER
-from distconf.family.spec_block import BlockSpec, KVCacheSpec
-from distconf.family.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER
+from distconf.loader.spec_block import BlockSpec, KVCacheSpec
+from distconf.loader.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from distconf.family.spec import SCHEMA_ID, FamilySpec
+from distconf.loader.spec import SCHEMA_ID, FamilySpec
 
 __all__ = ["family_schema", "schema_text"]
 

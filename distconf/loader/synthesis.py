@@ -4,7 +4,7 @@ The class is built with ``type(...)`` with exactly the bases of a hand-written P
 config: the family's Hugging Face config class, then `ClientConfig`, `PTuneConfig` and
 `LMHeadConfig` (with `PinnedRevisionMixin` first when the family pins revisions). It is
 a real subclass of the HF class with the same ``model_type``, loads and saves like it,
-and pickles by module and name (`distconf.family.registry` is its home).
+and pickles by module and name (`distconf.loader.registry` is its home).
 
 The class carries its own validated `FamilySource` (``cls.family_source``), so any
 layer can report a problem at its line in the family file with
@@ -24,8 +24,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from distconf.errors import ConfigValueError, FamilyValidationError
-from distconf.family.formula import Formula
-from distconf.family.mixins import (
+from distconf.loader.formula import Formula
+from distconf.loader.mixins import (
     ClientConfig,
     LMHeadConfig,
     PinnedRevisionMixin,
@@ -33,10 +33,10 @@ from distconf.family.mixins import (
     check_cross_fields,
     check_field,
 )
-from distconf.family.naming import derive_dht_prefix
-from distconf.family.presets import preset_path
-from distconf.family.source import FamilySource
-from distconf.family.spec import FamilySpec
+from distconf.loader.naming import derive_dht_prefix
+from distconf.loader.presets import preset_path
+from distconf.loader.source import FamilySource
+from distconf.loader.spec import FamilySpec
 
 __all__ = [
     "synthesize_config_class", "resolve_source", "import_object", "import_class", "iter_formulas",

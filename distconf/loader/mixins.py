@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from distconf.errors import ConfigValueError
-from distconf.family.naming import block_uid, dht_prefix_problem
+from distconf.loader.naming import block_uid, dht_prefix_problem
 
 __all__ = [
     "ClientConfig", "PTuneConfig", "LMHeadConfig", "PinnedRevisionMixin", "MIXINS",
@@ -109,7 +109,7 @@ def check_cross_fields(config: Any) -> None:
 Multiaddr = Annotated[str, Field(strict=True), AfterValidator(_is_multiaddr)]
 """A libp2p multiaddr such as ``/ip4/127.0.0.1/tcp/31337/p2p/<peer id>``."""
 DhtPrefix = Annotated[str | None, AfterValidator(_is_dht_prefix)]
-"""A DHT prefix usable in block uids (see `distconf.family.naming`), or None."""
+"""A DHT prefix usable in block uids (see `distconf.loader.naming`), or None."""
 
 
 @dataclass(kw_only=True)

@@ -148,7 +148,7 @@ class BlockServer:
         if o.memory is None and o.blocks is None and o.num_blocks is None:
             raise ValueError("give --memory (the planner sizes the server), --num-blocks or --blocks")
         if self.config is None:
-            from distconf.family.auto import AutoDistributedConfig
+            from distconf.loader.auto import AutoDistributedConfig
 
             self.config = AutoDistributedConfig.from_pretrained(o.model_dir)
         self.dtype_name = resolve_dtype(o.dtype)
