@@ -10,12 +10,19 @@ wrong way is caught as well as a top-level one. Two properties are checked:
 Edges: ``import a.b.c`` is an edge to ``a.b.c``; ``from a.b import c`` is an edge to
 ``a.b.c`` when that is a module, else to ``a.b``; relative imports are resolved. The
 implicit import of a package's ``__init__`` by a submodule import (``a.b`` when importing
-``a.b.c``) is not an edge.
+``a.b.c``) is not an edge. A string constant that is a dotted path into the package
+(``"distconf.blocks.make_block_class"``, resolved later by ``importlib``) is an edge "by name"
+to the longest module prefix it names, unless that is one of the module's own packages: an
+import by name points one way too.
+
+`LATE_BINDINGS` lists the by-name edges allowed against the order, each with its reason; a
+test checks that each one still exists, so the list cannot rot.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 from itertools import pairwise
 from pathlib import Path
@@ -35,6 +42,16 @@ LAYERS: dict[str, int] = {
     "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.__main__": 4,
 }
 LAYER_NAMES = {0: "errors/loader", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor"}
+
+
+LATE_BINDINGS: dict[tuple[str, str], str] = {
+    ("distconf.loader.spec_block", "distconf.blocks"):
+        "the default of a family file's `block.adapter`: data naming a factory, resolved at first use "
+        "through the trusted class-path rule like every class path in a family file (a family may name its own)",
+}
+"""By-name edges against the layer order that are allowed: ``(module, target) -> why``."""
+
+DOTTED_PATH = re.compile(r"distconf(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
 def module_files(root: Path = REPO / PACKAGE) -> dict[str, Path]:
@@ -64,22 +81,22 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(module: str, source: str, modules: set[str], is_package: bool) -> dict[str, tuple[int, bool]]:
+def imports_of(module: str, source: str, modules: set[str], is_package: bool) -> dict[str, tuple[int, bool, bool]]:
     """Modules of the package that ``module`` imports anywhere in ``source``.
 
-    Each maps to ``(line, type_only)``: the first line importing it, and whether every
-    import of it sits under ``if TYPE_CHECKING:``.
+    Each maps to ``(line, type_only, by_name)``: the first line importing it, whether every
+    import of it sits under ``if TYPE_CHECKING:``, and whether it is named only by a string.
     """
     tree = ast.parse(source)
     type_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
                  for statement in node.body for inner in ast.walk(statement)}
-    found: dict[str, tuple[int, bool]] = {}
+    found: dict[str, tuple[int, bool, bool]] = {}
 
-    def add(target: str | None, node: ast.stmt) -> None:
+    def add(target: str | None, node: ast.stmt | ast.expr, by_name: bool = False) -> None:
         if target is None or target == module:
             return
-        line, only_types = found.get(target, (node.lineno, True))
-        found[target] = (min(line, node.lineno), only_types and id(node) in type_only)
+        line, only_types, only_names = found.get(target, (node.lineno, True, True))
+        found[target] = (min(line, node.lineno), only_types and id(node) in type_only, only_names and by_name)
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -95,6 +112,11 @@ def imports_of(module: str, source: str, modules: set[str], is_package: bool) ->
             for alias in node.names:
                 submodule = f"{origin}.{alias.name}"
                 add(submodule if submodule in modules else _resolve(origin, modules), node)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED_PATH.fullmatch(node.value):
+            target = _resolve(node.value, modules)
+            # A module's own packages are imported before it: naming one (a logger, a resource root) adds no edge.
+            if target is not None and not module.startswith(target + ".") and target != module:
+                add(target, node, by_name=True)
     return found
 
 
@@ -115,7 +137,8 @@ def import_graph(root: Path = REPO / PACKAGE) -> Graph:
         found = imports_of(name, path.read_text(encoding="utf-8"), names, path.name == "__init__.py")
         graph[name] = {
             target: f"{path.relative_to(root.parent)}:{line}" + (" under TYPE_CHECKING" if type_only else "")
-            for target, (line, type_only) in found.items()
+            + (" by name" if by_name else "")
+            for target, (line, type_only, by_name) in found.items()
         }
     return graph
 
@@ -246,12 +269,45 @@ def test_edges_read_from_source(tmp_path) -> None:
     assert cycle.endswith("(distconf/blocks/build.py:1, distconf/loader/core.py:2)")
 
 
+def test_dotted_path_strings_are_edges(tmp_path) -> None:
+    pkg = tmp_path / PACKAGE
+    for name in ("loader", "blocks"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "blocks" / "build.py").write_text("")
+    (pkg / "loader" / "spec.py").write_text(
+        'DEFAULT = "distconf.blocks.build.make"\nNOT_A_PATH = "distconf is nice"\nLOGGER = "distconf.nowhere"\n')
+    graph = import_graph(pkg)
+    assert graph["distconf.loader.spec"] == {"distconf.blocks.build": "distconf/loader/spec.py:1 by name"}
+    assert layer_violations(graph) == [
+        "distconf.loader.spec (errors/loader) imports distconf.blocks.build (blocks) at distconf/loader/spec.py:1 "
+        "by name"]
+
+
 # --- the package ------------------------------------------------------------------------------------------
 
 
+def without_late_bindings(graph: Graph) -> Graph:
+    """The graph less the allowed by-name edges of `LATE_BINDINGS`."""
+    return {module: {t: where for t, where in targets.items() if (module, t) not in LATE_BINDINGS}
+            for module, targets in graph.items()}
+
+
 @pytest.fixture(scope="module")
-def graph() -> Graph:
+def full_graph() -> Graph:
     return import_graph()
+
+
+@pytest.fixture(scope="module")
+def graph(full_graph) -> Graph:
+    return without_late_bindings(full_graph)
+
+
+def test_late_bindings_exist_and_are_by_name(full_graph) -> None:
+    for module, target in LATE_BINDINGS:
+        assert target in full_graph.get(module, {}), f"stale LATE_BINDINGS entry: {module} -> {target}"
+        assert full_graph[module][target].endswith(" by name"), f"{module} imports {target} for real"
 
 
 def test_graph_sees_the_package(graph) -> None:
