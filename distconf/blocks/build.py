@@ -3,7 +3,8 @@
 ``make_block_class(config_cls)`` builds ``Distributed<Name>Block(BlockAdapter, layer_class)``
 once per config class (it is the default ``block.adapter`` of a family file, so
 ``config_cls.block_class`` resolves to it). ``build_block(config, i)`` instantiates block
-``i`` with the constructor arguments the family file declares, on the meta device by
+``i`` of the family's block class (`block_class_for`: what the family's ``block.adapter``
+builds) with the constructor arguments the family file declares, on the meta device by
 default (no memory); `distconf.blocks.weights.load_block` fills it from a checkpoint.
 Block classes live in this module, so pickle finds them by name.
 """
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["make_block_class", "build_block", "block_class_for", "constructor_kwargs", "materialize_buffers"]
 
 _lock = threading.Lock()
+_resolve_lock = threading.RLock()
 _block_classes: dict[type, type] = {}
 
 
@@ -77,11 +79,24 @@ def __getattr__(name: str) -> type:
 
 
 def block_class_for(config: Any) -> type:
-    """The block class for a config instance (its class's ``block_class``)."""
+    """The block class for a config instance: its class's ``block_class``.
+
+    That is whatever the family file's ``block.adapter`` factory builds (`make_block_class`
+    by default), resolved once per config class (`distconf.loader.synthesis` owns the rule;
+    this only makes the first resolution thread-safe and locates its errors).
+    """
     config_cls = type(config)
     if not hasattr(config_cls, "family_spec"):
         raise TypeError(f"{config_cls.__name__} is not a distributed config (use distconf.load_family)")
-    return make_block_class(config_cls)
+    adapter = config_cls.family_spec.block.adapter
+    with _resolve_lock:  # a user factory runs once even when several threads build blocks
+        try:
+            cls = config_cls.block_class
+        except ImportError as exc:
+            raise config_cls.family_source.error(("block", "adapter"), str(exc)) from None
+    if not isinstance(cls, type):
+        raise config_cls.family_source.error(("block", "adapter"), f"{adapter} returned {cls!r}, not a class")
+    return cls
 
 
 def constructor_kwargs(config: Any, layer_idx: int) -> dict[str, Any]:
@@ -119,7 +134,8 @@ def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: tor
             block = cls(**kwargs)
     except TypeError as exc:
         raise type(config).family_source.error(("block", "constructor"),
-                          f"{cls.layer_class.__name__}({', '.join(kwargs)}) failed: {exc}") from None
+                          f"{getattr(cls, 'layer_class', cls).__name__}({', '.join(kwargs)}) failed: {exc}"
+                          ) from None
     if dtype is not None:
         block = block.to(dtype)
     if str(device) == "meta" and buffers_device is not None:
