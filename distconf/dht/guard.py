@@ -3,8 +3,8 @@
 `install_guard` runs in the DHT process (through ``DHT.run_coroutine``) and is
 idempotent. It gives the node:
 
-1. the depth guard on hivemind's msgpack decoder (`distconf.dht.wire`), so crafted
-   nesting raises instead of overflowing the C stack;
+1. the depth guard on hivemind's msgpack decoder, so crafted nesting raises instead of
+   overflowing the C stack;
 2. a `SwarmRecordValidator` (unless one is installed already);
 3. **per-record** validation of dictionaries: hivemind drops a whole dictionary (every
    server of a block) when one of its records is invalid; the guard drops just that
@@ -17,24 +17,21 @@ idempotent. It gives the node:
    the responding peer's claim: a claim of ``+inf`` would otherwise end a "latest" search
    at once and hide every record not yet merged;
 6. with the ``swarm`` scope (every key holds swarm records), at most
-   ``4 * max_records_per_key`` records of a dictionary a peer sends are decoded;
-7. hivemind's ``PeerID`` computes its base58 text lazily (a third of a client's CPU per
-   discovery went to encoding neighbours' ids that are never printed).
+   ``4 * max_records_per_key`` records of a dictionary a peer sends are decoded.
 
-Items 3 to 7 patch parts of hivemind 1.1.12 (``DHTProtocol._validate_dictionary``,
-``DHTLocalStorage.store_subkey``, ``_SearchState.add_candidate``,
-``DictionaryDHTValue.unpackb``, ``PeerID``) in the DHT process only; each patch keeps
-hivemind's behaviour for valid data within the bounds.
+This module holds the rules (what is kept, what is dropped, the bounds); how each is
+hooked into hivemind is `distconf.dht.hivemind_compat` (items 1 to 5 there). Each hook
+keeps hivemind's behaviour for valid data within the bounds.
 """
 
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from distconf.dht.wire import guard_msgpack_depth
+from distconf.dht import hivemind_compat as compat
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind.dht import DHTNode
@@ -88,11 +85,11 @@ def install_guard(node: DHTNode, *, signed: bool = False, scope: str = "listed",
 
     from distconf.dht.validators import SwarmRecordValidator
 
-    guard_msgpack_depth()
+    compat.guard_msgpack_depth()
     protocol = node.protocol
     if protocol.record_validator is None:
         protocol.record_validator = CompositeValidator()
-    validators = list(getattr(protocol.record_validator, "_validators", ()))
+    validators = compat.composite_validators(protocol.record_validator)
     ours = next((v for v in validators if isinstance(v, SwarmRecordValidator)), None)
     if ours is None:
         ours = SwarmRecordValidator(signed=signed, scope=scope)
@@ -103,24 +100,23 @@ def install_guard(node: DHTNode, *, signed: bool = False, scope: str = "listed",
     guard = Guard(ours, max(1, int(max_records_per_key)))
     if rsa is not None:
         guard.owner_marker = rsa.local_public_key.decode()
-    protocol._validate_dictionary = types.MethodType(_make_dictionary_filter(guard), protocol)
+    compat.filter_dictionaries(protocol, _make_dictionary_filter(protocol, guard))
     for storage in (protocol.storage, protocol.cache):
-        storage.store_subkey = _capped_store_subkey(storage, guard)
-    _patch_search_state()
-    _lazy_peer_id_text()
+        compat.cap_stored_subkeys(storage, partial(_subkey_cap, guard), partial(_count_over_cap, guard))
+    compat.expire_dictionaries_by_records()
     if ours.scope == "swarm":  # every dictionary here is a swarm key's: none needs more records
-        _bound_dictionary_decoding(_SCAN_FACTOR * guard.max_records_per_key)
+        compat.bound_dictionary_decoding(_SCAN_FACTOR * guard.max_records_per_key)
     setattr(protocol, _GUARD_ATTR, guard)
     return guard
 
 
-def _make_dictionary_filter(guard: Guard) -> Any:
+def _make_dictionary_filter(protocol: Any, guard: Guard) -> Any:
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils import get_dht_time
 
     accepted: dict[tuple[bytes, Any, bytes], bool] = {}  # records the whole validator chain accepted
 
-    def _validate_dictionary(protocol: Any, key_bytes: bytes, dictionary: Any) -> bool:
+    def drop_invalid(key_bytes: bytes, dictionary: Any) -> None:
         """Drop invalid (and surplus) records of ``dictionary`` in place; keep the rest."""
         validator = protocol.record_validator
         capped = guard.validator.is_swarm_key(key_bytes)
@@ -154,102 +150,14 @@ def _make_dictionary_filter(guard: Guard) -> Any:
                 guard.dropped["invalid"] += 1
         for subkey in drop:
             del dictionary[subkey]
-        return True
 
-    return _validate_dictionary
-
-
-def _capped_store_subkey(storage: Any, guard: Guard) -> Any:
-    unguarded = storage.store_subkey
-
-    def store_subkey(key: Any, subkey: Any, value: bytes, expiration_time: float) -> bool:
-        from hivemind.dht.storage import DictionaryDHTValue
-
-        if guard.validator.is_swarm_key(key.to_bytes()):
-            current = storage.get(key)
-            if (current is not None and isinstance(current.value, DictionaryDHTValue)
-                    and subkey not in current.value and len(current.value) >= guard.max_records_per_key):
-                guard.dropped["over_cap"] += 1
-                return False
-        return unguarded(key, subkey, value, expiration_time)
-
-    return store_subkey
+    return drop_invalid
 
 
-def _bound_dictionary_decoding(limit: int) -> None:
-    """Decode at most ``limit`` records of any dictionary a peer sends (the rest would be dropped anyway).
-
-    A peer that holds thousands of records under one key sends them all in one response;
-    msgpack decodes the bytes quickly, but hivemind then stores every record one by one.
-    """
-    from hivemind.dht.storage import DictionaryDHTValue
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    if getattr(DictionaryDHTValue.unpackb, "_distconf_guard", False):
-        return
-
-    def unpackb(cls: type, raw: bytes) -> Any:
-        maxsize, latest_expiration_time, items = MSGPackSerializer.loads(raw)
-        with cls(maxsize).freeze() as new_dict:
-            for key, value, expiration_time in items[:limit]:
-                new_dict.store(key, value, expiration_time)
-            new_dict.latest_expiration_time = latest_expiration_time
-            return new_dict
-
-    unpackb._distconf_guard = True  # type: ignore[attr-defined]
-    DictionaryDHTValue.unpackb = classmethod(unpackb)  # type: ignore[method-assign]
+def _subkey_cap(guard: Guard, key_bytes: bytes) -> int | None:
+    """Most subkeys stored under ``key_bytes``: the guard's bound for swarm keys, none for others."""
+    return guard.max_records_per_key if guard.validator.is_swarm_key(key_bytes) else None
 
 
-def _lazy_peer_id_text() -> None:
-    """Let hivemind's ``PeerID`` compute its base58 text when first asked, not when created.
-
-    Every search response names up to 20 neighbours per key, and hivemind builds a PeerID
-    for each, base58-encoding it in pure Python: about a third of a client's CPU during a
-    discovery, for text that is almost never read. A pickled PeerID still carries its text.
-    """
-    import base58
-    from hivemind.p2p import PeerID
-
-    if getattr(PeerID.__init__, "_distconf_guard", False):
-        return
-
-    def __init__(self: Any, peer_id_bytes: bytes) -> None:
-        self._bytes = peer_id_bytes
-
-    def to_base58(self: Any) -> str:
-        text = self.__dict__.get("_b58_str")
-        if text is None:
-            text = self._b58_str = base58.b58encode(self._bytes).decode()
-        return text
-
-    def __getstate__(self: Any) -> dict[str, Any]:
-        to_base58(self)
-        return dict(self.__dict__)
-
-    __init__._distconf_guard = True  # type: ignore[attr-defined]
-    PeerID.__init__ = __init__  # type: ignore[method-assign]
-    PeerID.to_base58 = to_base58  # type: ignore[method-assign]
-    PeerID.__getstate__ = __getstate__  # type: ignore[method-assign]
-
-
-def _patch_search_state() -> None:
-    from hivemind.dht import node as hivemind_node
-    from hivemind.dht.storage import DictionaryDHTValue
-    from hivemind.utils.timed_storage import ValueWithExpiration
-
-    search_state = hivemind_node._SearchState
-    unguarded = search_state.add_candidate
-    if getattr(unguarded, "_distconf_guard", False):
-        return
-
-    def add_candidate(self: Any, candidate: Any, source_node_id: Any) -> None:
-        if candidate is not None and isinstance(candidate.value, DictionaryDHTValue):
-            latest = max((item.expiration_time for _, item in candidate.value.items()), default=None)
-            if latest is None:
-                return  # nothing (valid and unexpired) in it
-            if not candidate.expiration_time <= latest:
-                candidate = ValueWithExpiration(candidate.value, latest)
-        unguarded(self, candidate, source_node_id)
-
-    add_candidate._distconf_guard = True  # type: ignore[attr-defined]
-    search_state.add_candidate = add_candidate
+def _count_over_cap(guard: Guard) -> None:
+    guard.dropped["over_cap"] += 1

@@ -25,19 +25,20 @@ def rsa_identity(path: str | None = None) -> tuple[Any, str, Callable[[], None] 
     written there (mode 0400). Without ``path``, a new key is written to a private
     temporary file, and ``cleanup`` removes it (call it once the node has started).
     """
-    from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
     from hivemind.utils.crypto import RSAPrivateKey
+
+    from distconf.dht.hivemind_compat import rsa_private_key_from_der
 
     if path is not None and os.path.isfile(path):
         with open(path, "rb") as f:
             stored = crypto_pb2.PrivateKey.FromString(f.read())
         if stored.key_type != crypto_pb2.KeyType.RSA:
             raise ValueError(f"{path}: signed records need an RSA identity, this one holds key type {stored.key_type}")
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": stored.data})  # hivemind's own unpickling path (DER)
-        if not isinstance(key._private_key, rsa.RSAPrivateKey):
-            raise ValueError(f"{path}: not an RSA private key")
+        try:
+            key = rsa_private_key_from_der(stored.data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         return key, path, None
     key = RSAPrivateKey()
     data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()

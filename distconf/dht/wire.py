@@ -12,24 +12,21 @@ peer can store break it:
   1.1.12 and msgpack 1.2.4 here).
 
 `safe_loads` decodes a record with hard limits (size, nesting, items) and never
-recurses without bound; `guard_msgpack_depth` makes hivemind's own decoder refuse deep
-extension nesting in the process it is called in (our DHT processes only).
+recurses without bound. (Making hivemind's own decoder refuse deep extension nesting is a
+patch of hivemind: `distconf.dht.hivemind_compat.guard_msgpack_depth`.)
 
 Imports only msgpack (a hivemind dependency) at call time.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 __all__ = [
-    "MAX_EXT_DEPTH",
     "MAX_NESTING",
     "MAX_VALUE_BYTES",
     "TUPLE_EXT_CODE",
     "WireError",
-    "guard_msgpack_depth",
     "safe_loads",
 ]
 
@@ -38,12 +35,11 @@ MAX_VALUE_BYTES = 16384
 servers is about 14 KiB; ours are at most 2 KiB)."""
 MAX_NESTING = 16
 """Deepest nesting of containers accepted in a record (server records nest 3 levels)."""
-MAX_EXT_DEPTH = 32
-"""Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
 MAX_ITEMS_TOTAL = 8192
 """Most containers and scalars accepted in one record."""
 TUPLE_EXT_CODE = 0x40
-"""hivemind's msgpack extension code for tuples (``MSGPackSerializer._TUPLE_EXT_TYPE_CODE``)."""
+"""hivemind's msgpack extension code for tuples (``MSGPackSerializer._TUPLE_EXT_TYPE_CODE``,
+checked by ``tests/test_hivemind_compat.py``)."""
 
 
 class WireError(ValueError):
@@ -112,36 +108,3 @@ def _check_shape(value: Any, max_nesting: int) -> None:
                 if not isinstance(key, (str, bytes)):
                     raise WireError(f"map key {key!r:.40} is not a string (hivemind cannot decode it)")
                 stack.append((sub, level + 1))
-
-
-_guard_lock = threading.Lock()
-
-
-def guard_msgpack_depth(limit: int = MAX_EXT_DEPTH) -> None:
-    """Make hivemind's ``MSGPackSerializer`` refuse extension types nested over ``limit`` levels.
-
-    Affects the calling process only (we call it inside our DHT processes): a subkey or
-    dictionary that a peer crafted to overflow the C stack then raises ``ValueError``,
-    which hivemind handles as a bad request or response, instead of crashing the node.
-    Idempotent.
-    """
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    with _guard_lock:
-        current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__
-        if getattr(current, "_distconf_guard", False):
-            return
-        state = threading.local()
-
-        def _decode_ext_types(cls: type, type_code: int, data: bytes) -> Any:
-            level = getattr(state, "level", 0)
-            if level >= limit:
-                raise ValueError(f"msgpack extension types nested more than {limit} levels deep")
-            state.level = level + 1
-            try:
-                return current(cls, type_code, data)
-            finally:
-                state.level = level
-
-        _decode_ext_types._distconf_guard = True  # type: ignore[attr-defined]
-        MSGPackSerializer._decode_ext_types = classmethod(_decode_ext_types)  # type: ignore[method-assign]

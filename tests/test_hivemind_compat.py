@@ -1,0 +1,270 @@
+"""`distconf.dht.hivemind_compat` on the installed hivemind: the version gate and one test per item.
+
+Process-wide patches are applied in this process and undone after each test (the DHT
+processes later tests start are forked from this one and must start unpatched); the
+dictionary filter and the speed-up wiring run in real DHT nodes on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import pickle
+import tomllib
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import base58
+import pytest
+from dhthelpers import run_in_node, start_plain_dht
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import ValueWithExpiration
+from packaging.specifiers import SpecifierSet
+
+from distconf.dht import hivemind_compat as compat
+from distconf.dht import start_local_dht, visible_maddrs
+from distconf.dht.wire import TUPLE_EXT_CODE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def restore():
+    """``restore(cls, *names)``: put those class attributes back as they are now after the test."""
+    saved = []
+
+    def save(cls: type, *names: str) -> None:
+        saved.extend((cls, name, cls.__dict__.get(name)) for name in names)
+
+    yield save
+    for cls, name, value in reversed(saved):
+        if value is None:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, value)
+
+
+def deep_tuple(levels: int) -> object:
+    value: object = 1
+    for _ in range(levels):
+        value = (value,)
+    return value
+
+
+# ----------------------------------------------------------------------------- version gate
+def test_supported_range_is_the_pyproject_pin():
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in dependencies if d.startswith("hivemind"))
+    assert SpecifierSet(pin.removeprefix("hivemind")) == SpecifierSet(compat.SUPPORTED_HIVEMIND)
+    assert compat.TESTED_HIVEMIND in SpecifierSet(compat.SUPPORTED_HIVEMIND)
+
+
+def test_installed_hivemind_is_accepted():
+    import hivemind
+
+    assert compat.check_hivemind_version() == hivemind.__version__
+
+
+@pytest.mark.parametrize("version", ["1.1.12", "1.1.13", "1.1.99"])
+def test_versions_in_range_are_accepted(version):
+    assert compat.check_hivemind_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["1.1.11", "1.2.0", "1.2.0rc1", "2.0", "0.9.10", "not a version"])
+def test_versions_out_of_range_are_refused(version):
+    with pytest.raises(compat.HivemindVersionError) as caught:
+        compat.check_hivemind_version(version)
+    message = str(caught.value)
+    assert f"hivemind {version} is installed" in message
+    assert compat.SUPPORTED_HIVEMIND in message and compat.TESTED_HIVEMIND in message
+
+
+# ----------------------------------------------------------------------------- 1. msgpack depth
+def test_msgpack_depth_guard_refuses_deep_tuples(restore):
+    restore(MSGPackSerializer, "_decode_ext_types")
+    limit = compat.MAX_EXT_DEPTH
+    too_deep = MSGPackSerializer.dumps(deep_tuple(limit + 1))
+    assert MSGPackSerializer.loads(too_deep) == deep_tuple(limit + 1)  # unguarded: decoded
+    compat.guard_msgpack_depth()
+    compat.guard_msgpack_depth()  # idempotent: one wrap, not two
+    assert MSGPackSerializer.loads(MSGPackSerializer.dumps(deep_tuple(limit))) == deep_tuple(limit)
+    with pytest.raises(ValueError, match="nested more than 32 levels"):
+        MSGPackSerializer.loads(too_deep)
+    assert MSGPackSerializer.loads(MSGPackSerializer.dumps([(1, 2), {"a": (3,)}])) == [(1, 2), {"a": (3,)}]
+
+
+def test_tuple_extension_code_matches_hivemind():
+    assert TUPLE_EXT_CODE == MSGPackSerializer._TUPLE_EXT_TYPE_CODE
+
+
+# ----------------------------------------------------------------------------- 2. dictionary filter
+async def _store_locally(_dht, node, key, records):
+    """Runs in a node's process: put records in its own storage only (it serves them to searches)."""
+    key_id = DHTID.generate(source=key)
+    for subkey, value in records.items():
+        node.protocol.storage.store_subkey(key_id, subkey, MSGPackSerializer.dumps(value), get_dht_time() + 60)
+    return True
+
+
+async def _drop_bad_subkeys(_dht, node):
+    """Runs in a node's process: filter every dictionary it receives, dropping subkeys that start with 'bad'."""
+    def drop_invalid(_key_bytes, dictionary):
+        for subkey in [s for s, _ in dictionary.items() if str(s).startswith("bad")]:
+            del dictionary[subkey]
+
+    compat.filter_dictionaries(node.protocol, drop_invalid)
+    return True
+
+
+async def _patch_marks(_dht, _node):
+    """Runs in a node's process: which process-wide patches are applied there."""
+    from hivemind.dht import node as hivemind_node
+
+    return {
+        "peer_id_text": compat._marked(PeerID.__init__),
+        "msgpack_depth": compat._marked(MSGPackSerializer.__dict__["_decode_ext_types"].__func__),
+        "search_expiration": compat._marked(hivemind_node._SearchState.add_candidate),
+        "dictionary_decoding": compat._marked(DictionaryDHTValue.unpackb),
+    }
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    started = []
+    try:
+        local = start_local_dht()
+        started.append(local)
+        plain = start_plain_dht(visible_maddrs(local))
+        started.append(plain)
+        yield SimpleNamespace(local=local, plain=plain)
+    finally:
+        for node in reversed(started):
+            node.shutdown()
+
+
+def test_dictionary_filter_drops_records_and_keeps_the_rest(nodes):
+    key = "compat.filter"
+    assert run_in_node(nodes.local, partial(_store_locally, key=key, records={"good": 1, "bad": 2, "bad2": 3}))
+    assert run_in_node(nodes.plain, _drop_bad_subkeys)
+    found = nodes.plain.get(key, latest=True)
+    assert found is not None and sorted(found.value) == ["good"]  # hivemind alone keeps all three or none
+    assert found.value["good"].value == 1
+
+
+# ----------------------------------------------------------------------------- 3. subkey cap
+def test_subkey_cap_refuses_new_subkeys_only():
+    storage = DHTLocalStorage()
+    capped, free = DHTID.generate(source="capped"), DHTID.generate(source="free")
+    refused = []
+    compat.cap_stored_subkeys(storage, lambda key: 2 if key == capped.to_bytes() else None,
+                              lambda: refused.append(1))
+    expiration = get_dht_time() + 60
+    assert [storage.store_subkey(capped, s, b"v", expiration) for s in ("a", "b", "c")] == [True, True, False]
+    assert storage.store_subkey(capped, "a", b"w", expiration + 1)  # a refresh of a held subkey
+    assert all(storage.store_subkey(free, s, b"v", expiration) for s in ("a", "b", "c"))
+    assert len(refused) == 1 and sorted(s for s, _ in storage.get(capped).value.items()) == ["a", "b"]
+    compat.cap_stored_subkeys(storage, lambda key: 3, lambda: refused.append(1))  # replaces, does not stack
+    assert storage.store_subkey(capped, "c", b"v", expiration)
+    assert not storage.store_subkey(capped, "d", b"v", expiration) and len(refused) == 2
+
+
+# ----------------------------------------------------------------------------- 4. search expiration
+def test_search_takes_dictionary_expiration_from_its_records(restore):
+    from hivemind.dht.node import _SearchState
+
+    restore(_SearchState, "add_candidate")
+    now = get_dht_time()
+    records = DictionaryDHTValue()
+    records.store("peer", b"v", now + 10)
+
+    async def search(candidate: ValueWithExpiration) -> _SearchState:
+        state = _SearchState(DHTID.generate(source="k"), now + 100, future=asyncio.get_running_loop().create_future())
+        state.add_candidate(candidate, None)
+        return state
+
+    lying = ValueWithExpiration(records, math.inf)
+    assert asyncio.run(search(lying)).finished  # unpatched: a claim of +inf ends the search
+    compat.expire_dictionaries_by_records()
+    state = asyncio.run(search(lying))
+    assert not state.finished and state.expiration_time == now + 10
+    empty = asyncio.run(search(ValueWithExpiration(DictionaryDHTValue(), math.inf)))
+    assert empty.binary_value is None and empty.expiration_time is None
+
+
+# ----------------------------------------------------------------------------- 5. dictionary decoding
+def test_dictionary_decoding_is_bounded(restore):
+    restore(DictionaryDHTValue, "unpackb")
+    now = get_dht_time()
+    big = DictionaryDHTValue()
+    for i in range(10):
+        big.store(f"s{i}", MSGPackSerializer.dumps(i), now + 10 + i)
+    compat.bound_dictionary_decoding(3)
+    decoded = MSGPackSerializer.loads(MSGPackSerializer.dumps(big))
+    assert isinstance(decoded, DictionaryDHTValue) and len(decoded) == 3
+    assert {s for s, _ in decoded.items()} <= {s for s, _ in big.items()}
+    assert decoded.latest_expiration_time == big.latest_expiration_time
+    small = DictionaryDHTValue()
+    small.store("only", b"v", now + 5)
+    again = MSGPackSerializer.loads(MSGPackSerializer.dumps(small))  # hivemind's layout, read as hivemind does
+    assert [(s, item.value, item.expiration_time) for s, item in again.items()] == [("only", b"v", now + 5)]
+
+
+# ----------------------------------------------------------------------------- 6. PeerID text
+def test_peer_id_text_is_lazy_and_survives_pickling(restore):
+    raw = bytes([0x12, 32]) + hashlib.sha256(b"compat").digest()
+    text = base58.b58encode(raw).decode()
+    names = ("__init__", "to_base58", "__getstate__")
+    restore(PeerID, *names)
+    unpatched = {name: PeerID.__dict__.get(name) for name in names}
+    compat.lazy_peer_id_text()
+    peer = PeerID(raw)
+    assert "_b58_str" not in peer.__dict__
+    assert peer.to_base58() == str(peer) == text and peer == PeerID.from_base58(text)
+    assert hash(PeerID(raw)) == hash(peer)
+    pickled = pickle.dumps(PeerID(raw))
+    for name, value in unpatched.items():  # a process without the patch reads the pickle
+        if value is None:
+            delattr(PeerID, name)
+        else:
+            setattr(PeerID, name, value)
+    assert pickle.loads(pickled).to_base58() == text
+
+
+def test_start_local_dht_applies_the_speed_up_in_the_node_only(nodes):
+    marks = run_in_node(nodes.local, _patch_marks)
+    assert marks == {"peer_id_text": True, "msgpack_depth": True, "search_expiration": True,
+                     "dictionary_decoding": True}
+    assert not compat._marked(PeerID.__init__)  # the caller's process is left alone
+
+
+# ----------------------------------------------------------------------------- 7, 8. private state
+def test_composite_validators_lists_the_installed_ones():
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import CompositeValidator
+
+    rsa = RSASignatureValidator()
+    assert compat.composite_validators(CompositeValidator([rsa])) == [rsa]
+    assert compat.composite_validators(rsa) == []
+
+
+def test_rsa_private_key_from_der_round_trips():
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey()
+    again = compat.rsa_private_key_from_der(key.to_bytes())
+    assert again.get_public_key().to_bytes() == key.get_public_key().to_bytes()
+    signature = again.sign(b"data")
+    assert key.get_public_key().verify(b"data", signature)
+    other = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    with pytest.raises(ValueError, match="not an RSA private key"):
+        compat.rsa_private_key_from_der(other)
