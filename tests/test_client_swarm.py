@@ -224,13 +224,13 @@ def test_pings_avoid_unreachable_servers(swarm: Swarm) -> None:
     swarm.store(swarm.dead_peer, 2, 4)
     try:
         pinged = swarm.model(max_pinged=3, ping_timeout=2.0)
-        route = pinged.remote.manager.make_route()
+        route = pinged.remote.manager.plan_route()
         assert swarm.dead_peer not in [s.peer_id for s in route]
         assert math.isinf(pinged.remote.manager.pings[swarm.dead_peer])
         assert math.isfinite(pinged.remote.manager.pings[swarm.b])
 
         unpinged = swarm.model(max_pinged=0)
-        assert swarm.dead_peer in [s.peer_id for s in unpinged.remote.manager.make_route()]
+        assert swarm.dead_peer in [s.peer_id for s in unpinged.remote.manager.plan_route()]
         assert unpinged.remote.manager.pings == {}
 
         impatient = swarm.model(max_pinged=3, ping_timeout=1e-6)
@@ -244,14 +244,14 @@ def test_update_period(swarm: Swarm) -> None:
     from distconf.dht import start_local_dht
 
     slow, fast = swarm.model(update_period=600.0), swarm.model(update_period=0.001)
-    slow.remote.manager.make_route()
-    fast.remote.manager.make_route()
+    slow.remote.manager.plan_route()
+    fast.remote.manager.plan_route()
     node = start_local_dht(swarm.peers)
     newcomer = node.peer_id.to_base58()
     swarm.store(newcomer, 0, 2, throughput=1.0)
     try:
-        slow.remote.manager.make_route()
-        fast.remote.manager.make_route()
+        slow.remote.manager.plan_route()
+        fast.remote.manager.plan_route()
         assert newcomer not in slow.remote.manager.state.peers
         assert newcomer in fast.remote.manager.state.peers
     finally:

@@ -10,6 +10,7 @@ through `RemoteCache.step`.
 With prompt tuning, the session's first step carries the trained prompts in front of
 the user's positions; the cache reports only the user's positions to transformers
 (the prompt positions stay on the servers for the whole session, rewinds included).
+Its per-layer objects (transformers internals) are `distconf.client.hf_generation.PositionLayer`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from distconf.client.hf_generation import PositionLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     from distconf.client.ptune import PromptTuning
@@ -27,48 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["RemoteCache"]
 
 logger = logging.getLogger(__name__)
-
-
-class _PositionLayer(CacheLayerMixin):
-    """One model layer's view of a `RemoteCache`: only the shared position."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(self, owner: RemoteCache) -> None:
-        super().__init__()
-        self.owner = owner
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to allocate locally."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Never called: the blocks run on servers."""
-        raise RuntimeError("a RemoteCache holds no local keys and values; blocks run on the servers")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for a mask over the cached tokens plus the query."""
-        return self.owner.position + query_length, 0
-
-    def get_seq_length(self) -> int:
-        """Tokens processed by the session so far."""
-        return self.owner.position
-
-    def get_max_length(self) -> int:
-        """The session's ``max_length``."""
-        return self.owner.max_length
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Handled by the owner."""
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Handled by the owner."""
-
-    def reset(self) -> None:
-        """Handled by the owner."""
 
 
 class RemoteCache(Cache):
@@ -84,7 +45,7 @@ class RemoteCache(Cache):
     """
 
     def __init__(self, remote: Any, max_length: int, num_layers: int, prompts: PromptTuning | None = None) -> None:
-        super().__init__(layers=[_PositionLayer(self) for _ in range(num_layers)])
+        super().__init__(layers=[PositionLayer(self) for _ in range(num_layers)])
         self.remote = remote
         self.max_length = int(max_length)
         self.prompts = prompts

@@ -17,7 +17,6 @@ tensors, trained prompts included; ``from_pretrained`` on that folder loads them
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from pathlib import Path
@@ -29,6 +28,7 @@ from distconf.blocks.checkpoint import Checkpoint
 from distconf.blocks.hf_compat import record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
+from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
 from distconf.client.lmhead import install_lm_head
 from distconf.client.local_weights import load_non_block_weights, load_prompts
 from distconf.client.ptune import PromptTuning, prompt_tuning_for
@@ -42,7 +42,6 @@ __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMP
 #: Where a model holds its `PromptTuning` (so its tensors are saved as ``ptune.*``).
 PROMPTS_ATTRIBUTE = "ptune"
 
-logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _classes: dict[type, type] = {}
 
@@ -53,7 +52,9 @@ class RemoteLayers(torch.nn.Module):
     Inside ``generate`` (a `RemoteCache` among the arguments) it steps the inference
     session; otherwise it runs a differentiable forward through the swarm, with the
     model's trained prompts (if any) in front and cut off again after the last block.
-    It returns what the model's layer loop expects (a tensor, or a tuple holding it).
+    It returns what the model's layer loop expects (a tensor, or a tuple holding it:
+    ``returns_tuple``, found at load by `distconf.client.hf_generation.layer_output_is_tuple`,
+    which sets ``probing`` to make the stand-in pass hidden states through).
     """
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any]) -> None:
@@ -95,8 +96,8 @@ def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
             if not k.startswith("_") and k not in skip and isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def find_layer_list(model: torch.nn.Module, config: Any) -> tuple[str, torch.nn.ModuleList]:
-    """The decoder-layer list of ``model``: the module the family's ``block.prefix`` names."""
+def decoder_layer_list(model: torch.nn.Module, config: Any) -> tuple[str, torch.nn.ModuleList]:
+    """``(dotted name, module)`` of ``model``'s decoder-layer list: the one the family's ``block.prefix`` names."""
     modules = dict(model.named_modules())
     for prefix in layer_prefixes(config, 0):
         name = prefix[: -len(".0.")]
@@ -109,7 +110,7 @@ def find_layer_list(model: torch.nn.Module, config: Any) -> tuple[str, torch.nn.
         f"{spec.block.prefix!r} (base model prefix {spec.block.base_model_prefix!r})")
 
 
-class DistributedCausalLMMixin:
+class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
     """What a distributed causal LM adds to its transformers class: the swarm, sessions, generate."""
 
     remote_layers: RemoteLayers
@@ -131,16 +132,6 @@ class DistributedCausalLMMixin:
         ``max_length`` counts the user's tokens; the session also holds the prompt positions.
         """
         return RemoteCache(self.remote, max_length, self.config.num_hidden_layers, prompts=self.prompts)
-
-    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any,
-                                      **kwargs: Any) -> Any:
-        """``generate`` without a cache gets a `RemoteCache` sized for the whole generation."""
-        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            max_cache_length = args[-1] if args else kwargs["max_cache_length"]
-            cache = self.inference_session(int(max_cache_length))
-            self._created_caches.append(cache)
-            model_kwargs["cache"] = cache
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` (greedy, sampling, beam search, ...) through the swarm."""
@@ -215,7 +206,7 @@ def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.d
     model_cls = distributed_model_class(type(config))
     with torch.device("meta"):
         model = model_cls(config)
-    name, layers = find_layer_list(model, config)
+    name, layers = decoder_layer_list(model, config)
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]))
@@ -237,31 +228,8 @@ def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.d
             setattr(model, PROMPTS_ATTRIBUTE, prompts)  # trainable, float32
             load_prompts(prompts, checkpoint, PROMPTS_ATTRIBUTE)
     stand_in.use_prompts(prompts)
-    _probe_layer_output(model, stand_in, config)
+    base = model.get_submodule(type(config).family_spec.block.base_model_prefix or "")
+    layer_output_is_tuple(base, stand_in, config.hidden_size)
     return model
 
 
-def _probe_layer_output(model: Any, stand_in: RemoteLayers, config: Any) -> None:
-    """Find out whether the layer loop takes a layer's output as is or as ``output[0]``.
-
-    Runs the base model on a 2x3 dummy input with the stand-in passing hidden states
-    through: an unchanged ``[2, 3, hidden]`` result means "as is".
-    """
-    base = model.get_submodule(type(config).family_spec.block.base_model_prefix or "")
-    ids = torch.zeros((2, 3), dtype=torch.long)
-    stand_in.probing = True
-    try:
-        for returns_tuple in (False, True):
-            stand_in.returns_tuple = returns_tuple
-            try:
-                with torch.no_grad():
-                    out = base(input_ids=ids, use_cache=False)
-            except Exception as exc:
-                logger.debug("layer output probe (tuple=%s) failed: %r", returns_tuple, exc)
-                continue
-            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
-            if tuple(hidden.shape) == (2, 3, config.hidden_size):
-                return
-        raise RuntimeError(f"{type(model).__name__}: cannot tell how its layer loop reads a layer's output")
-    finally:
-        stand_in.probing = False

@@ -3,25 +3,27 @@
 `SequenceManager` reads the swarm from the DHT (`find_block_servers`, refreshed every
 ``update_period`` seconds or on demand), keeps ONLINE servers only (a JOINING server is
 still loading its blocks), applies ``allowed_servers`` / ``blocked_servers`` and the
-temporary bans (``ban_timeout``) of servers that failed, leaves out servers that did not
-answer a ping (``max_pinged`` candidates per hop, ``ping_timeout`` each) when others can
-take their place, and asks `make_route` for the chain. It also owns the retry policy
-(``max_retries``, ``min_backoff``, ``max_backoff``) and the route log (``show_route``).
+temporary bans (``ban_timeout``) of servers that failed, applies the liveness policy of
+`distconf.dht.liveness` (``max_pinged`` candidates per hop, ``ping_timeout`` each; peers
+that did not answer are left out when others can take their place), and plans the chain
+with `distconf.dht.routing.make_route` (`SequenceManager.plan_route`). It also owns the
+client's one retry loop (`SequenceManager.with_retries`: ``max_retries``, ``min_backoff``,
+``max_backoff``) and the route log (``show_route``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
+from distconf.dht.liveness import ping_candidates, unreachable_peers
 from distconf.rpc.calls import call_info
-from distconf.rpc.protocol import chain_uid
+from distconf.rpc.protocol import KEY_ACTIVE_ADAPTER, KEY_POINTS, chain_uid
 
 __all__ = ["SequenceManager", "RetriesExhausted"]
 
@@ -64,22 +66,10 @@ class SequenceManager:
             return state
 
     def _ping(self, state: SwarmState) -> None:
-        """Ping up to ``max_pinged`` candidates for the first, middle and last blocks."""
-        limit = int(self.config.max_pinged)
-        if limit <= 0:
-            self.pings = {}
-            return
+        """Ping the candidates `distconf.dht.liveness.ping_candidates` picks among usable servers."""
         usable = [s for s in state.spans if self._usable(s.peer_id, s.state)]
-        groups = [
-            [s.peer_id for s in usable if s.start == 0],
-            [s.peer_id for s in usable if 0 < s.start or s.end < self.num_blocks],
-            [s.peer_id for s in usable if s.end == self.num_blocks],
-        ]
-        chosen: set[str] = set()
-        for group in groups:
-            unique = sorted(set(group))
-            chosen.update(random.sample(unique, min(limit, len(unique))))
-        self.pings = self.swarm.ping(sorted(chosen), float(self.config.ping_timeout)) if chosen else {}
+        chosen = ping_candidates(usable, self.num_blocks, int(self.config.max_pinged))
+        self.pings = self.swarm.ping(chosen, float(self.config.ping_timeout)) if chosen else {}
         logger.debug("pings: %s", {p[-6:]: round(v, 4) for p, v in self.pings.items()})
 
     def _usable(self, peer_id: str, state: ServerState) -> bool:
@@ -94,9 +84,12 @@ class SequenceManager:
             return {peer for peer, until in self.bans.items() if until > now}
 
     # ------------------------------------------------------------------ routes
-    def make_route(self, start: int = 0, end: int | None = None, *, inference: bool = False,
+    def plan_route(self, start: int = 0, end: int | None = None, *, inference: bool = False,
                    cache_tokens_needed: int | None = None) -> list[RemoteSpan]:
-        """A chain of ONLINE spans over blocks ``start..end-1`` avoiding banned, blocked and unreachable peers.
+        """This client's chain of ONLINE spans over blocks ``start..end-1`` (`make_route` with its policy).
+
+        Leaves out banned and blocked peers, and, while others can take their place, peers
+        that did not answer a ping and (with ``cache_tokens_needed``) those short of cache.
 
         Refreshes the swarm state first when it is older than ``update_period``, and once
         more when no route exists. Raises `NoRouteError` when none can be found.
@@ -112,19 +105,13 @@ class SequenceManager:
         return route
 
     def _route(self, state: SwarmState, start: int, end: int, cache_tokens_needed: int | None) -> list[RemoteSpan]:
-        blocked = self.blocked | self.banned()
-        unreachable = {peer for peer, rtt in self.pings.items() if math.isinf(rtt)}
-        short = set()
+        short: set[str] = set()
         if cache_tokens_needed is not None:  # Petals 2.x units: cache_tokens_left counts 2 per token and block
             short = {s.peer_id for s in state.spans if s.info.cache_tokens_left is not None
                      and s.info.cache_tokens_left < cache_tokens_needed * 2 * s.length}
-        kwargs = dict(min_state=ServerState.ONLINE, allowed_peers=self.allowed, start=start, end=end)
-        for avoid in (blocked | unreachable | short, blocked | unreachable, blocked):
-            try:
-                return make_route(state, blocked_peers=avoid, **kwargs)
-            except NoRouteError:
-                continue
-        return make_route(state, blocked_peers=blocked, **kwargs)  # raises, naming the uncovered block
+        return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | self.banned(),
+                          allowed_peers=self.allowed, start=start, end=end,
+                          avoid_if_possible=[unreachable_peers(self.pings), short])
 
     def chain_uid(self, span: RemoteSpan) -> str:
         """Uids of the blocks of ``span`` joined into one chain string."""
@@ -157,12 +144,12 @@ class SequenceManager:
         limit = self.config.max_retries
         return limit is None or attempt < int(limit)
 
-    def with_retries(self, what: str, attempt_fn: Callable[[int], T], peers_of: Callable[[], Iterable[str]] = tuple
-                     ) -> T:
+    def with_retries(self, what: str, attempt_fn: Callable[[int], T]) -> T:
         """Run ``attempt_fn(attempt)`` until it succeeds; after a failure wait `retry_delay` and retry.
 
-        ``attempt_fn`` reports failed peers itself (`on_failure`). Gives up with
-        `RetriesExhausted` after ``max_retries`` retries.
+        The client's one retry loop (forward, backward and inference steps all go through
+        it). ``attempt_fn`` reports failed peers itself (`on_failure`) and re-routes when
+        ``attempt > 0``. Gives up with `RetriesExhausted` after ``max_retries`` retries.
         """
         attempt = 0
         while True:
@@ -206,4 +193,4 @@ class SequenceManager:
 
     def request_metadata(self) -> dict[str, Any]:
         """Metadata every request carries: ``active_adapter`` and ``points``."""
-        return {"active_adapter": self.config.active_adapter or "", "points": 0}
+        return {KEY_ACTIVE_ADAPTER: self.config.active_adapter or "", KEY_POINTS: 0}

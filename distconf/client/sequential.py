@@ -118,7 +118,7 @@ def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: 
     block = start
     while block < end:
         def attempt(_: int, block: int = block, x: torch.Tensor = x) -> tuple[RemoteSpan, torch.Tensor]:
-            span = manager.make_route(block, end)[0]
+            span = manager.plan_route(block, end)[0]
             try:
                 return span, _forward_span(manager, span, x, prompts)
             except Exception as exc:

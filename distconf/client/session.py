@@ -15,21 +15,17 @@ client's own copy is de-duplicated by ``step_id`` on the server.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any
 
 import torch
 
-from distconf.client.sequence_manager import RetriesExhausted
 from distconf.dht import RemoteSpan
 from distconf.rpc.calls import InferenceStream, inference_step_request
 from distconf.rpc.protocol import (
-    KEY_ACTIVE_ADAPTER,
     KEY_ALLOC_TIMEOUT,
     KEY_MAX_LENGTH,
     KEY_NEXT_SERVERS,
-    KEY_POINTS,
     KEY_SESSION_ID,
     KEY_START_FROM_POSITION,
     KEY_STEP_ID,
@@ -143,8 +139,7 @@ class SpanSession:
             metadata.update({
                 KEY_MAX_LENGTH: self.max_length,
                 KEY_ALLOC_TIMEOUT: float(self.config.request_timeout),
-                KEY_POINTS: 0,
-                KEY_ACTIVE_ADAPTER: self.config.active_adapter or "",
+                **self.manager.request_metadata(),  # active_adapter, points
             })
         elif self.pending_start is not None:
             metadata[KEY_START_FROM_POSITION] = self.pending_start
@@ -235,29 +230,21 @@ class InferenceSession:
     def _step_span(self, index: int, block: int, x: torch.Tensor, n_new: int, hypo_ids: torch.Tensor | None,
                    step_id: str) -> tuple[int, int, torch.Tensor]:
         """Run span ``index`` (starting at ``block``), replacing its server as often as retries allow."""
-        attempt = 0
-        while True:
-            session = None
+
+        def attempt(n: int) -> tuple[int, int, torch.Tensor]:
+            if index >= len(self.sessions) or n > 0:
+                self._reroute(index, block, failed=n > 0)
+            session = self.sessions[index]
             try:
-                if index >= len(self.sessions) or attempt > 0:
-                    self._reroute(index, block, failed=attempt > 0)
-                session = self.sessions[index]
                 out = session.step(x, n_new, self.position, hypo_ids, step_id, self._next_servers(index),
                                    self.prompts)
-                self.manager.on_success(session.peer_id)
-                return index + 1, session.span.end, out
             except Exception as exc:
-                peer = session.peer_id if session is not None else None
-                self.manager.on_failure(peer, exc)
-                if not self.manager.retries_left(attempt):
-                    raise RetriesExhausted(f"inference step at block {block} failed after {attempt + 1} attempt(s): "
-                                           f"{exc!r}") from exc
-                attempt += 1
-                delay = self.manager.retry_delay(attempt)
-                where = f"…{peer[-6:]}" if peer else "routing"
-                logger.warning("inference step via %s failed at block %d (%r); retry %d in %.3g s",
-                               where, block, exc, attempt, delay)
-                time.sleep(delay)
+                self.manager.on_failure(session.peer_id, exc)
+                raise
+            self.manager.on_success(session.peer_id)
+            return index + 1, session.span.end, out
+
+        return self.manager.with_retries(f"inference step at block {block}", attempt)
 
     def _next_servers(self, index: int) -> list[tuple[str, str, int, int]]:
         if not self.config.use_server_to_server:
@@ -273,7 +260,7 @@ class InferenceSession:
         """Open sessions for blocks ``block..`` (to the end, or to the end of the failed span)."""
         old = self.sessions[index] if index < len(self.sessions) else None
         end = old.span.end if old is not None else self.manager.num_blocks
-        route = self.manager.make_route(block, end, inference=True, cache_tokens_needed=self.max_length)
+        route = self.manager.plan_route(block, end, inference=True, cache_tokens_needed=self.max_length)
         fresh = [SpanSession(self.manager, span, self.max_length, self.dtype) for span in route]
         if old is not None:
             fresh[0].history = old.history

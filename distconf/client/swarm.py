@@ -1,7 +1,7 @@
 """The client's connection to a swarm: a client-mode DHT node, its P2P replica, DHT pings.
 
-`SwarmClient` joins the swarm and runs coroutines on hivemind's background event loop
-(`RemoteExpertWorker`), so the rest of the client is plain synchronous code. The RPC
+`SwarmClient` joins the swarm and runs coroutines on the process-wide background loop
+(`distconf.rpc.calls.BackgroundLoop.shared`), so the rest of the client is plain synchronous code. The RPC
 calls themselves (``rpc_info``, ``rpc_forward``, ``rpc_backward``, ``rpc_inference``) are
 `distconf.rpc.calls`, run with ``swarm.run(call_...(swarm.p2p, peer_id, ...))``.
 """
@@ -9,12 +9,13 @@ calls themselves (``rpc_info``, ``rpc_forward``, ``rpc_backward``, ``rpc_inferen
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distconf.dht import start_local_dht
 from distconf.dht.liveness import ping_peers
-from distconf.dht.uids import config_num_blocks
+from distconf.loader.naming import config_num_blocks
+from distconf.rpc.calls import BackgroundLoop
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
@@ -62,16 +63,9 @@ class SwarmClient:
 
     # ------------------------------------------------------------------ running coroutines
     @staticmethod
-    def run(coro: Awaitable[T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the background event loop and wait (at most ``timeout`` s) for its result."""
-        from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-
-        future = RemoteExpertWorker.run_coroutine(coro, return_future=True)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
+    def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the shared background loop and wait (at most ``timeout`` s) for its result."""
+        return BackgroundLoop.shared().run(coro, timeout=timeout)
 
     def ping(self, peers: Sequence[str], timeout: float) -> dict[str, float]:
         """Round-trip time to each peer in seconds, ``inf`` for a peer that did not answer in ``timeout``."""

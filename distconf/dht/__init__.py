@@ -24,7 +24,7 @@ from distconf.dht.discovery import (
     find_servers_by_prefix,
     read_model_listing,
 )
-from distconf.dht.liveness import answering_peers, apply_liveness, ping_peers, pinger
+from distconf.dht.liveness import ping_peers
 from distconf.dht.peerids import is_peer_id
 from distconf.dht.records import (
     CHAIN_DELIMITER,
@@ -60,8 +60,6 @@ __all__ = [
     "SwarmRecordValidator",
     "SwarmState",
     "announce_blocks",
-    "answering_peers",
-    "apply_liveness",
     "block_uid",
     "default_expiration",
     "find_block_servers",
@@ -71,7 +69,6 @@ __all__ = [
     "make_route",
     "parse_block_uid",
     "ping_peers",
-    "pinger",
     "read_model_listing",
     "route_summary",
     "start_local_dht",

@@ -1,4 +1,4 @@
-"""Does a server answer? Confirming peers before trusting their records.
+"""Does a server answer? The client's liveness policy: ping a few candidates, route around silence.
 
 hivemind 1.1.12's P2P layer has no ping of its own. What works (checked on real nodes
 here):
@@ -17,30 +17,33 @@ here):
 
 A made-up peer id has no addresses and no key: dialing it fails at once, so a ping
 rules it out. `ping_peers` returns round-trip times (``inf`` for no answer, as Petals
-2.x records failed pings); `answering_peers` and `pinger` turn that into the set of
-confirmed peers that `distconf.dht.routing.make_route` takes (``alive_peers=`` or
-``confirm=``); `apply_liveness` makes the OFFLINE rule concrete on a `SwarmState`.
+2.x records failed pings).
+
+The policy (the client's `SequenceManager` applies it on every swarm refresh): ping at
+most ``max_pinged`` random usable servers of each of the first, middle and last blocks
+(`ping_candidates`, as Petals 2.x clients do), and route around the peers that did not
+answer (`unreachable_peers`, passed to `distconf.dht.routing.make_route` as
+``avoid_if_possible``) unless no route exists without them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
-from distconf.dht.discovery import SwarmState, merge_spans
+from distconf.dht.discovery import RemoteSpan
 from distconf.dht.peerids import is_peer_id
-from distconf.dht.records import ServerInfo, ServerState
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
     from hivemind.dht import DHTNode
 
-__all__ = ["PING_BATCH", "answering_peers", "apply_liveness", "ping_peers", "pinger"]
+__all__ = ["PING_BATCH", "ping_candidates", "ping_peers", "unreachable_peers"]
 
 PING_BATCH = 32
 """Peers pinged per request to the DHT process (keeps each pipe message small)."""
@@ -87,41 +90,29 @@ def ping_peers(dht: DHT, peers: Iterable[str], timeout: float = 2.0) -> dict[str
     return out
 
 
-def answering_peers(dht: DHT, peers: Iterable[str], timeout: float = 2.0) -> set[str]:
-    """The subset of ``peers`` that answered a ping within ``timeout``."""
-    return {p for p, rtt in ping_peers(dht, peers, timeout).items() if math.isfinite(rtt)}
+def ping_candidates(spans: Iterable[RemoteSpan], num_blocks: int, limit: int,
+                    rng: random.Random | None = None) -> list[str]:
+    """Peers to ping: up to ``limit`` random ones serving the first block, the middle, the last block.
 
-
-def pinger(dht: DHT, timeout: float = 2.0) -> Callable[[Sequence[str]], set[str]]:
-    """A ``confirm=`` callback for `make_route` that pings through ``dht``."""
-    return partial(answering_peers, dht, timeout=timeout)
-
-
-def apply_liveness(state: SwarmState, alive_peers: Iterable[str]) -> SwarmState:
-    """A copy of ``state`` in which an OFFLINE record of a peer confirmed to be answering reads as ONLINE.
-
-    In Petals-compatible mode any peer can write an OFFLINE record under another peer's
-    subkey, with a later expiration, which also blocks the real server's re-announce. A
-    client that has just confirmed the peer answers trusts that over the record. The
-    OFFLINE record is replaced by the peer's own non-OFFLINE record of another block
-    when there is one (with its state and throughput), else read as ONLINE.
+    ``spans`` are the usable ones (the caller has applied states and allow/block lists);
+    "the middle" is any span that does not start at block 0 or does not reach the end.
     """
-    alive = set(alive_peers)
-    if not alive:
-        return state
-    servers = []
-    for block in state.servers:
-        new = dict(block)
-        for peer, info in block.items():
-            if info.state == ServerState.OFFLINE and peer in alive:
-                new[peer] = _revived(state, peer, info)
-        servers.append(new)
-    return replace(state, servers=servers, spans=merge_spans(servers))
+    if limit <= 0:
+        return []
+    rng = rng or random.Random()
+    spans = list(spans)
+    groups = [
+        [s.peer_id for s in spans if s.start == 0],
+        [s.peer_id for s in spans if 0 < s.start or s.end < num_blocks],
+        [s.peer_id for s in spans if s.end == num_blocks],
+    ]
+    chosen: set[str] = set()
+    for group in groups:
+        unique = sorted(set(group))
+        chosen.update(rng.sample(unique, min(limit, len(unique))))
+    return sorted(chosen)
 
 
-def _revived(state: SwarmState, peer: str, info: ServerInfo) -> ServerInfo:
-    for block in state.servers:
-        other = block.get(peer)
-        if other is not None and other.state != ServerState.OFFLINE:
-            return other  # the peer's own current record (ONLINE or JOINING)
-    return info.model_copy(update={"state": ServerState.ONLINE})
+def unreachable_peers(pings: Mapping[str, float]) -> set[str]:
+    """The pinged peers that did not answer (round-trip time ``inf``)."""
+    return {peer for peer, rtt in pings.items() if math.isinf(rtt)}

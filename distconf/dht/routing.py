@@ -20,18 +20,14 @@ exact dynamic program in O(boundaries x spans).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from distconf.dht.discovery import RemoteSpan, SwarmState
-from distconf.dht.liveness import apply_liveness
 from distconf.dht.peerids import is_peer_id
 from distconf.dht.records import ServerState
 
-__all__ = ["MAX_CONFIRM_ROUNDS", "NoRouteError", "make_route", "route_summary"]
-
-MAX_CONFIRM_ROUNDS = 8
-"""Most route-then-ping rounds `make_route` runs with a ``confirm`` callback."""
+__all__ = ["NoRouteError", "make_route", "route_summary"]
 
 
 class NoRouteError(ValueError):
@@ -52,9 +48,7 @@ def make_route(
     allowed_peers: Iterable[str] | None = None,
     start: int = 0,
     end: int | None = None,
-    alive_peers: Iterable[str] | None = None,
-    confirm: Callable[[list[str]], Iterable[str]] | None = None,
-    max_confirm_rounds: int = MAX_CONFIRM_ROUNDS,
+    avoid_if_possible: Sequence[Iterable[str]] = (),
 ) -> list[RemoteSpan]:
     """Choose a chain of spans covering blocks ``start..end-1`` (default: the whole model).
 
@@ -65,24 +59,20 @@ def make_route(
         Petals 2.x clients route (a JOINING server is still loading its blocks); pass
         ``ServerState.JOINING`` to use joining servers too. OFFLINE is never used.
     :param blocked_peers: peers never to use. :param allowed_peers: if given, use only these.
-    :param alive_peers: peers the caller has confirmed to be answering: an OFFLINE record
-        of such a peer does not remove it (see `distconf.dht.liveness.apply_liveness`).
-    :param confirm: callback ``confirm(peer_ids) -> answering peer ids`` (e.g.
-        `distconf.dht.liveness.pinger`). When given, every peer on the returned route
-        has been confirmed: peers that do not answer are blocked and the route is
-        recomputed (at most ``max_confirm_rounds`` times).
+    :param avoid_if_possible: groups of peers to leave out while the others still cover
+        the blocks, most important first: the route avoids every group if it can, else
+        every group but the last, and so on (the client passes the peers that did not
+        answer a ping, see `distconf.dht.liveness`, then those short of cache).
     :returns: the chain: spans clipped to the blocks each one serves on the route,
         consecutive and covering ``start..end-1`` exactly.
-    :raises NoRouteError: naming the first block no usable server covers.
+    :raises NoRouteError: naming the first block no usable server covers (without the
+        ``avoid_if_possible`` peers left out).
     """
     prefix = None
-    alive = set(alive_peers or ())
     if isinstance(spans, SwarmState):
         prefix = spans.dht_prefix
         num_blocks = spans.num_blocks if num_blocks is None else num_blocks
-        spans = apply_liveness(spans, alive).spans if alive else spans.spans
-    elif alive:
-        spans = _revive_spans(list(spans), alive)
+        spans = spans.spans
     if num_blocks is None:
         raise TypeError("num_blocks is required when passing spans rather than a SwarmState")
     end = num_blocks if end is None else end
@@ -96,34 +86,15 @@ def make_route(
         if s.peer_id not in blocked and (allowed is None or s.peer_id in allowed)
         and s.end > start and s.start < end and is_peer_id(s.peer_id)
     ]
-    if confirm is None:
-        return _best_route(candidates, start, end, num_blocks, min_state, prefix)
-    confirmed, dead = set(alive), set()
-    for _ in range(max(1, max_confirm_rounds)):
-        route = _best_route([s for s in candidates if s.peer_id not in dead], start, end, num_blocks, min_state,
-                            prefix)
-        unknown = sorted({h.peer_id for h in route} - confirmed)
-        if not unknown:
-            return route
-        answered = set(confirm(unknown)) & set(unknown)
-        confirmed |= answered
-        dead |= set(unknown) - answered
-    raise NoRouteError(f"no route of answering servers found after {max_confirm_rounds} rounds of pings "
-                       f"({len(dead)} peer(s) did not answer)", start, prefix)
-
-
-def _revive_spans(spans: list[RemoteSpan], alive: set[str]) -> list[RemoteSpan]:
-    """Spans with OFFLINE spans of answering peers read as ONLINE (adjacent ones merged)."""
-    out: list[RemoteSpan] = []
-    for s in sorted(spans, key=lambda s: (s.peer_id, s.start)):
-        if s.state == ServerState.OFFLINE and s.peer_id in alive:
-            s = RemoteSpan(s.peer_id, s.start, s.end, s.info.model_copy(update={"state": ServerState.ONLINE}))
-        last = out[-1] if out else None
-        if last is not None and last.peer_id == s.peer_id and last.end == s.start and last.state == s.state:
-            out[-1] = RemoteSpan(s.peer_id, last.start, s.end, last.info)
-        else:
-            out.append(s)
-    return out
+    groups = [set(g) for g in avoid_if_possible]
+    for kept in range(len(groups), 0, -1):
+        avoided = set().union(*groups[:kept])
+        try:
+            return _best_route([s for s in candidates if s.peer_id not in avoided], start, end, num_blocks,
+                               min_state, prefix)
+        except NoRouteError:
+            continue
+    return _best_route(candidates, start, end, num_blocks, min_state, prefix)
 
 
 def _best_route(candidates: list[RemoteSpan], start: int, end: int, num_blocks: int, min_state: ServerState,

@@ -4,9 +4,10 @@ The single home of these calls: the server (``rpc_push``, `RpcLoop`), the client
 (`distconf.client`) and the tests all call servers through this module. Peers are given as
 a ``PeerID`` or its base58 text.
 
-All helpers are coroutines run on the event loop that owns ``p2p`` (see `RpcLoop` for a
-background loop with a P2P replicated from a running ``hivemind.DHT``). Errors raised by
-the remote handler arrive as ``hivemind.p2p.P2PHandlerError`` carrying the server's message.
+All helpers are coroutines run on the event loop that owns ``p2p``. `BackgroundLoop` is the
+one way to run them from plain code (the client uses the process-wide `BackgroundLoop.shared`);
+`RpcLoop` is a server's own loop with a P2P replicated from a running ``hivemind.DHT``.
+Errors raised by the remote handler arrive as ``hivemind.p2p.P2PHandlerError`` carrying the server's message.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from distconf.rpc.protocol import (
 )
 from distconf.rpc.servicer import BlockServicer
 
-__all__ = ["InferenceStream", "RpcLoop", "as_peer_id", "call_backward", "call_forward", "call_info", "call_push",
-           "inference_step_request", "get_stub"]
+__all__ = ["BackgroundLoop", "InferenceStream", "RpcLoop", "as_peer_id", "call_backward", "call_forward",
+           "call_info", "call_push", "inference_step_request", "get_stub"]
 
 T = TypeVar("T")
 
@@ -192,17 +193,30 @@ class InferenceStream:
                     pass
 
 
-class RpcLoop:
-    """A background event loop with a P2P replicated from a running ``hivemind.DHT``.
+class BackgroundLoop:
+    """An asyncio event loop in a daemon thread: the one way distconf runs a coroutine from plain code.
 
-    ``run(coro, timeout)`` runs a coroutine of this module there from any thread.
+    `run` submits a coroutine from any thread and waits, bounded, for its result.
+    `shared` is the process-wide loop clients use: hivemind keeps one P2P replica per
+    ``DHT`` object, bound to the loop that made it, so every client of one DHT must run
+    on the same loop. A server makes its own (`RpcLoop`).
     """
 
-    def __init__(self, dht: Any, *, timeout: float = 30.0) -> None:
+    _shared: BackgroundLoop | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, name: str = "distconf-rpc-loop") -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="distconf-rpc-loop", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
-        self.p2p: P2P = self.run(dht.replicate_p2p(), timeout=timeout)
+
+    @classmethod
+    def shared(cls) -> BackgroundLoop:
+        """The process-wide loop (started on first use, never stopped: its thread is a daemon)."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls(name="distconf-shared-loop")
+            return cls._shared
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -210,7 +224,10 @@ class RpcLoop:
         return self._loop
 
     def run(self, coro: Coroutine[Any, Any, T], *, timeout: float | None) -> T:
-        """Run ``coro`` on the loop and wait up to ``timeout`` seconds for its result."""
+        """Run ``coro`` on the loop and wait up to ``timeout`` seconds for its result.
+
+        On timeout the coroutine is cancelled and `TimeoutError` is raised.
+        """
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
@@ -218,13 +235,14 @@ class RpcLoop:
             future.cancel()
             raise TimeoutError(f"RPC did not finish within {timeout} s") from None
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Close the replicated P2P (the DHT's daemon keeps running), cancel pending tasks, stop the loop."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the loop's pending tasks (waiting up to ``timeout`` s), stop it and close it."""
+        if self is BackgroundLoop._shared:
+            raise RuntimeError("the shared loop is never stopped")
         if not self._loop.is_running():
             return
 
-        async def close() -> None:
-            await self.p2p.shutdown()
+        async def cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
@@ -232,10 +250,41 @@ class RpcLoop:
                 await asyncio.wait(tasks, timeout=timeout)
 
         try:
-            self.run(close(), timeout=timeout)
-        except Exception:  # closing is best effort; the loop stops regardless
+            self.run(cancel_all(), timeout=timeout)
+        except Exception:  # stopping is best effort; the loop stops regardless
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+class RpcLoop:
+    """A background event loop of its own with a P2P replicated from a running ``hivemind.DHT``.
+
+    ``run(coro, timeout)`` runs a coroutine of this module there from any thread. Used by
+    a server, whose DHT no client shares.
+    """
+
+    def __init__(self, dht: Any, *, timeout: float = 30.0) -> None:
+        self._background = BackgroundLoop()
+        self.p2p: P2P = self.run(dht.replicate_p2p(), timeout=timeout)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop (for scheduling coroutines yourself)."""
+        return self._background.loop
+
+    def run(self, coro: Coroutine[Any, Any, T], *, timeout: float | None) -> T:
+        """Run ``coro`` on the loop and wait up to ``timeout`` seconds for its result."""
+        return self._background.run(coro, timeout=timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Close the replicated P2P (the DHT's daemon keeps running), cancel pending tasks, stop the loop."""
+        if not self._background.loop.is_running():
+            return
+        try:
+            self.run(self.p2p.shutdown(), timeout=timeout)
+        except Exception:  # closing is best effort; the loop stops regardless
+            pass
+        self._background.stop(timeout)

@@ -1,0 +1,191 @@
+"""The client's one home for transformers internals: generation's cache hook, cache layers, the layer loop.
+
+The client plugs a remote inference session into Hugging Face's ``generate``. Three
+things it needs are not part of transformers' stable API, so they live here, written
+for the range `SUPPORTED_TRANSFORMERS` (pyproject's ``transformers>=5.20,<6``; tested
+with `TESTED_TRANSFORMERS`):
+
+* `RemoteCacheGenerationMixin` overrides the private
+  ``GenerationMixin._prepare_cache_for_generation`` so that ``generate`` without a cache
+  gets a `distconf.client.cache.RemoteCache` sized for the whole generation;
+* `PositionLayer` subclasses ``transformers.cache_utils.CacheLayerMixin`` (a cache is a
+  list of such layers; the remote one only holds the session's position);
+* `layer_output_is_tuple` runs the model once or twice at load time to learn how its
+  decoder-layer loop reads a layer's output (see its docstring for why a probe).
+
+Importing this module checks the installed transformers first
+(`check_transformers_version`) and fails with one `UnsupportedTransformersError`
+outside the range, instead of an obscure error deep inside ``generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "PositionLayer", "RemoteCacheGenerationMixin",
+           "UnsupportedTransformersError", "check_transformers_version", "layer_output_is_tuple"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS = ">=5.20,<6"
+"""The transformers versions this module was written for (pyproject's requirement)."""
+TESTED_TRANSFORMERS = "5.24"
+"""The transformers version the client's tests ran on."""
+
+
+class UnsupportedTransformersError(ImportError):
+    """The installed transformers is outside `SUPPORTED_TRANSFORMERS`."""
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """Raise `UnsupportedTransformersError` unless ``version`` (default: the installed one) is supported.
+
+    Returns the version checked.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    try:
+        supported = SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise UnsupportedTransformersError(
+            f"distconf's client needs transformers {SUPPORTED_TRANSFORMERS} (tested with {TESTED_TRANSFORMERS}); "
+            f"transformers {version} is installed: pip install 'transformers{SUPPORTED_TRANSFORMERS}'")
+    return version
+
+
+check_transformers_version()
+
+from transformers.cache_utils import CacheLayerMixin  # noqa: E402  (only once the version is known good)
+
+
+class _SessionPosition(Protocol):
+    """What a `PositionLayer` reads from its cache."""
+
+    position: int
+    max_length: int
+
+
+class PositionLayer(CacheLayerMixin):
+    """One model layer's view of a remote cache: only the shared position (keys and values live on servers)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, owner: _SessionPosition) -> None:
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate locally."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never called: the blocks run on servers."""
+        raise RuntimeError("a RemoteCache holds no local keys and values; blocks run on the servers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for a mask over the cached tokens plus the query."""
+        return self.owner.position + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens processed by the session so far."""
+        return self.owner.position
+
+    def get_max_length(self) -> int:
+        """The session's ``max_length``."""
+        return self.owner.max_length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Handled by the owner."""
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Handled by the owner."""
+
+    def reset(self) -> None:
+        """Handled by the owner."""
+
+
+class RemoteCacheGenerationMixin:
+    """Gives ``generate`` a remote cache when the caller passes none.
+
+    The class it is mixed into provides ``inference_session(max_length)`` (returning the
+    cache) and ``_created_caches`` (a list; the model closes what ``generate`` created).
+    """
+
+    _created_caches: list[Any]
+
+    def inference_session(self, max_length: int) -> Any:  # pragma: no cover - provided by the model
+        """A remote cache holding up to ``max_length`` tokens."""
+        raise NotImplementedError
+
+    def _prepare_cache_for_generation(self, generation_config: Any, model_kwargs: dict[str, Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+        """``generate`` without a cache gets a remote cache sized for the whole generation.
+
+        transformers 5.x calls it as ``(generation_config, model_kwargs, generation_mode,
+        batch_size, max_cache_length)``.
+        """
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            max_cache_length = args[-1] if args else kwargs["max_cache_length"]
+            cache = self.inference_session(int(max_cache_length))
+            self._created_caches.append(cache)
+            model_kwargs["cache"] = cache
+        return super()._prepare_cache_for_generation(  # type: ignore[misc]
+            generation_config, model_kwargs, *args, **kwargs)
+
+
+class _ProbedStandIn(Protocol):
+    """The decoder-layer stand-in as `layer_output_is_tuple` drives it."""
+
+    probing: bool
+    returns_tuple: bool
+
+
+_loop_reads_tuple: dict[type, bool] = {}
+
+
+def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidden_size: int) -> bool:
+    """Whether ``base``'s decoder-layer loop reads a layer's output as ``output[0]`` (else as is).
+
+    Why a probe: what a decoder layer returns is not part of transformers' API and differs
+    between models of one release (in 5.24 the loops of bloom, falcon, gpt_neo and mpt read
+    ``outputs[0]``, the llama-style ones take the tensor), and a family file may name any
+    model. So ``base`` runs on a 2x3 dummy input with ``stand_in.probing`` set (the stand-in
+    passes hidden states through: only embeddings and norms compute), first returning the
+    tensor, then a 1-tuple; the convention that gives back ``[2, 3, hidden_size]`` is the
+    one. The answer is kept per class of ``base``. Leaves ``stand_in.returns_tuple`` set.
+    """
+    known = _loop_reads_tuple.get(type(base))
+    if known is not None:
+        stand_in.returns_tuple = known
+        return known
+    ids = torch.zeros((2, 3), dtype=torch.long)
+    stand_in.probing = True
+    try:
+        for returns_tuple in (False, True):
+            stand_in.returns_tuple = returns_tuple
+            try:
+                with torch.no_grad():
+                    out = base(input_ids=ids, use_cache=False)
+            except Exception as exc:
+                logger.debug("layer output probe (tuple=%s) failed: %r", returns_tuple, exc)
+                continue
+            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+            if tuple(hidden.shape) == (2, 3, hidden_size):
+                _loop_reads_tuple[type(base)] = returns_tuple
+                return returns_tuple
+        raise RuntimeError(f"{type(base).__name__}: cannot tell how its layer loop reads a layer's output")
+    finally:
+        stand_in.probing = False
