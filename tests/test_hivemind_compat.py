@@ -268,3 +268,31 @@ def test_rsa_private_key_from_der_round_trips():
         serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     with pytest.raises(ValueError, match="not an RSA private key"):
         compat.rsa_private_key_from_der(other)
+
+
+# ----------------------------------------------------------------------------- 10, 11. P2P
+def test_forget_p2p_replica_detaches_the_one_replica(nodes):
+    assert compat.forget_p2p_replica(nodes.plain) is None
+
+    async def replicate_and_forget() -> bool:
+        replica = await nodes.plain.replicate_p2p()
+        try:
+            assert await nodes.plain.replicate_p2p() is replica  # hivemind keeps one per DHT object
+            assert compat.forget_p2p_replica(nodes.plain) is replica
+            assert compat.forget_p2p_replica(nodes.plain) is None
+            return await nodes.plain.replicate_p2p() is not replica  # the next call makes a new one
+        finally:
+            await replica.shutdown()
+            fresh = compat.forget_p2p_replica(nodes.plain)
+            if fresh is not None:
+                await fresh.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(replicate_and_forget(), 60))
+
+
+def test_p2p_message_limits_are_hiveminds():
+    from hivemind.p2p.p2p_daemon_bindings import control
+
+    largest, unary = compat.p2p_message_limits()
+    assert (largest, unary) == (control.DEFAULT_MAX_MSG_SIZE, control.MAX_UNARY_PAYLOAD_SIZE)
+    assert 0 < unary <= largest

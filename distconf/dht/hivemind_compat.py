@@ -64,6 +64,14 @@ Reads of private state (no patch)
    type through ``_private_key``. *If it changes*: signed nodes cannot reuse an identity file.
 9. ``distconf.dht.wire.TUPLE_EXT_CODE`` (our bounded decoder) mirrors
    ``MSGPackSerializer._TUPLE_EXT_TYPE_CODE``; the tests check that they agree.
+10. `forget_p2p_replica` detaches ``DHT._p2p_replica``, the one replica hivemind's
+    ``DHT.replicate_p2p`` keeps per DHT object (there is no public way to close it), so a
+    caller can shut it down on the loop that made it. *If it changes*: the replica is left
+    to the garbage collector, which closes it outside any event loop (warnings at exit).
+11. `p2p_message_limits` reads the p2p daemon's message limits (``DEFAULT_MAX_MSG_SIZE``,
+    ``MAX_UNARY_PAYLOAD_SIZE``) from the internal module
+    ``hivemind.p2p.p2p_daemon_bindings.control``. *If they move*: it raises
+    ``ImportError``; if they change, our streaming chunk size follows them.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from hivemind import DHT, P2P
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.dht.storage import DHTLocalStorage
     from hivemind.utils.crypto import RSAPrivateKey
@@ -89,8 +98,10 @@ __all__ = [
     "composite_validators",
     "expire_dictionaries_by_records",
     "filter_dictionaries",
+    "forget_p2p_replica",
     "guard_msgpack_depth",
     "lazy_peer_id_text",
+    "p2p_message_limits",
     "rsa_private_key_from_der",
 ]
 
@@ -309,3 +320,19 @@ def rsa_private_key_from_der(der: bytes) -> RSAPrivateKey:
     if not isinstance(key._private_key, rsa.RSAPrivateKey):
         raise ValueError("not an RSA private key")
     return key
+
+
+# ----------------------------------------------------------------------------- 10, 11. P2P
+def forget_p2p_replica(dht: DHT) -> P2P | None:
+    """The P2P replica ``dht.replicate_p2p()`` made (None if none), detached: the caller shuts it down."""
+    replica = getattr(dht, "_p2p_replica", None)
+    if replica is not None:
+        dht._p2p_replica = None
+    return replica
+
+
+def p2p_message_limits() -> tuple[int, int]:
+    """``(DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE)``: the p2p daemon's largest message, largest unary payload."""
+    from hivemind.p2p.p2p_daemon_bindings import control
+
+    return control.DEFAULT_MAX_MSG_SIZE, control.MAX_UNARY_PAYLOAD_SIZE
