@@ -2,21 +2,36 @@
 
 Blocks follow the adapter's calling convention (``hidden, present = block(hidden,
 layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``).
-These functions are synchronous and run in the server's compute thread; inputs are
-already validated (see `distconf.server.validation`).
+These functions are synchronous and run in the server's one compute thread
+(`ComputeThread`); inputs are already validated (see `distconf.server.validation`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from distconf.blocks.kvcache import KVGeometry
 
-__all__ = ["ServedBlock", "SessionCache", "backward_chain", "forward_chain"]
+__all__ = ["ComputeThread", "ServedBlock", "SessionCache", "backward_chain", "forward_chain"]
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """Runs the server's synchronous compute on ``executor`` (one thread), awaited from the event loop."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
 
 @dataclass

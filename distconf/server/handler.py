@@ -3,7 +3,7 @@
 `BlockHandler` implements `distconf.rpc.BlockServicer` (handlers are registered under
 Petals 2.x's names). Compute runs in one compute thread; the event loop only parses,
 validates and moves messages, so one slow or hostile caller does not stall the others.
-Inference sessions are in `distconf.server.inference`.
+Inference sessions and pushes are owned by `distconf.server.sessions.Sessions`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, TypeVar  # noqa: UP035 (hivemind reads typing.AsyncIterator hints)
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing.AsyncIterator hints)
 
 import torch
 from hivemind.compression.serialization import deserialize_tensor_stream
@@ -28,36 +28,26 @@ from distconf.rpc.protocol import (
     DEFAULT_MAX_MSG_SIZE,
     ProtocolError,
     loads_metadata,
-    parse_chain,
     read_request,
     serialize_tensors,
-    split_chain,
 )
 from distconf.rpc.servicer import BlockServicer
-from distconf.server.compute import ServedBlock, backward_chain, forward_chain
-from distconf.server.inference import run_session
+from distconf.server.compute import ComputeThread, ServedBlock, backward_chain, forward_chain
 from distconf.server.memory import CacheBudget
-from distconf.server.validation import RequestError, check_adapter, check_hidden, check_prompts, unpack_tensors
+from distconf.server.sessions import Sessions
+from distconf.server.settings import HandlerSettings
+from distconf.server.validation import (
+    RequestError,
+    check_adapter,
+    check_hidden,
+    check_prompts,
+    served_chain,
+    unpack_tensors,
+)
 
 __all__ = ["BlockHandler", "HandlerSettings"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class HandlerSettings:
-    """Limits and identity of a server's handler (timeouts in seconds)."""
-
-    def __init__(self, *, dht_prefix: str, hidden_size: int, dtype: torch.dtype, inference_max_length: int,
-                 request_timeout: float = 180.0, session_timeout: float = 1800.0, step_timeout: float = 300.0,
-                 max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False,
-                 weights_sha256: str | None = None) -> None:
-        self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
-        self.inference_max_length = inference_max_length
-        self.request_timeout, self.session_timeout, self.step_timeout = request_timeout, session_timeout, step_timeout
-        self.max_request_bytes = max_request_bytes
-        self.version, self.dht_client_mode = version, dht_client_mode
-        self.weights_sha256 = weights_sha256  # the served weights' digest at load (``--verify-weights``)
 
 
 class BlockHandler(BlockServicer):
@@ -68,16 +58,16 @@ class BlockHandler(BlockServicer):
         self.blocks = {b.uid: b for b in blocks}
         self.ordered = list(blocks)
         self.budget, self.settings, self.executor = budget, settings, executor
+        self.compute = ComputeThread(executor)
         self.p2p: P2P | None = None
-        self.sessions: dict[str, asyncio.Queue[runtime_pb2.ExpertRequest]] = {}
         self.stats: Counter[str] = Counter()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.sessions = Sessions(self.blocks, budget, self.compute, settings, self.stats)
 
     # ------------------------------------------------------------------ lifecycle and helpers
 
     async def start(self, p2p: P2P) -> None:
         """Register the handlers on ``p2p`` (the DHT's daemon: the server's peer id is the DHT's)."""
-        self.p2p = p2p
+        self.p2p = self.sessions.p2p = p2p
         await self.add_p2p_handlers(p2p)
 
     async def stop(self) -> None:
@@ -94,35 +84,9 @@ class BlockHandler(BlockServicer):
         """Free cache bytes // KV bytes per token of one block (Petals 2.x's ``cache_tokens_available``)."""
         return self.budget.bytes_left // self.max_kv_bytes_per_token
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in the compute thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def background(self, coro: Any) -> None:
-        """Keep a reference to a fire-and-forget task until it finishes."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def check_uids(self, uids: str) -> list[ServedBlock]:
         """The served blocks named by a chain string, in order; `RequestError` if unknown or not consecutive."""
-        names = split_chain(uids)
-        if not names:
-            raise RequestError("the request names no block uid")
-        for uid in names:
-            if uid not in self.blocks:
-                raise RequestError(f"Remote peer does not serve {uid[:120]}")
-        try:
-            parse_chain(uids)
-        except ProtocolError as exc:
-            raise RequestError(str(exc)) from None
-        return [self.blocks[uid] for uid in names]
-
-    @staticmethod
-    def describe(context: P2PContext, blocks: Sequence[ServedBlock] | None = None) -> str:
-        """``blocks=a:b, peer=...xyz`` for log lines."""
-        span = f"{blocks[0].index}:{blocks[-1].index + 1}" if blocks else "n/a"
-        return f"blocks={span}, peer=...{str(context.remote_id)[-6:]}"
+        return served_chain(self.blocks, uids)
 
     def serialize_output(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
         """A reply tensor in the server's dtype."""
@@ -191,7 +155,7 @@ class BlockHandler(BlockServicer):
         hidden, prompts = unpack_tensors(tensors, metadata, ("hidden_states", "prompts"))
         hidden = check_hidden("hidden_states", hidden, s.hidden_size, s.dtype)
         per_block = check_prompts(prompts, len(blocks), hidden.shape[0], s.hidden_size, s.dtype, hidden.shape[1])
-        return await self.compute(forward_chain, blocks, hidden, per_block)
+        return await self.compute.run(forward_chain, blocks, hidden, per_block)
 
     async def _backward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]
                         ) -> list[torch.Tensor]:
@@ -205,8 +169,8 @@ class BlockHandler(BlockServicer):
             raise RequestError(f"grad_outputs has shape {list(grads.shape)}, inputs {list(inputs.shape)}")
         check_prompts(prompts, len(blocks), inputs.shape[0], s.hidden_size, s.dtype, inputs.shape[1])
         has_prompts = prompts is not None and prompts.numel() > 0
-        return await self.compute(backward_chain, blocks, inputs, grads,
-                                  prompts.to(s.dtype) if has_prompts else None)
+        return await self.compute.run(backward_chain, blocks, inputs, grads,
+                                      prompts.to(s.dtype) if has_prompts else None)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
@@ -258,24 +222,11 @@ class BlockHandler(BlockServicer):
 
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                             ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A session over a chain of blocks with a KV cache (see `distconf.server.inference`)."""
-        async for reply in run_session(self, requests, context):
+        """A session over a chain of blocks with a KV cache (see `distconf.server.sessions`)."""
+        async for reply in self.sessions.run(requests, context):
             yield reply
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Feed a previous server's outputs into one of this server's sessions (ignored if unknown)."""
-        self.check_uids(request.uid)
-        try:
-            metadata = loads_metadata(request.metadata)
-        except ProtocolError as exc:
-            raise RequestError(str(exc)) from None
-        session_id = metadata.get("session_id")
-        queue = self.sessions.get(session_id) if isinstance(session_id, str) else None
-        if queue is None:
-            logger.debug("rpc_push(%s): unknown session, ignored", self.describe(context))
-        elif queue.full():
-            logger.warning("rpc_push(%s): session push queue full, dropped", self.describe(context))
-        else:
-            queue.put_nowait(request)
-            self.stats["pushes_received"] += 1
+        self.sessions.route_push(request, context)
         return runtime_pb2.ExpertResponse()

@@ -1,30 +1,27 @@
-"""``rpc_inference`` sessions: one KV cache per session, steps from the caller or pushed by a peer.
+"""The messages of an ``rpc_inference`` session: its opening, its steps, where they come from.
 
 The first message names the chain and carries ``max_length`` (and optionally
-``session_id``, ``alloc_timeout``); its batch size fixes the session's. The cache for
-``batch x max_length`` tokens of every block is reserved from the server's one budget
-for the whole session and returned when it ends, fails or times out. Each message with
-tensors is a step, answered with one reply, unless its ``step_id`` was already processed
-(the same step can arrive from the caller and by ``rpc_push``).
+``session_id``, ``alloc_timeout``); its batch size fixes the session's (`parse_open`).
+Each later message with tensors is a step (`Step`), from the caller's stream or pushed by
+the previous server (`SessionInputs`); a step whose ``step_id`` was already processed is
+a duplicate (`StepIds`: the same step can arrive from the caller and by ``rpc_push``).
+Nothing here holds server state: `distconf.server.sessions` runs sessions with these.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035
 
-from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from distconf.rpc.calls import call_push
 from distconf.rpc.protocol import (
-    KEY_ALLOC_TIMEOUT,
     KEY_MAX_LENGTH,
     KEY_NEXT_SERVERS,
     KEY_PUSHED,
     KEY_SESSION_ID,
-    KEY_START_FROM_POSITION,
     KEY_STEP_ID,
     ProtocolError,
     chain_uid,
@@ -32,28 +29,23 @@ from distconf.rpc.protocol import (
     loads_metadata,
     read_request,
 )
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
 from distconf.server.validation import (
     RequestError,
     check_adapter,
     check_hidden,
     check_hypo_ids,
-    check_prompts,
     metadata_int,
-    metadata_number,
     next_servers,
+    served_chain,
     unpack_tensors,
 )
 
 if TYPE_CHECKING:
     import torch
 
-BlockHandler = Any
-"""The handler (`distconf.server.handler.BlockHandler`, which imports this module)."""
-
-__all__ = ["MAX_REMEMBERED_STEPS", "PUSH_QUEUE_SIZE", "run_session"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["MAX_REMEMBERED_STEPS", "PUSH_QUEUE_SIZE", "OpenRequest", "SessionInputs", "Step", "StepIds",
+           "is_pushed", "parse_open", "push_request"]
 
 PUSH_QUEUE_SIZE = 64
 """Pushed steps a session may hold before further pushes are dropped."""
@@ -61,30 +53,75 @@ MAX_REMEMBERED_STEPS = 4096
 """Step ids a session remembers for de-duplication (a duplicate arrives right after its original)."""
 
 
-class _Step:
-    """A parsed step message."""
+@dataclass(frozen=True)
+class OpenRequest:
+    """What a session's first message asks for (checked, except whether its session id is free)."""
 
-    def __init__(self, request: runtime_pb2.ExpertRequest, handler: BlockHandler, batch: int | None) -> None:
-        s = handler.settings
+    blocks: list[ServedBlock]
+    metadata: dict[str, Any]
+    max_length: int
+    session_id: str | None
+
+
+def parse_open(first: runtime_pb2.ExpertRequest, blocks: Mapping[str, ServedBlock],
+               inference_max_length: int) -> OpenRequest:
+    """Check a session's first message against the served ``blocks``; `RequestError` says what is wrong."""
+    chain = served_chain(blocks, first.uid)
+    try:
+        metadata = loads_metadata(first.metadata)
+    except ProtocolError as exc:
+        raise RequestError(str(exc)) from None
+    max_length = metadata_int(metadata, KEY_MAX_LENGTH, low=0, high=inference_max_length)
+    check_adapter(metadata)
+    session_id = metadata.get(KEY_SESSION_ID)
+    if session_id is not None and not isinstance(session_id, str):
+        raise RequestError(f"metadata {KEY_SESSION_ID!r} must be a string, got {type(session_id).__name__}")
+    return OpenRequest(chain, metadata, max_length, session_id)
+
+
+class Step:
+    """A parsed step message (hidden states checked against the server's ``hidden_size`` and the session's batch)."""
+
+    def __init__(self, request: runtime_pb2.ExpertRequest, hidden_size: int, dtype: torch.dtype,
+                 batch: int | None) -> None:
         try:
             tensors, self.metadata = read_request(request)
         except ProtocolError as exc:
             raise RequestError(str(exc)) from None
         hidden, self.prompts, hypo_ids = unpack_tensors(tensors, self.metadata,
                                                         ("hidden_states", "prompts", "hypo_ids"))
-        self.hidden = check_hidden("hidden_states", hidden, s.hidden_size, s.dtype, batch=batch, allow_empty=True)
+        self.hidden = check_hidden("hidden_states", hidden, hidden_size, dtype, batch=batch, allow_empty=True)
         self.batch = self.hidden.shape[0]
         self.hypo_ids = check_hypo_ids(hypo_ids, self.batch)
         step_id = self.metadata.get(KEY_STEP_ID)
         if step_id is not None and not isinstance(step_id, (str, bytes, int)):
-            raise RequestError(f"metadata 'step_id' must be a string, got {type(step_id).__name__}")
+            raise RequestError(f"metadata {KEY_STEP_ID!r} must be a string, got {type(step_id).__name__}")
         self.step_id = step_id
         self.pushed = bool(self.metadata.get(KEY_PUSHED))
         self.next_servers = next_servers(self.metadata.get(KEY_NEXT_SERVERS))
         self.prompts_per_block: list[torch.Tensor | None] = []
 
 
-class _Inputs:
+class StepIds:
+    """The step ids a session processed (the oldest are forgotten past `MAX_REMEMBERED_STEPS`)."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED_STEPS) -> None:
+        self.limit = limit
+        self._seen: dict[Any, None] = {}  # insertion-ordered: the oldest ids are forgotten first
+
+    def __contains__(self, step_id: Any) -> bool:
+        return step_id is not None and step_id in self._seen
+
+    def add(self, step_id: Any) -> None:
+        """Remember ``step_id`` (None is never remembered)."""
+        if step_id is None:
+            return
+        self._seen[step_id] = None
+        if len(self._seen) > self.limit:
+            del self._seen[next(iter(self._seen))]
+
+
+class SessionInputs:
     """Next message of a session: from the caller's stream or the push queue, within ``step_timeout``."""
 
     def __init__(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -119,128 +156,19 @@ class _Inputs:
                 task.cancel()
 
 
-def _open(handler: BlockHandler, first: runtime_pb2.ExpertRequest) -> tuple[list[ServedBlock], dict[str, Any]]:
-    blocks = handler.check_uids(first.uid)
-    try:
-        metadata = loads_metadata(first.metadata)
-    except ProtocolError as exc:
-        raise RequestError(str(exc)) from None
-    metadata_int(metadata, KEY_MAX_LENGTH, low=0, high=handler.settings.inference_max_length)
-    check_adapter(metadata)
-    session_id = metadata.get(KEY_SESSION_ID)
-    if session_id is not None and not isinstance(session_id, str):
-        raise RequestError(f"metadata 'session_id' must be a string, got {type(session_id).__name__}")
-    if session_id is not None and session_id in handler.sessions:
-        raise RequestError(f"session id {session_id[:64]!r} is already in use")
-    return blocks, metadata
-
-
-async def run_session(handler: BlockHandler, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                      context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """The body of ``rpc_inference`` (bounded by ``session_timeout`` and ``step_timeout``)."""
-    s = handler.settings
-    pushes: asyncio.Queue[runtime_pb2.ExpertRequest] = asyncio.Queue(PUSH_QUEUE_SIZE)
-    inputs = _Inputs(requests, pushes, s.step_timeout)
-    blocks: list[ServedBlock] | None = None
-    try:
-        async with asyncio.timeout(s.session_timeout):
-            first = await inputs.next()
-            if first is None:
-                return
-            blocks, metadata = _open(handler, first)
-            logger.info("rpc_inference.open(%s)", handler.describe(context, blocks))
-            step = _Step(first, handler, None) if first.tensors else None
-            batch = step.batch if step is not None else 1
-            max_length = metadata[KEY_MAX_LENGTH]
-            cache = SessionCache(blocks, batch, max_length)
-            alloc_timeout = metadata_number(metadata, KEY_ALLOC_TIMEOUT, 0.0)
-            what = f"a session of {batch} x {max_length} tokens over {len(blocks)} blocks"
-            async with handler.budget.reserve(SessionCache.nbytes(blocks, batch, max_length), alloc_timeout, what):
-                session_id = metadata.get(KEY_SESSION_ID)
-                if session_id is not None:
-                    handler.sessions[session_id] = pushes
-                handler.stats["sessions"] += 1
-                try:
-                    await handler.compute(cache.allocate)
-                    async for reply in _steps(handler, cache, first, step, inputs):
-                        yield reply
-                finally:
-                    if session_id is not None:
-                        handler.sessions.pop(session_id, None)
-                    cache.release()
-    except TimeoutError:
-        raise RequestError(f"inference session exceeded session_timeout={s.session_timeout:g} s") from None
-    finally:
-        inputs.cancel()
-        logger.info("rpc_inference.close(%s)", handler.describe(context, blocks))
-
-
-async def _steps(handler: BlockHandler, cache: SessionCache, first: runtime_pb2.ExpertRequest,
-                 step: _Step | None, inputs: _Inputs) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    processed: dict[Any, None] = {}  # insertion-ordered: the oldest ids are forgotten first
-    request: runtime_pb2.ExpertRequest | None = first
-    while request is not None and request.tensors:
-        try:
-            step = step or _Step(request, handler, cache.batch)
-            if step.pushed and request.uid != first.uid:
-                raise RequestError(f"pushed blocks {request.uid[:80]!r} are not this session's {first.uid[:80]!r}")
-            if step.step_id is not None and step.step_id in processed:
-                handler.stats["duplicate_steps"] += 1
-            else:
-                output = await _run_step(handler, cache, step)
-                if step.step_id is not None:
-                    processed[step.step_id] = None
-                    if len(processed) > MAX_REMEMBERED_STEPS:
-                        del processed[next(iter(processed))]
-                handler.stats["pushed_steps" if step.pushed else "steps"] += 1
-                serialized = handler.serialize_output(output)
-                # no push with deep prompts (as Petals 2.x): this message carries this server's prompts only
-                if step.next_servers and all(p is None for p in step.prompts_per_block):
-                    handler.background(_push(handler, request, serialized, step))
-                yield runtime_pb2.ExpertResponse(tensors=[serialized])
-        except RequestError as exc:
-            if not _pushed(request):
-                raise
-            # a bad push must not end the caller's session: the caller's own copy of the step still counts
-            handler.stats["bad_pushes"] += 1
-            logger.warning("ignored a pushed step: %s", exc)
-        step = None
-        request = await inputs.next()
-
-
-def _pushed(request: runtime_pb2.ExpertRequest) -> bool:
+def is_pushed(request: runtime_pb2.ExpertRequest) -> bool:
+    """Whether a message says it was pushed by a previous server (False when its metadata is unreadable)."""
     try:
         return bool(loads_metadata(request.metadata).get(KEY_PUSHED))
     except ProtocolError:
         return False
 
 
-async def _run_step(handler: BlockHandler, cache: SessionCache, step: _Step) -> torch.Tensor:
-    """Check the step against the session (nothing changes if it is refused), then run it."""
-    s = handler.settings
-    start = metadata_int(step.metadata, KEY_START_FROM_POSITION, low=0, high=cache.position, default=None)
-    position = cache.position if start is None else start
-    n = step.hidden.shape[1]
-    if position + n > cache.max_length:
-        raise RequestError(f"Maximum length exceeded: prefix {position} + current {n} exceeds the "
-                           f"session's max_length {cache.max_length}")
-    step.prompts_per_block = check_prompts(step.prompts, len(cache.blocks), cache.batch, s.hidden_size, s.dtype,
-                                           None)
-    cache.position = position
-    return await handler.compute(cache.step, step.hidden, step.prompts_per_block, step.hypo_ids)
-
-
-async def _push(handler: BlockHandler, request: runtime_pb2.ExpertRequest, serialized: runtime_pb2.Tensor,
-                step: _Step) -> None:
-    """Send this step's outputs to the next server of the caller's chain (failures are only logged)."""
+def push_request(step: Step, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor,
+                 dht_prefix: str) -> tuple[str, runtime_pb2.ExpertRequest]:
+    """(next peer, ``rpc_push`` message) carrying this step's ``output`` to the next server of the chain."""
     peer, session_id, start, end = step.next_servers[0]
     metadata = dict(step.metadata)
     metadata.update({KEY_SESSION_ID: session_id, KEY_NEXT_SERVERS: step.next_servers[1:], KEY_PUSHED: True})
-    pushed = runtime_pb2.ExpertRequest(uid=chain_uid(handler.settings.dht_prefix, start, end),
-                                       tensors=[serialized, *request.tensors[1:]], metadata=dumps_metadata(metadata))
-    try:
-        assert handler.p2p is not None
-        await call_push(handler.p2p, peer, pushed, timeout=handler.settings.request_timeout)
-        handler.stats["pushes_sent"] += 1
-    except Exception as exc:
-        logger.debug("push to %s (blocks %d:%d) failed: %r", peer[-6:], start, end, exc)
+    return peer, runtime_pb2.ExpertRequest(uid=chain_uid(dht_prefix, start, end),
+                                           tensors=[output, *request.tensors[1:]], metadata=dumps_metadata(metadata))

@@ -6,19 +6,44 @@ A bad request gets its error and nothing else changes on the server.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from distconf.rpc.protocol import KEY_ARGS_STRUCTURE, ProtocolError, is_dummy, unpack_args_kwargs
+from distconf.rpc.protocol import (
+    KEY_ACTIVE_ADAPTER,
+    KEY_ARGS_STRUCTURE,
+    KEY_NEXT_SERVERS,
+    ProtocolError,
+    is_dummy,
+    parse_chain,
+    split_chain,
+    unpack_args_kwargs,
+)
+from distconf.server.compute import ServedBlock
 
 __all__ = ["RequestError", "check_adapter", "check_hidden", "check_hypo_ids", "check_prompts", "metadata_int",
-           "metadata_number", "next_servers", "unpack_tensors"]
+           "metadata_number", "next_servers", "served_chain", "unpack_tensors"]
 
 
 class RequestError(ValueError):
     """A request this server refuses (the message is sent back to the caller)."""
+
+
+def served_chain(blocks: Mapping[str, ServedBlock], uids: str) -> list[ServedBlock]:
+    """The served ``blocks`` named by a chain string, in order; `RequestError` if unknown or not consecutive."""
+    names = split_chain(uids)
+    if not names:
+        raise RequestError("the request names no block uid")
+    for uid in names:
+        if uid not in blocks:
+            raise RequestError(f"Remote peer does not serve {uid[:120]}")
+    try:
+        parse_chain(uids)
+    except ProtocolError as exc:
+        raise RequestError(str(exc)) from None
+    return [blocks[uid] for uid in names]
 
 
 def unpack_tensors(flat: Sequence[torch.Tensor], metadata: dict[str, Any], names: Sequence[str]
@@ -122,7 +147,7 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)) or len(value) > 1024:
-        raise RequestError("metadata 'next_servers' must be a list of (peer_id, session_id, start, end)")
+        raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} must be a list of (peer_id, session_id, start, end)")
     out = []
     for item in value:
         ok = isinstance(item, (list, tuple)) and len(item) == 4
@@ -132,7 +157,7 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
                   and isinstance(end, int) and not isinstance(start, bool) and not isinstance(end, bool)
                   and 0 <= start < end)
         if not ok:
-            raise RequestError(f"metadata 'next_servers' entry {str(item)[:120]} is not (peer_id, session_id, "
+            raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} entry {str(item)[:120]} is not (peer_id, session_id, "
                                "start, end)")
         out.append((peer, session, start, end))
     return out
@@ -140,6 +165,6 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
 
 def check_adapter(metadata: dict[str, Any]) -> None:
     """This server serves no adapters: a request naming one is refused rather than run without it."""
-    adapter = metadata.get("active_adapter")
+    adapter = metadata.get(KEY_ACTIVE_ADAPTER)
     if adapter:
         raise RequestError(f"adapter {str(adapter)[:80]!r} is not served here (this server has no adapters)")

@@ -1,0 +1,230 @@
+"""`Sessions`: the one owner of a server's open ``rpc_inference`` sessions.
+
+It keeps the registry of open sessions by session id with each one's push queue, runs a
+session (`Sessions.run`, the body of ``rpc_inference``) and routes ``rpc_push`` messages
+to it (`Sessions.route_push`). A session id is checked and registered in one synchronous
+step, before the session awaits anything (its cache reservation may wait for memory), so
+two sessions opened with one id cannot both pass; it is unregistered when the session ends.
+
+The cache for ``batch x max_length`` tokens of every block of the chain is reserved from
+the server's one `CacheBudget` for the whole session and returned when it ends, fails or
+times out. Collaborators are passed in: the served blocks, the budget, the compute thread,
+the settings and the handler's statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from distconf.rpc.calls import call_push
+from distconf.rpc.protocol import (
+    KEY_ALLOC_TIMEOUT,
+    KEY_SESSION_ID,
+    KEY_START_FROM_POSITION,
+    ProtocolError,
+    loads_metadata,
+    serialize_tensors,
+)
+from distconf.server.compute import ComputeThread, ServedBlock, SessionCache
+from distconf.server.inference import (
+    PUSH_QUEUE_SIZE,
+    SessionInputs,
+    Step,
+    StepIds,
+    is_pushed,
+    parse_open,
+    push_request,
+)
+from distconf.server.memory import CacheBudget
+from distconf.server.settings import HandlerSettings
+from distconf.server.validation import RequestError, check_prompts, metadata_int, metadata_number, served_chain
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Sessions", "describe_call"]
+
+logger = logging.getLogger(__name__)
+
+PushQueue = asyncio.Queue[runtime_pb2.ExpertRequest]
+
+
+def describe_call(context: P2PContext, blocks: Sequence[ServedBlock] | None = None) -> str:
+    """``blocks=a:b, peer=...xyz`` for log lines."""
+    span = f"{blocks[0].index}:{blocks[-1].index + 1}" if blocks else "n/a"
+    return f"blocks={span}, peer=...{str(context.remote_id)[-6:]}"
+
+
+class Sessions:
+    """Open inference sessions of one server: registry, push queues, de-duplication by session id.
+
+    Used from the server's event loop. ``p2p`` (set when the handler starts) sends pushes
+    to the next server of a caller's chain.
+    """
+
+    def __init__(self, blocks: Mapping[str, ServedBlock], budget: CacheBudget, compute: ComputeThread,
+                 settings: HandlerSettings, stats: Counter[str]) -> None:
+        self.blocks, self.budget, self.compute, self.settings, self.stats = blocks, budget, compute, settings, stats
+        self.p2p: P2P | None = None
+        self._queues: dict[str, PushQueue] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ registry
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._queues
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def register(self, session_id: str, pushes: PushQueue) -> None:
+        """Make ``session_id`` route to ``pushes``; `RequestError` if an open session has that id."""
+        if session_id in self._queues:
+            raise RequestError(f"session id {session_id[:64]!r} is already in use")
+        self._queues[session_id] = pushes
+
+    def unregister(self, session_id: str, pushes: PushQueue) -> None:
+        """Forget ``session_id`` if it still routes to ``pushes``."""
+        if self._queues.get(session_id) is pushes:
+            del self._queues[session_id]
+
+    @contextlib.contextmanager
+    def _registered(self, session_id: str | None, pushes: PushQueue) -> Iterator[None]:
+        if session_id is None:
+            yield
+            return
+        self.register(session_id, pushes)
+        try:
+            yield
+        finally:
+            self.unregister(session_id, pushes)
+
+    # ------------------------------------------------------------------ push routing
+
+    def route_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
+        """Queue a previous server's outputs for one of this server's sessions (ignored if unknown)."""
+        served_chain(self.blocks, request.uid)
+        try:
+            metadata = loads_metadata(request.metadata)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+        session_id = metadata.get(KEY_SESSION_ID)
+        queue = self._queues.get(session_id) if isinstance(session_id, str) else None
+        if queue is None:
+            logger.debug("rpc_push(%s): unknown session, ignored", describe_call(context))
+        elif queue.full():
+            logger.warning("rpc_push(%s): session push queue full, dropped", describe_call(context))
+        else:
+            queue.put_nowait(request)
+            self.stats["pushes_received"] += 1
+
+    # ------------------------------------------------------------------ one session
+
+    async def run(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The body of ``rpc_inference`` (bounded by ``session_timeout`` and ``step_timeout``)."""
+        s = self.settings
+        pushes: PushQueue = asyncio.Queue(PUSH_QUEUE_SIZE)
+        inputs = SessionInputs(requests, pushes, s.step_timeout)
+        blocks: list[ServedBlock] | None = None
+        try:
+            async with asyncio.timeout(s.session_timeout):
+                first = await inputs.next()
+                if first is None:
+                    return
+                opened = parse_open(first, self.blocks, s.inference_max_length)
+                blocks = opened.blocks
+                # no await between the check of the session id and its registration
+                with self._registered(opened.session_id, pushes):
+                    logger.info("rpc_inference.open(%s)", describe_call(context, blocks))
+                    step = Step(first, s.hidden_size, s.dtype, None) if first.tensors else None
+                    batch = step.batch if step is not None else 1
+                    cache = SessionCache(blocks, batch, opened.max_length)
+                    alloc_timeout = metadata_number(opened.metadata, KEY_ALLOC_TIMEOUT, 0.0)
+                    what = f"a session of {batch} x {opened.max_length} tokens over {len(blocks)} blocks"
+                    async with self.budget.reserve(SessionCache.nbytes(blocks, batch, opened.max_length),
+                                                   alloc_timeout, what):
+                        self.stats["sessions"] += 1
+                        try:
+                            await self.compute.run(cache.allocate)
+                            async for reply in self._steps(cache, first, step, inputs):
+                                yield reply
+                        finally:
+                            cache.release()
+        except TimeoutError:
+            raise RequestError(f"inference session exceeded session_timeout={s.session_timeout:g} s") from None
+        finally:
+            inputs.cancel()
+            logger.info("rpc_inference.close(%s)", describe_call(context, blocks))
+
+    async def _steps(self, cache: SessionCache, first: runtime_pb2.ExpertRequest, step: Step | None,
+                     inputs: SessionInputs) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        s = self.settings
+        processed = StepIds()
+        request: runtime_pb2.ExpertRequest | None = first
+        while request is not None and request.tensors:
+            try:
+                step = step or Step(request, s.hidden_size, s.dtype, cache.batch)
+                if step.pushed and request.uid != first.uid:
+                    raise RequestError(f"pushed blocks {request.uid[:80]!r} are not this session's "
+                                       f"{first.uid[:80]!r}")
+                if step.step_id in processed:
+                    self.stats["duplicate_steps"] += 1
+                else:
+                    output = await self._run_step(cache, step)
+                    processed.add(step.step_id)
+                    self.stats["pushed_steps" if step.pushed else "steps"] += 1
+                    serialized = serialize_tensors([output], s.dtype)[0]
+                    # no push with deep prompts (as Petals 2.x): this message carries this server's prompts only
+                    if step.next_servers and all(p is None for p in step.prompts_per_block):
+                        self._background(self._push(step, request, serialized))
+                    yield runtime_pb2.ExpertResponse(tensors=[serialized])
+            except RequestError as exc:
+                if not is_pushed(request):
+                    raise
+                # a bad push must not end the caller's session: the caller's own copy of the step still counts
+                self.stats["bad_pushes"] += 1
+                logger.warning("ignored a pushed step: %s", exc)
+            step = None
+            request = await inputs.next()
+
+    async def _run_step(self, cache: SessionCache, step: Step) -> torch.Tensor:
+        """Check the step against the session (nothing changes if it is refused), then run it."""
+        s = self.settings
+        start = metadata_int(step.metadata, KEY_START_FROM_POSITION, low=0, high=cache.position, default=None)
+        position = cache.position if start is None else start
+        n = step.hidden.shape[1]
+        if position + n > cache.max_length:
+            raise RequestError(f"Maximum length exceeded: prefix {position} + current {n} exceeds the "
+                               f"session's max_length {cache.max_length}")
+        step.prompts_per_block = check_prompts(step.prompts, len(cache.blocks), cache.batch, s.hidden_size,
+                                               s.dtype, None)
+        cache.position = position
+        return await self.compute.run(cache.step, step.hidden, step.prompts_per_block, step.hypo_ids)
+
+    # ------------------------------------------------------------------ outgoing pushes
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Keep a reference to a fire-and-forget task until it finishes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _push(self, step: Step, request: runtime_pb2.ExpertRequest, serialized: runtime_pb2.Tensor) -> None:
+        """Send this step's outputs to the next server of the caller's chain (failures are only logged)."""
+        _, _, start, end = step.next_servers[0]
+        peer, pushed = push_request(step, request, serialized, self.settings.dht_prefix)
+        try:
+            assert self.p2p is not None
+            await call_push(self.p2p, peer, pushed, timeout=self.settings.request_timeout)
+            self.stats["pushes_sent"] += 1
+        except Exception as exc:
+            logger.debug("push to %s (blocks %d:%d) failed: %r", peer[-6:], start, end, exc)

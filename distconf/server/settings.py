@@ -1,0 +1,22 @@
+"""`HandlerSettings`: the limits and identity a server's handler and its sessions work with."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HandlerSettings"]
+
+
+class HandlerSettings:
+    """Limits and identity of a server's handler (timeouts in seconds)."""
+
+    def __init__(self, *, dht_prefix: str, hidden_size: int, dtype: torch.dtype, inference_max_length: int,
+                 request_timeout: float = 180.0, session_timeout: float = 1800.0, step_timeout: float = 300.0,
+                 max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False,
+                 weights_sha256: str | None = None) -> None:
+        self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
+        self.inference_max_length = inference_max_length
+        self.request_timeout, self.session_timeout, self.step_timeout = request_timeout, session_timeout, step_timeout
+        self.max_request_bytes = max_request_bytes
+        self.version, self.dht_client_mode = version, dht_client_mode
+        self.weights_sha256 = weights_sha256  # the served weights' digest at load (``--verify-weights``)
