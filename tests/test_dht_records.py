@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 from hivemind.utils.serializer import MSGPackSerializer
@@ -19,6 +20,8 @@ from distconf.dht.records import (
     block_uid,
     parse_block_uid,
 )
+from distconf.errors import ConfigValueError
+from distconf.loader.naming import block_uids, config_block_uids, config_dht_prefix, config_num_blocks
 
 
 def wire(value):
@@ -151,6 +154,51 @@ def test_block_uids():
     for bad in ("nodot", "x.", ".3", "x.-1", "x.1 x.2"):
         with pytest.raises(ValueError, match="block uid"):
             parse_block_uid(bad)
+
+
+def test_block_uid_ranges():
+    assert block_uids("m", 1, 3) == ["m.1", "m.2"] == [block_uid("m", 1), block_uid("m", 2)]
+    assert block_uids("m", 2, 2) == []
+    assert all(parse_block_uid(uid) == ("m", i) for i, uid in enumerate(block_uids("m", 0, 5)))
+    for args, fragment in ((("m", 3, 2), "start > end"), (("m", -1, 2), "start must be"),
+                           (("m", 0, True), "end must be"), (("a b", 0, 1), "must not contain"),
+                           (("", 0, 1), "non-empty")):
+        with pytest.raises(ConfigValueError, match=fragment):
+            block_uids(*args)
+
+
+def test_config_block_uids_read_any_config():
+    """The rule the config mixin's ``block_uids`` and the DHT helpers share (plain objects work too)."""
+    cfg = SimpleNamespace(dht_prefix="org/m-petals", num_hidden_layers=3)
+    assert config_block_uids(cfg) == ["org/m-petals.0", "org/m-petals.1", "org/m-petals.2"]
+    assert config_block_uids(cfg, 1) == ["org/m-petals.1", "org/m-petals.2"]
+    assert config_block_uids(cfg, 1, 1) == []
+    assert config_num_blocks(SimpleNamespace(n_layer=4)) == 4
+    for start, end in ((0, 4), (2, 1), (-1, 2)):
+        with pytest.raises(ConfigValueError, match=r"outside \[0, 3\)"):
+            config_block_uids(cfg, start, end)
+    for bad in (SimpleNamespace(num_hidden_layers=2), SimpleNamespace(dht_prefix=None, num_hidden_layers=2)):
+        with pytest.raises(ConfigValueError, match="has no dht_prefix"):
+            config_dht_prefix(bad)
+    with pytest.raises(ConfigValueError, match="must not contain"):
+        config_dht_prefix(SimpleNamespace(dht_prefix="a.b"))
+    for n in (None, 0, True, "3"):
+        with pytest.raises(ConfigValueError, match="no valid num_hidden_layers"):
+            config_num_blocks(SimpleNamespace(num_hidden_layers=n))
+
+
+def test_hub_repository_from_a_hub_id_or_a_cache_snapshot(tmp_path):
+    from distconf.dht.announce import hub_repository
+    from distconf.server import hub_repository as served
+
+    assert served is hub_repository  # one function: the server announces with the DHT's rule
+    assert hub_repository("org/Model-v1.5") == "https://huggingface.co/org/Model-v1.5"
+    assert hub_repository("gpt2") == "https://huggingface.co/gpt2"
+    snapshot = tmp_path / "hub" / "models--org--Model-7b" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert hub_repository(snapshot) == hub_repository(str(snapshot)) == "https://huggingface.co/org/Model-7b"
+    for other in (tmp_path, str(tmp_path), None, "", "../org/m", "org/a--b", "a/b/c", "/no/such/dir"):
+        assert hub_repository(other) is None, other
 
 
 _finite = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)

@@ -60,14 +60,22 @@ def test_dummies_are_empty() -> None:
 
 
 def test_chain_uids() -> None:
-    assert chain_uid("m", 2, 5) == "m.2 m.3 m.4"
+    from distconf.loader import naming
+
+    assert (chain_uid, split_chain) == (naming.chain_uid, naming.split_chain)  # one home: the loader's naming
+    assert chain_uid("m", 2, 5) == "m.2 m.3 m.4" == naming.CHAIN_DELIMITER.join(naming.block_uids("m", 2, 5))
+    assert chain_uid("m", 2, 2) == ""
     assert split_chain("m.2 m.3") == ["m.2", "m.3"] and split_chain("") == []
+    assert split_chain(chain_uid("org/m", 0, 3)) == naming.block_uids("org/m", 0, 3)
     assert parse_chain("org-model.7 org-model.8") == ("org-model", [7, 8])
+    with pytest.raises(ValueError, match="must not contain"):
+        chain_uid("a b", 0, 1)
 
 
 @pytest.mark.parametrize(("uids", "message"), [
     ("", "no block uid"), ("m.1 m.3", "not consecutive"), ("m.2 m.1", "not consecutive"),
     ("m.1 n.2", "two models"), ("m.x", "prefix.index"), ("m", "prefix.index"), (".3", "prefix.index"),
+    ("m.-1", "prefix.index"), ("m.\u0661", "prefix.index"),
 ])
 def test_bad_chains(uids: str, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):

@@ -4,9 +4,9 @@ A server stores, for every block uid it serves, one record under its own subkey 
 peer id in base58; on a node started with ``signed_records=True``, its peer id followed
 by its owner key, and the record is signed) and lists the model under ``_petals.models``
 (unless the prefix is private, i.e. starts with ``_``), with ``repository`` set to
-``https://huggingface.co/<hub id>`` when the config was loaded by hub id, as Petals 2.x
-servers do. Records expire; `BlockAnnouncer` refreshes them every ``update_period``
-seconds until stopped.
+``https://huggingface.co/<hub id>`` when the config was loaded by hub id (as Petals 2.x
+servers do) or from a Hugging Face cache snapshot. Records expire; `BlockAnnouncer`
+refreshes them every ``update_period`` seconds until stopped.
 
 hivemind is imported lazily: importing this module stays cheap.
 """
@@ -18,10 +18,11 @@ import os
 import re
 import threading
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distconf.dht.records import MODELS_REGISTRY_KEY, ModelInfo, ServerInfo, ServerState
-from distconf.dht.uids import config_block_uids, config_dht_prefix, config_num_blocks
+from distconf.loader.naming import block_uids, config_dht_prefix, config_num_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
@@ -45,20 +46,33 @@ MIN_EXPIRATION = 3.0
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+_CACHE_SNAPSHOT = re.compile(r"models--([^/\\]+)--([^/\\]+)[/\\]snapshots[/\\]")
 
 
-def hub_repository(config: Any) -> str | None:
-    """``https://huggingface.co/<hub id>`` when ``config`` was loaded by hub id, else None.
+def hub_repository(name_or_path: str | os.PathLike[str] | None) -> str | None:
+    """``https://huggingface.co/<org>/<name>`` of the Hub repository a model was loaded from, else None.
 
-    The hub id is ``config.name_or_path`` (``_name_or_path``); a local path (an existing
-    directory, or anything that does not look like ``org/name``) gives None.
+    ``name_or_path`` is what the model was loaded from: a hub id (``org/name``, not an
+    existing local path), or a local directory inside a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<revision>``). Any other local path gives None.
     """
+    if name_or_path is None:
+        return None
+    name = os.fspath(name_or_path)
+    if not isinstance(name, str) or not name:
+        return None
+    if not os.path.exists(name):
+        if not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+            return None
+        return f"https://huggingface.co/{name}"
+    match = _CACHE_SNAPSHOT.search(str(Path(name).resolve()) + "/")
+    return f"https://huggingface.co/{match.group(1)}/{match.group(2)}" if match else None
+
+
+def _loaded_from(config: Any) -> str | None:
+    """What ``config`` was loaded from (``name_or_path``), if it says."""
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
-    if not isinstance(name, str) or not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
-        return None
-    if os.path.exists(name):
-        return None
-    return f"https://huggingface.co/{name}"
+    return name if isinstance(name, str) else None
 
 
 def default_expiration(config: Any) -> float:
@@ -99,7 +113,7 @@ async def _store_records(
 
     install_guard(node).validator.register_model(prefix, num_blocks or end)
     peer = _subkey(node)
-    uids = [f"{prefix}.{i}" for i in range(start, end)]  # built here: the pipe message stays small
+    uids = block_uids(prefix, start, end)  # built here: the pipe message stays small
     keys: list[Any] = list(uids)
     subkeys: list[Any] = [peer] * len(uids)
     values: list[Any] = [value] * len(uids)
@@ -134,8 +148,7 @@ def announce_blocks(
     :param expiration: lifetime of the records in **seconds from now** (not an absolute
         time); default `default_expiration` (``max(2 * update_period, 3)``).
     :param repository: stored in the ``_petals.models`` listing (public prefixes only);
-        default: ``https://huggingface.co/<hub id>`` when ``config.name_or_path`` is a
-        hub id (not a local directory), else None.
+        default: `hub_repository` of ``config.name_or_path`` (a hub id or a cache snapshot).
     :param timeout: give up waiting for the DHT after this many seconds.
     :returns: for each stored key (block uids, plus ``_petals.models`` when listed),
         whether the store succeeded.
@@ -155,9 +168,6 @@ def announce_blocks(
     from hivemind.utils.serializer import MSGPackSerializer
 
     prefix = config_dht_prefix(config)
-    uids = config_block_uids(config, start, end)
-    if uids != [f"{prefix}.{i}" for i in range(start, end)]:
-        raise ValueError(f"block uids of {type(config).__name__} are not '{prefix}.<index>'")
     record = info.model_copy(update={"start_block": start, "end_block": end})
     record = ServerInfo.model_validate(record.model_dump())  # re-validate the updated copy
     size = len(MSGPackSerializer.dumps(record.to_wire()))
@@ -166,7 +176,7 @@ def announce_blocks(
     registry = None
     if not prefix.startswith("_"):  # private prefixes stay out of the listing, as in Petals 2.x
         if repository is None:
-            repository = hub_repository(config)
+            repository = hub_repository(_loaded_from(config))
         registry = (prefix, ModelInfo(num_blocks=num_blocks, repository=repository).to_wire())
     expiration_time = get_dht_time() + expiration
     future = dht.run_coroutine(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.dht.fetch import DEFAULT_BEAM_SIZE, _fetch, fetch_raw
 from distconf.dht.peerids import owner_matches_peer, peer_id_problem, split_subkey
 from distconf.dht.records import (
+    MAX_NUM_BLOCKS,
     MODELS_REGISTRY_KEY,
     ModelInfo,
     RecordError,
@@ -34,7 +35,7 @@ from distconf.dht.records import (
     ServerState,
     listing_prefix_problem,
 )
-from distconf.dht.uids import config_block_uids, config_dht_prefix, config_num_blocks
+from distconf.loader.naming import block_uids, config_block_uids, config_dht_prefix
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
@@ -215,11 +216,9 @@ def find_servers_by_prefix(
     beam_size: int | None = DEFAULT_BEAM_SIZE, max_records_per_block: int | None = None,
 ) -> SwarmState:
     """Like `find_block_servers`, for a model known only by its prefix and block count."""
-    from distconf.dht.records import MAX_NUM_BLOCKS, block_uid
-
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
         raise ValueError(f"num_blocks must be an integer in 1..{MAX_NUM_BLOCKS}, got {num_blocks!r}")
-    uids = [block_uid(dht_prefix, i) for i in range(num_blocks)]
+    uids = block_uids(dht_prefix, 0, num_blocks)
     return _find(dht, dht_prefix, uids, latest=latest, timeout=timeout, beam_size=beam_size,
                  max_records=max_records_per_block)
 
@@ -242,9 +241,8 @@ def find_block_servers(
     :returns: a `SwarmState` with per-block servers (every state: callers choose, and
         routing uses ONLINE servers by default), merged spans and skipped entries.
     """
-    prefix = config_dht_prefix(config)
-    config_num_blocks(config)
-    return _find(dht, prefix, config_block_uids(config), latest=latest, timeout=timeout, beam_size=beam_size,
+    uids = config_block_uids(config)
+    return _find(dht, config_dht_prefix(config), uids, latest=latest, timeout=timeout, beam_size=beam_size,
                  max_records=max_records_per_block)
 
 

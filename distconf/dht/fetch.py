@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from distconf.loader.naming import block_uids
+
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
     from hivemind.dht import DHTNode
@@ -50,7 +52,7 @@ async def _get_many(
 
     guard = install_guard(node)
     if keys is None:
-        keys = [f"{prefix}.{i}" for i in range(num_blocks)]
+        keys = block_uids(prefix, 0, num_blocks)
         guard.validator.register_model(prefix, num_blocks)
     ids = {key: key_id(key) for key in keys}
     for key_bytes in ids.values():
@@ -107,7 +109,7 @@ def _fetch(
     # the DHT process answers (with whatever keys finished) a little before the caller gives up
     deadline = None if timeout is None else max(0.2, min(timeout - 0.5, 0.9 * timeout))
     common = dict(latest=latest, beam_size=beam_size, deadline=deadline, max_records=max_records)
-    if prefix is not None and keys == [f"{prefix}.{i}" for i in range(len(keys))]:
+    if prefix is not None and keys == block_uids(prefix, 0, len(keys)):
         job = partial(_get_many, keys=None, prefix=prefix, num_blocks=len(keys), **common)
     else:
         job = partial(_get_many, keys=keys, **common)

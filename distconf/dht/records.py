@@ -2,8 +2,9 @@
 
 Two kinds of record exist, both in Petals 2.x's format:
 
-* a **server record**, stored under key ``f"{dht_prefix}.{block_index}"`` with subkey
-  = the server's peer id in base58 and value ``(state, throughput, extra)``;
+* a **server record**, stored under the block's uid (``"<dht_prefix>.<index>"``, built by
+  `distconf.loader.naming.block_uid`) with subkey = the server's peer id in base58 and
+  value ``(state, throughput, extra)``;
 * a **model-registry record**, stored under key ``"_petals.models"`` with subkey =
   ``dht_prefix`` and value ``{"num_blocks": n, "repository": str | None}``.
 

@@ -46,6 +46,7 @@ from distconf.dht.records import (
     listing_prefix_problem,
 )
 from distconf.dht.wire import MAX_VALUE_BYTES, WireError, safe_loads
+from distconf.loader.naming import block_uids
 
 __all__ = ["MAX_RECORD_LIFETIME", "SCOPES", "SwarmRecordValidator", "key_id"]
 
@@ -102,7 +103,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         if self.registered.get(dht_prefix, 0) >= num_blocks or len(self.block_ids) >= _MAX_REGISTERED_KEYS:
             return
         start = self.registered.get(dht_prefix, 0)
-        self.block_ids.update(key_id(f"{dht_prefix}.{i}") for i in range(start, num_blocks))
+        self.block_ids.update(map(key_id, block_uids(dht_prefix, start, num_blocks)))
         self.registered[dht_prefix] = num_blocks
 
     def is_block_key(self, key: bytes) -> bool:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from distconf.errors import ConfigValueError
-from distconf.loader.naming import block_uid, dht_prefix_problem
+from distconf.loader.naming import config_block_uids, dht_prefix_problem
 
 __all__ = [
     "ClientConfig", "PTuneConfig", "LMHeadConfig", "PinnedRevisionMixin", "MIXINS",
@@ -150,14 +150,8 @@ class ClientConfig:
         "doc": "Seconds to wait for a ping; a server that does not answer counts as infinitely slow."})
 
     def block_uids(self, start: int = 0, end: int | None = None) -> list[str]:
-        """DHT uids ``f"{dht_prefix}.{i}"`` of blocks ``start..end-1`` (default: all)."""
-        if self.dht_prefix is None:
-            raise ConfigValueError("dht_prefix is None: load the config with from_pretrained or pass dht_prefix")
-        n = int(self.num_hidden_layers)
-        end = n if end is None else end
-        if not 0 <= start <= end <= n:
-            raise ConfigValueError(f"block range [{start}, {end}) is outside [0, {n})")
-        return [block_uid(self.dht_prefix, i) for i in range(start, end)]
+        """DHT uids ``"<dht_prefix>.<i>"`` of blocks ``start..end-1`` (default: all); see `config_block_uids`."""
+        return config_block_uids(self, start, end)
 
 
 @dataclass(kw_only=True)

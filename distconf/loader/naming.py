@@ -4,18 +4,23 @@ A block uid is ``f"{dht_prefix}{UID_DELIMITER}{index}"`` (``"org/model-petals.17
 a chain of uids is joined by `CHAIN_DELIMITER`. A prefix therefore may contain neither
 delimiter nor any whitespace. The family file's ``dht_prefix`` rule, the mixin field
 ``dht_prefix``, the DHT records and the server all check prefixes with `dht_prefix_problem`.
+
+Every layer builds and reads uids through this module: `block_uid` / `block_uids` /
+`config_block_uids` build them, `parse_block_uid` reads one, `chain_uid` / `split_chain`
+join and split the chain a request names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from distconf.errors import ConfigValueError
 
 __all__ = [
     "UID_DELIMITER", "CHAIN_DELIMITER", "dht_prefix_problem", "check_dht_prefix", "derive_dht_prefix",
-    "block_uid", "parse_block_uid",
+    "block_uid", "block_uids", "parse_block_uid", "chain_uid", "split_chain",
+    "config_dht_prefix", "config_num_blocks", "config_block_uids",
 ]
 
 UID_DELIMITER = "."
@@ -64,12 +69,38 @@ def derive_dht_prefix(rule: PrefixRule, model_name: str) -> str:
     return check_dht_prefix(prefix)
 
 
+def _uid(dht_prefix: str, index: int) -> str:
+    return f"{dht_prefix}{UID_DELIMITER}{index}"  # the only place the format is written
+
+
+def _check_index(name: str, index: object) -> int:
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ConfigValueError(f"{name} must be an integer >= 0, got {index!r}")
+    return index
+
+
 def block_uid(dht_prefix: str, index: int) -> str:
     """The DHT key of block ``index`` of the model with prefix ``dht_prefix``."""
     check_dht_prefix(dht_prefix)
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ConfigValueError(f"block index must be an integer >= 0, got {index!r}")
-    return f"{dht_prefix}{UID_DELIMITER}{index}"
+    return _uid(dht_prefix, _check_index("block index", index))
+
+
+def block_uids(dht_prefix: str, start: int, end: int) -> list[str]:
+    """The uids of blocks ``start..end-1`` of the model with prefix ``dht_prefix``."""
+    check_dht_prefix(dht_prefix)
+    if _check_index("start", start) > _check_index("end", end):
+        raise ConfigValueError(f"block range [{start}, {end}) has start > end")
+    return [_uid(dht_prefix, i) for i in range(start, end)]
+
+
+def chain_uid(dht_prefix: str, start: int, end: int) -> str:
+    """The uids of blocks ``start..end-1`` joined into the one string a request names (``"m.2 m.3"``)."""
+    return CHAIN_DELIMITER.join(block_uids(dht_prefix, start, end))
+
+
+def split_chain(uids: str) -> list[str]:
+    """The block uids of a chain string (no empty entries; nothing is validated)."""
+    return [uid for uid in (uids or "").split(CHAIN_DELIMITER) if uid]
 
 
 def parse_block_uid(uid: str) -> tuple[str, int]:
@@ -78,3 +109,34 @@ def parse_block_uid(uid: str) -> tuple[str, int]:
     if not sep or dht_prefix_problem(prefix) is not None or not index.isdigit() or not index.isascii():
         raise ValueError(f"{uid[:80]!r} is not a block uid of the form 'prefix.index'")
     return prefix, int(index)
+
+
+def config_dht_prefix(config: Any) -> str:
+    """The ``dht_prefix`` of a config (any object with that attribute); `ConfigValueError` if it has none."""
+    prefix = getattr(config, "dht_prefix", None)
+    if prefix is None or prefix == "":
+        raise ConfigValueError(
+            f"{type(config).__name__} has no dht_prefix: load it by hub name with from_pretrained "
+            "(which derives one) or pass dht_prefix=... explicitly"
+        )
+    return check_dht_prefix(prefix)
+
+
+def config_num_blocks(config: Any) -> int:
+    """Number of transformer blocks of a config (``num_hidden_layers``, or ``n_layer`` for old configs)."""
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        n = getattr(config, "n_layer", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigValueError(f"{type(config).__name__} has no valid num_hidden_layers (got {n!r})")
+    return n
+
+
+def config_block_uids(config: Any, start: int = 0, end: int | None = None) -> list[str]:
+    """The uids of blocks ``start..end-1`` (default: all) of a config's model."""
+    prefix = config_dht_prefix(config)
+    n = config_num_blocks(config)
+    end = n if end is None else end
+    if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+        raise ConfigValueError(f"block range [{start}, {end}) is outside [0, {n})")
+    return block_uids(prefix, start, end)

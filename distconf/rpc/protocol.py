@@ -2,7 +2,7 @@
 
 Everything a server and a client must agree on lives here, written from the protocol's
 facts (hivemind ``runtime_pb2`` messages, msgpack metadata, Petals' ``args_structure``
-packing with ``b"__T<index>"`` markers, uid chains joined by `CHAIN_DELIMITER`):
+packing with ``b"__T<index>"`` markers, uid chains as `distconf.loader.naming` builds them):
 
 - requests are ``ExpertRequest{uid, tensors, metadata}``; replies ``ExpertResponse{tensors, metadata}``;
 - tensors go through ``hivemind.serialize_torch_tensor`` / ``deserialize_torch_tensor``;
@@ -24,7 +24,7 @@ from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER, dht_prefix_problem
+from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
 __all__ = [
     "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",
@@ -70,17 +70,7 @@ def is_dummy(tensor: torch.Tensor) -> bool:
     return tensor.numel() == 0
 
 
-# ------------------------------------------------------------------ uids
-
-
-def chain_uid(prefix: str, start: int, end: int) -> str:
-    """Uids of blocks ``start..end-1`` of ``prefix`` joined into one chain string."""
-    return CHAIN_DELIMITER.join(f"{prefix}{UID_DELIMITER}{i}" for i in range(start, end))
-
-
-def split_chain(uids: str) -> list[str]:
-    """The block uids of a chain string (no empty entries)."""
-    return [uid for uid in (uids or "").split(CHAIN_DELIMITER) if uid]
+# ------------------------------------------------------------------ uids (`chain_uid`, `split_chain`: from naming)
 
 
 def parse_chain(uids: str) -> tuple[str, list[int]]:
@@ -90,13 +80,14 @@ def parse_chain(uids: str) -> tuple[str, list[int]]:
         raise ProtocolError("the request names no block uid")
     prefix, indices = None, []
     for uid in parts:
-        head, sep, index = uid.rpartition(UID_DELIMITER)
-        if not sep or dht_prefix_problem(head) is not None or not (index.isascii() and index.isdigit()):
-            raise ProtocolError(f"{uid[:80]!r} is not a block uid of the form 'prefix.index'")
+        try:
+            head, index = parse_block_uid(uid)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         if prefix is not None and head != prefix:
             raise ProtocolError(f"uids of two models in one chain: {prefix!r} and {head!r}")
         prefix = head
-        indices.append(int(index))
+        indices.append(index)
     if any(b != a + 1 for a, b in itertools.pairwise(indices)):
         raise ProtocolError(f"blocks {indices[:16]} are not consecutive")
     assert prefix is not None

@@ -11,16 +11,14 @@ after loading and again at stop, and the server logs whether they are unchanged.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+from distconf.dht.announce import hub_repository  # re-exported: distconf.server.hub_repository
 from distconf.server.logfilter import install_refused_request_filter
 
 __all__ = ["BlockServer", "ServeOptions", "hub_repository"]
@@ -54,12 +52,6 @@ class ServeOptions:
     repository: str | None = None
     compute_threads: int | None = None
     verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
-
-
-def hub_repository(model_dir: str | os.PathLike[str]) -> str | None:
-    """``https://huggingface.co/<org>/<name>`` when ``model_dir`` is a Hugging Face cache snapshot."""
-    match = re.search(r"models--([^/\\]+)--([^/\\]+)[/\\]snapshots[/\\]", str(Path(model_dir).resolve()) + "/")
-    return f"https://huggingface.co/{match.group(1)}/{match.group(2)}" if match else None
 
 
 class _LiveAnnouncer(BlockAnnouncer):
