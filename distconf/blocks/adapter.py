@@ -24,21 +24,14 @@ from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.errors import ConfigValueError
 from distconf.loader.formula import FormulaError
+from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
-from distconf.loader.synthesis import import_object
+from distconf.loader.synthesis import resolve_object
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["BlockAdapter", "LayerSettings", "layer_settings", "prepare_config"]
-
-
-def import_named(config_cls: type, loc: tuple[str, ...], path: str) -> Any:
-    """Import the object a family file names at field ``loc``; a failure is reported at that field."""
-    try:
-        return import_object(path)
-    except ImportError as exc:
-        raise config_cls.family_source.error(loc, str(exc)) from None  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -76,11 +69,16 @@ def _layer_type(config: Any, field: str | None, layer_idx: int) -> str | None:
         raise ConfigValueError(f"{field}={types!r} has no entry for layer {layer_idx}") from None
 
 
-def _evaluate(config_cls: type, loc: tuple[str, ...], formula: Any, config: Any) -> Any:
+def _source(block_cls: type) -> FamilySource:
+    """The family file of a block class (block classes carry it through their config class)."""
+    return block_cls.config_class.family_source  # type: ignore[attr-defined]
+
+
+def _evaluate(block_cls: type, loc: tuple[str, ...], formula: Any, config: Any) -> Any:
     try:
         return formula.evaluate_on(config)
     except FormulaError as exc:
-        raise config_cls.family_source.error(loc, str(exc)) from None  # type: ignore[attr-defined]
+        raise _source(block_cls).error(loc, str(exc)) from None
 
 
 def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSettings:
@@ -91,7 +89,7 @@ def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSetting
     kind = mask.kind
     if layer_type is not None:
         if layer_type not in mask.layer_kinds:
-            raise block_cls.family_source.error(
+            raise _source(block_cls).error(
                 ("block", "mask", "layer_kinds"),
                 f"layer {layer_idx} has type {layer_type!r}, which block.mask.layer_kinds does not map")
         kind = mask.layer_kinds[layer_type]
@@ -109,10 +107,12 @@ def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSetting
         use_alibi = bool(_evaluate(block_cls, ("block", "position", "alibi_when"), position.alibi_when, config))
     rotary_class = None
     if position.rotary_class and not use_alibi:
-        rotary_class = import_named(block_cls, ("block", "position", "rotary_class"), position.rotary_class)
+        rotary_class = resolve_object(_source(block_cls), ("block", "position", "rotary_class"),
+                                      position.rotary_class)
     alibi_function = None
     if use_alibi:
-        alibi_function = import_named(block_cls, ("block", "position", "alibi_function"), position.alibi_function)
+        alibi_function = resolve_object(_source(block_cls), ("block", "position", "alibi_function"),
+                                        position.alibi_function)
     return LayerSettings(
         spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window, chunk_size=chunk,
         rotary_class=rotary_class,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from distconf.blocks.adapter import BlockAdapter, import_named
+from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
 from distconf.loader.formula import FormulaError
 from distconf.loader.registry import load_family_by_class_name
+from distconf.loader.synthesis import resolve_object
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +45,7 @@ def make_block_class(config_cls: type) -> type:
         if cls is not None:
             return cls
         spec = config_cls.family_spec  # type: ignore[attr-defined]
-        layer_class = import_named(config_cls, ("block", "layer_class"), spec.block.layer_class)
+        layer_class = resolve_object(config_cls.family_source, ("block", "layer_class"), spec.block.layer_class)
         if not isinstance(layer_class, type):
             raise config_cls.family_source.error(("block", "layer_class"), f"{spec.block.layer_class} is not a class")
         import torch

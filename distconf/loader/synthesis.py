@@ -39,7 +39,7 @@ from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
 
 __all__ = [
-    "synthesize_config_class", "resolve_source", "import_object", "import_class", "iter_formulas",
+    "synthesize_config_class", "resolve_source", "import_object", "import_class", "resolve_object", "iter_formulas",
     "LazyClassAttribute", "SynthesizedConfigMethods",
 ]
 
@@ -63,10 +63,14 @@ def import_class(path: str) -> type:
     return obj
 
 
-def resolve_class(source: FamilySource, loc: tuple[str, ...], path: str) -> type:
-    """Import the class named at field ``loc``; a problem is reported at that field."""
+def resolve_object(source: FamilySource, loc: tuple[str, ...], path: str, *, want_class: bool = False) -> Any:
+    """Import what the family file names at field ``loc`` (a class if ``want_class``); errors point at that field.
+
+    The one way every layer resolves a family file's (trusted) dotted path: a failure is
+    raised as ``source.error(loc, ...)``, located at the field's line.
+    """
     try:
-        return import_class(path)
+        return import_class(path) if want_class else import_object(path)
     except ImportError as exc:
         raise source.error(loc, str(exc)) from None
 
@@ -217,7 +221,7 @@ def _block_class(cls: type) -> type:
 def synthesize_config_class(source: FamilySource, *, module: str) -> type:
     """Build the distributed config class described by ``source``, as a member of ``module``."""
     spec = source.spec
-    config_class = resolve_class(source, ("config_class",), spec.config_class)
+    config_class = resolve_object(source, ("config_class",), spec.config_class, want_class=True)
     from transformers import PreTrainedConfig
 
     if not issubclass(config_class, PreTrainedConfig):
@@ -246,8 +250,8 @@ def synthesize_config_class(source: FamilySource, *, module: str) -> type:
         "hf_config_class": config_class,
         "block_prefix": spec.block.prefix,
         "attn_class": LazyClassAttribute(
-            "attn_class", lambda owner: resolve_class(source, ("block", "attention_class"),
-                                                      spec.block.attention_class)),
+            "attn_class", lambda owner: resolve_object(source, ("block", "attention_class"),
+                                                       spec.block.attention_class, want_class=True)),
         "block_class": LazyClassAttribute("block_class", _block_class),
     })
     if spec.revisions:
