@@ -9,7 +9,7 @@ a family file needs, without any per-family knowledge:
 - the decoder-layer class and the state-dict prefix of the layers, from the causal-LM
   model built on the meta device; the attention class, the rotary module and the
   keyword names of the layer's constructor and ``forward`` (`scan`, `sections`), and
-  inputs the model prepares for its layers, read from its source (`calls`);
+  inputs the model prepares for its layers, read from its source (`layer_call`);
 - the mask rule (layer types, sliding window on every layer, or plain causal);
 - a ``tiny_config`` made by shrinking the given config consistently (`shrink`,
   `profile`, `layers`, `rope`), limited to the fields the class reads (`readable`),

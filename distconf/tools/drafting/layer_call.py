@@ -76,12 +76,10 @@ class LayerCall:
         return (function, node) if inspect.isfunction(function) else None
 
     def casts_to_bool(self, keyword: str) -> bool:
-        """The value passed as ``keyword`` is made with ``.to(torch.bool)`` or ``.bool()``."""
+        """The value passed as ``keyword`` is made with ``.to(torch.bool)``."""
         node = self.origin(keyword)
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             return False
-        if node.func.attr == "bool":
-            return True
         return node.func.attr == "to" and any(isinstance(a, ast.Attribute) and a.attr == "bool" for a in node.args)
 
 

@@ -87,8 +87,7 @@ def _is_index_list(key: str, value: Any, layers: int, names: FieldNames) -> bool
 
 
 def plan_layers(config: Mapping[str, Any], names: FieldNames, layers: int | None, *, min_layers: int,
-                max_layers: int, extra: Sequence[Sequence[Hashable] | None] = (),
-                end_with_last: bool = False) -> LayerPlan:
+                max_layers: int, extra: Sequence[Sequence[Hashable] | None] = ()) -> LayerPlan:
     """The tiny layers of a model with ``layers`` layers.
 
     ``extra`` holds more per-layer signatures (the layer types the config class derives,
@@ -116,8 +115,6 @@ def plan_layers(config: Mapping[str, Any], names: FieldNames, layers: int | None
     kinds = len(first_layers)
     count = min_layers if kinds == 1 else min(max(3, kinds, min_layers), max_layers)
     chosen = tuple(first_layers[j % kinds] for j in range(count))
-    if end_with_last and kinds > 1:
-        chosen = (*chosen[:-1], layers - 1)
     return LayerPlan(chosen, per_layer, index_lists, kinds, keyed)
 
 

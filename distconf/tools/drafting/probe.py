@@ -98,13 +98,9 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
 
 
 def _last_cache(result: Any) -> tuple[Any, Any]:
-    cache = getattr(result, "cache", None) or getattr(result, "past_key_values", None)
-    if cache is None:
-        return None, None
+    cache = getattr(result, "past_key_values", None)  # a transformers Cache: one entry per layer
     layers = getattr(cache, "layers", None)
     try:
-        if layers:
-            return layers[-1].keys, layers[-1].values
-        return cache[-1][0], cache[-1][1]
-    except (AttributeError, IndexError, TypeError, KeyError):
+        return layers[-1].keys, layers[-1].values
+    except (AttributeError, IndexError, TypeError):
         return None, None

@@ -27,7 +27,6 @@ class ModelScan:
     attention_class: type | None
     attention_name: str | None
     rotary_class: type | None
-    notes: list[str]
 
     @property
     def layer_class(self) -> type:
@@ -69,12 +68,12 @@ def scan_model(model: Any, num_layers: int | None) -> ModelScan:
     base_prefix = getattr(type(model), "base_model_prefix", None)
     base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
     attention_class, attention_name = _find_attention(layers[0])
-    rotary_class, notes = _find_rotary(model, prefix)
+    rotary_class = _find_rotary(model, prefix)
     owner = prefix.rpartition(".")[0]  # the module running the layers builds their masks
     return ModelScan(model=model, prefix=prefix, layers=layers, base_prefix=base_prefix,
                      base_model=model.get_submodule(owner) if owner else model,
                      attention_class=attention_class, attention_name=attention_name,
-                     rotary_class=rotary_class, notes=notes)
+                     rotary_class=rotary_class)
 
 
 def layer_signature(layer: Any) -> tuple[str, ...]:
@@ -122,17 +121,12 @@ def _find_attention(layer: Any) -> tuple[type | None, str | None]:
     return found[0][2], found[0][1]
 
 
-def _find_rotary(model: Any, layers_prefix: str) -> tuple[type | None, list[str]]:
-    outside, inside = [], []
+def _find_rotary(model: Any, layers_prefix: str) -> type | None:
+    """The first rotary module outside the layers (one inside a layer needs no ``rotary_class``)."""
     for name, module in model.named_modules():
-        if "Rotary" in type(module).__name__:
-            (inside if name.startswith(layers_prefix + ".") else outside).append((name, type(module)))
-    notes = []
-    if inside and not outside:
-        notes.append(f"the layers own their rotary module ({inside[0][0]}); no rotary_class is needed")
-    if outside:
-        return outside[0][1], notes
-    return None, notes
+        if "Rotary" in type(module).__name__ and not name.startswith(layers_prefix + "."):
+            return type(module)
+    return None
 
 
 def forward_parameters(cls: type) -> dict[str, inspect.Parameter]:

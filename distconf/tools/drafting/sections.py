@@ -70,7 +70,6 @@ def draft_call(draft: FamilyDraft, layer_class: type) -> dict[str, inspect.Param
 
 def draft_position(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, Any], config: Any) -> None:
     """``block.position``: the base model's rotary module, and / or the layer's ALiBi argument."""
-    draft.facts.extend(scan.notes)
     rotary = scan.rotary_class
     if rotary is not None and "position_embeddings" in params:
         draft.position["rotary_class"] = module_path(rotary)

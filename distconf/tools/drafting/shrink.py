@@ -60,8 +60,7 @@ def shrink_config(config: Mapping[str, Any], review: list[str] | None = None, *,
 def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None, *,
                      derived_layer_types: Sequence[Hashable] | None = None,
                      layer_kinds: Sequence[Hashable] | None = None, config_class: type | None = None,
-                     profile: TinyProfile = TINY, min_layers: int | None = None,
-                     end_with_last: bool = False) -> tuple[dict[str, Any], LayerPlan]:
+                     profile: TinyProfile = TINY, min_layers: int | None = None) -> tuple[dict[str, Any], LayerPlan]:
     """`shrink_config`, also returning which real layers the tiny layers stand for (`plan_layers`)."""
     review = review if review is not None else []
     names = FieldNames.of(config_class if config_class is not None else config_class_for(config))
@@ -73,26 +72,17 @@ def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None,
                             "text model (its own model_type) from the text_config section instead")
     moe = has_experts(source, names)
     plan = plan_layers(source, names, anchors.layers, min_layers=min_layers or (3 if moe else 2),
-                       max_layers=profile.max_layers, extra=(derived_layer_types, layer_kinds),
-                       end_with_last=end_with_last)
+                       max_layers=profile.max_layers, extra=(derived_layer_types, layer_kinds))
     if plan.kinds > profile.max_layers:
         review.append(f"the model has {plan.kinds} different kinds of layers; the tiny config keeps "
                       f"{plan.tiny_layers}: check that it covers what matters")
-    shrinker = _Shrinker(Scale(profile, anchors), names, plan, moe, review, _rotary_fraction(source), source, {})
+    shrinker = _Shrinker(Scale(profile, anchors), names, plan, moe, review, source, {})
     out = {key: shrinker.field(key, value) for key, value in source.items() if key not in plan.keyed}
     shrinker.top.update(out)
     out.update({key: shrinker.field(key, source[key]) for key in plan.keyed})
     if "quantization_config" in config:
         review.append("the checkpoint is quantized (quantization_config); the tiny model is not.")
     return {key: value for key, value in out.items() if value is not _DROP}, plan
-
-
-def _rotary_fraction(config: Mapping[str, Any]) -> float:
-    for mapping in (config, *(v for v in config.values() if isinstance(v, Mapping))):
-        value = mapping.get("partial_rotary_factor")
-        if isinstance(value, (int, float)) and 0 < value <= 1:
-            return float(value)
-    return 1.0
 
 
 @dataclass
@@ -102,7 +92,6 @@ class _Shrinker:
     plan: LayerPlan
     moe: bool
     review: list[str]
-    rotary_fraction: float
     source: Mapping[str, Any]
     top: dict[str, Any]  # the tiny top-level values, once computed
 
@@ -116,11 +105,9 @@ class _Shrinker:
         if key in self.plan.keyed:
             return {k: self.override(v) for k, v in self.plan.rekey(value).items()}
         if role == "rope":
-            return shrink_rope(value, self.scale, self.review, self.rotary_fraction)
+            return shrink_rope(value, self.scale, self.review)
         if role == "token_id":
             return self.token_id(key, value)
-        if isinstance(value, list) and value and all(is_int(v) for v in value):
-            return [self.scalar(key, role, v) for v in value]
         return self.scalar(key, role, value)
 
     def override(self, settings: Any) -> Any:
@@ -188,7 +175,4 @@ class _Shrinker:
             return head
         if not named:
             return value
-        real_head = self.scale.anchors.head_size
-        if real_head and value <= real_head:
-            return self.scale.head_ratio(value)
         return self.scale.width(value) or value

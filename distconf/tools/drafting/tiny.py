@@ -30,13 +30,6 @@ class TinyPlan:
     model_reads: frozenset[str] = frozenset()  # config attributes the modeling code reads
 
 
-@dataclass
-class _Attempt:
-    tiny: dict[str, Any]
-    notes: list[str]
-    built: bool  # the tiny model could be built on the meta device (or nothing needed it)
-
-
 def fit_tiny_config(plan: TinyPlan, profile: TinyProfile, review: list[str], facts: list[str]) -> dict[str, Any]:
     """The shrunk config, made to have every kind of layer the real model has.
 
@@ -44,26 +37,22 @@ def fit_tiny_config(plan: TinyPlan, profile: TinyProfile, review: list[str], fac
     tiny model lacks a kind of layer, the lists are written out, cut to the tiny
     layers; when that is not enough (fields such as "the first k layers are dense"),
     one more layer is tried (up to ``profile.max_layers``), built on the meta device.
-    When the tiny layers cannot be built in the usual order, the real last layer is
-    kept as the tiny model's last.
     """
-    attempt = _deepen(plan, profile, end_with_last=False)
-    if not attempt.built:
-        second = _deepen(plan, profile, end_with_last=True)
-        attempt = second if second.built else attempt
-    review.extend(attempt.notes)
-    return architecture_fields(attempt.tiny, plan.config_class, facts, plan.model_reads)
+    tiny, notes = _deepen(plan, profile)
+    review.extend(notes)
+    return architecture_fields(tiny, plan.config_class, facts, plan.model_reads)
 
 
-def _deepen(plan: TinyPlan, profile: TinyProfile, *, end_with_last: bool) -> _Attempt:
+def _deepen(plan: TinyPlan, profile: TinyProfile) -> tuple[dict[str, Any], list[str]]:
+    """The shrunk config, one layer deeper at a time until it builds every kind of layer of the real model."""
     depth = None
     while True:
         notes: list[str] = []
         tiny, layer_plan = shrink_with_plan(plan.raw, notes, derived_layer_types=plan.derived_layer_types,
                                             layer_kinds=plan.layer_kinds, config_class=plan.config_class,
-                                            profile=profile, min_layers=depth, end_with_last=end_with_last)
+                                            profile=profile, min_layers=depth)
         if not plan.real_kinds:
-            return _Attempt(tiny, notes, built=True)
+            return tiny, notes
         kinds = meta_layer_kinds(plan.config_class, tiny, plan.attn_implementation)
         if kinds is not None and not plan.real_kinds <= kinds and plan.derived_lists:
             written = {**tiny, **{key: layer_plan.cut(value) for key, value in plan.derived_lists.items()}}
@@ -71,7 +60,7 @@ def _deepen(plan: TinyPlan, profile: TinyProfile, *, end_with_last: bool) -> _At
             if written_kinds is not None and plan.real_kinds <= written_kinds:
                 tiny, kinds = written, written_kinds
         if kinds is None or plan.real_kinds <= kinds or layer_plan.tiny_layers >= profile.max_layers:
-            return _Attempt(tiny, notes, built=kinds is not None)
+            return tiny, notes
         depth = layer_plan.tiny_layers + 1
 
 
