@@ -37,7 +37,7 @@ PACKAGE = "distconf"
 LAYERS: dict[str, int] = {
     "distconf": 0, "distconf.errors": 0, "distconf.loader": 0,
     "distconf.blocks": 1,
-    "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2,
+    "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2, "distconf.sources": 2,
     "distconf.server": 3, "distconf.client": 3,
     "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.__main__": 4,
 }
