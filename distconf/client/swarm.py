@@ -13,6 +13,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distconf.dht import start_local_dht
+from distconf.dht.hivemind_compat import forget_p2p_replica
 from distconf.dht.liveness import ping_peers
 from distconf.loader.naming import config_num_blocks
 from distconf.rpc.calls import BackgroundLoop
@@ -97,12 +98,11 @@ def release_dht(dht: DHT, timeout: float = 10.0) -> None:
     Lets a caller that shared one DHT between several models end it cleanly: a replica
     left to the garbage collector is closed outside any event loop.
     """
-    replica = getattr(dht, "_p2p_replica", None)  # hivemind keeps one replica per DHT object
+    replica = forget_p2p_replica(dht)  # hivemind keeps one replica per DHT object
     if replica is not None:
         try:
             SwarmClient.run(replica.shutdown(), timeout=timeout)
         except Exception as exc:
             logger.debug("closing the P2P replica: %r", exc)
-        dht._p2p_replica = None
     if dht.is_alive():
         dht.shutdown()
