@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from distconf.versions import version_in_range
+
 __all__ = ["SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "PositionLayer", "RemoteCacheGenerationMixin",
            "UnsupportedTransformersError", "check_transformers_version", "layer_output_is_tuple"]
 
@@ -45,18 +47,11 @@ def check_transformers_version(version: str | None = None) -> str:
 
     Returns the version checked.
     """
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     if version is None:
         import transformers
 
         version = transformers.__version__
-    try:
-        supported = SpecifierSet(SUPPORTED_TRANSFORMERS).contains(Version(version), prereleases=True)
-    except InvalidVersion:
-        supported = False
-    if not supported:
+    if not version_in_range(version, SUPPORTED_TRANSFORMERS):
         raise UnsupportedTransformersError(
             f"distconf's client needs transformers {SUPPORTED_TRANSFORMERS} (tested with {TESTED_TRANSFORMERS}); "
             f"transformers {version} is installed: pip install 'transformers{SUPPORTED_TRANSFORMERS}'")

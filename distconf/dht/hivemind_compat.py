@@ -78,8 +78,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
+
+from distconf.versions import installed_version, version_in_range
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT, P2P
@@ -122,20 +123,11 @@ class HivemindVersionError(ImportError):
 
 def check_hivemind_version(version: str | None = None) -> str:
     """Return the installed hivemind version (or ``version``); `HivemindVersionError` outside the range."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     if version is None:
-        try:
-            version = metadata.version("hivemind")
-        except metadata.PackageNotFoundError:
-            message = f"distconf needs hivemind{SUPPORTED_HIVEMIND}; hivemind is not installed"
-            raise HivemindVersionError(message) from None
-    try:
-        supported = SpecifierSet(SUPPORTED_HIVEMIND).contains(Version(version), prereleases=True)
-    except InvalidVersion:
-        supported = False
-    if not supported:
+        version = installed_version("hivemind")
+        if version is None:
+            raise HivemindVersionError(f"distconf needs hivemind{SUPPORTED_HIVEMIND}; hivemind is not installed")
+    if not version_in_range(version, SUPPORTED_HIVEMIND):
         raise HivemindVersionError(
             f"distconf patches hivemind internals written for hivemind{SUPPORTED_HIVEMIND} (tested with "
             f"{TESTED_HIVEMIND}), but hivemind {version} is installed: pip install 'hivemind{SUPPORTED_HIVEMIND}'")
