@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.nested import nested_flatten, nested_pack
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
+from distconf.dht.hivemind_compat import p2p_message_limits
 from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
 __all__ = [
@@ -34,6 +34,9 @@ __all__ = [
     "is_dummy", "loads_metadata", "make_request", "pack_args_kwargs", "parse_chain", "read_request",
     "serialize_tensors", "serialized_size", "split_chain", "stream_parts", "unpack_args_kwargs",
 ]
+
+DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE = p2p_message_limits()
+"""The p2p daemon's largest stream message and largest unary payload, in bytes (hivemind's limits)."""
 
 HANDLER_CLASS_NAME = "TransformerConnectionHandler"
 """hivemind names a P2P handler ``f"{servicer class name}.{rpc name}"``; Petals 2.x servers and

@@ -173,9 +173,9 @@ class BlockServer:
 
     def _load_and_serve(self, span: Any, dtype_name: str) -> None:
         from distconf.blocks.kvcache import kv_geometry
+        from distconf.loader.naming import block_uids
         from distconf.planning import default_max_length
         from distconf.rpc.calls import RpcLoop
-        from distconf.rpc.protocol import chain_uid, split_chain
         from distconf.server.compute import ServedBlock
         from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.integrity import weights_digest
@@ -190,7 +190,7 @@ class BlockServer:
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
         speed = measure_throughput(modules, config.hidden_size, self.dtype)
         self.throughput = speed.throughput
-        uids = split_chain(chain_uid(config.dht_prefix, span.start, span.end))
+        uids = block_uids(config.dht_prefix, span.start, span.end)
         geometry = kv_geometry(config)
         served = [ServedBlock(uid, span.start + i, m, self.dtype, geometry, self.kv_bytes_per_token)
                   for i, (uid, m) in enumerate(zip(uids, modules))]
