@@ -25,18 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_TOKENS = 1024
@@ -64,53 +64,19 @@ def make_model(directory: Path, family: str, overrides: dict[str, Any]) -> Any:
     return config
 
 
-class Server:
-    """A ``distconf serve`` process (stdout read in a thread; bounded waits)."""
+def start_server(model_dir: Path, peers: list[str], blocks: str, log: Path) -> ServerProcess:
+    """A ``distconf serve`` process (one compute thread) serving ``blocks`` of ``model_dir``."""
+    cmd = serve_command(model_dir, "--initial-peers", *peers, "--blocks", blocks, "--dtype", "fp32",
+                        "--attn-cache-tokens", str(CACHE_TOKENS))
+    return ServerProcess(cmd, log, name=log.stem, env={"OMP_NUM_THREADS": "1"})
 
-    def __init__(self, model_dir: Path, peers: list[str], blocks: str, log: Path) -> None:
-        cmd = [sys.executable, "-m", "distconf.cli.cmd_serve", str(model_dir), "--initial-peers", *peers,
-               "--blocks", blocks, "--dtype", "fp32", "--attn-cache-tokens", str(CACHE_TOKENS)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.peer_id = ""
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-        self.lines.put(None)
-
-    def wait(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"server exited; see {self.log.name}")
-            if line.startswith("SERVING"):
-                self.peer_id = line.split(" as peer ")[1].split()[0]
-                return
-        raise TimeoutError(f"server not serving after {timeout} s; see {self.log.name}")
-
-    def peak_rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+def peak_rss(server: ServerProcess) -> int:
+    """VmHWM of the server process, in bytes (0 where /proc has no such line)."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def bare_rss() -> int:
@@ -197,17 +163,16 @@ def bench_model(name: str, family: str, overrides: dict[str, Any], steps: int, r
     half = config.num_hidden_layers // 2
     blocks = local_blocks(model_dir, config)
     boot = start_local_dht()
-    servers: list[Server] = []
+    servers: list[ServerProcess] = []
     loop = None
     local: list[float] = []
     remote: list[float] = []
     pushed: list[float] = []
     try:
         peers = visible_maddrs(boot)
-        servers = [Server(model_dir, peers, span, workdir / f"{name}-{i}.log")
+        servers = [start_server(model_dir, peers, span, workdir / f"{name}-{i}.log")
                    for i, span in enumerate((f"0:{half}", f"{half}:{config.num_hidden_layers}"))]
-        for s in servers:
-            s.wait()
+        wait_all_ready(servers, time.monotonic() + 180.0)
         loop = RpcLoop(boot)
         a, b = servers[0].peer_id, servers[1].peer_id
         loop.run(remote_step_times(loop.p2p, config, a, b, 8, False), timeout=120)  # warm-up
@@ -216,12 +181,11 @@ def bench_model(name: str, family: str, overrides: dict[str, Any], steps: int, r
             local += local_step_times(blocks, config.hidden_size, steps)
             remote += loop.run(remote_step_times(loop.p2p, config, a, b, steps, False), timeout=600)
             pushed += loop.run(remote_step_times(loop.p2p, config, a, b, steps, True), timeout=600)
-        rss = [s.peak_rss() for s in servers]
+        rss = [peak_rss(s) for s in servers]
     finally:
         if loop is not None:
             loop.shutdown()
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         boot.shutdown()
     blocks_bytes = sum(block_size_bytes(config, torch.float32, layer_idx=i) for i in range(half))
     cache_bytes = kv_cache_bytes_per_token(config, torch.float32) * CACHE_TOKENS * half

@@ -7,12 +7,6 @@ compared with the local Hugging Face model (float32). Servers are shared by the 
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +16,10 @@ import pytest
 import torch
 from blockhelpers import family_config, hf_model, record_layers, save_checkpoint
 
+from distconf.tools.serving import ServerProcess, serve_command, stop_all
+
+pytestmark = pytest.mark.swarm
+
 PREFIX = "test-serve-llama"
 LAYERS = 4
 CACHE_TOKENS = 128  # per block: 2 blocks x 128 tokens = the whole budget of a server
@@ -30,57 +28,13 @@ STEP_TIMEOUT = 3.0
 WAIT = 90.0  # bound on any startup wait
 
 
-class ServerProcess:
-    """``python -m distconf.cli.cmd_serve`` with its stdout read line by line (bounded waits)."""
+def start_server(args: list[str], log: Path) -> ServerProcess:
+    """``distconf serve ARGS`` (the first one is the model folder), one compute thread."""
+    return ServerProcess(serve_command(*args), log, env={"OMP_NUM_THREADS": "1"})
 
-    def __init__(self, args: list[str], log: Path) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "distconf.cli.cmd_serve", *args],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.peer_id = self.maddrs = None
-        self.signalled = False
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-        self.lines.put(None)
-
-    def expect(self, word: str, timeout: float = WAIT) -> str:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"server exited ({self.proc.poll()}) before {word!r}; log: {self.log.name}")
-            if line.startswith(word):
-                return line
-        raise TimeoutError(f"server did not print {word!r} within {timeout} s; log: {self.log.name}")
-
-    def wait_serving(self) -> None:
-        line = self.expect("SERVING")
-        self.peer_id = line.split(" as peer ")[1].split()[0]
-
-    def send(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None and not self.signalled:
-            self.signalled = True
-            self.proc.send_signal(sig)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.send(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-        return self.proc.returncode
+def wait_ready(server: ServerProcess) -> dict[str, Any]:
+    return server.wait_ready(time.monotonic() + WAIT)
 
 
 class Swarm:
@@ -112,18 +66,16 @@ class Swarm:
         self.client = start_local_dht()
         self.initial_peers = visible_maddrs(self.client)
         for name, blocks in (("a", "0:2"), ("b", "2:4")):
-            self.servers.append(ServerProcess([*self.server_args(blocks), "--initial-peers", *self.initial_peers],
-                                              self.root / f"server-{name}.log"))
+            self.servers.append(start_server([*self.server_args(blocks), "--initial-peers", *self.initial_peers],
+                                             self.root / f"server-{name}.log"))
         for server in self.servers:
-            server.wait_serving()
+            wait_ready(server)
         self.loop = RpcLoop(self.client)
 
     def stop(self) -> list[int]:
         if self.loop is not None:
             self.loop.shutdown()
-        for server in self.servers:  # all at once: they announce OFFLINE in parallel
-            server.send(signal.SIGTERM)
-        codes = [s.stop() for s in self.servers]
+        codes = stop_all(self.servers)  # all at once: they announce OFFLINE in parallel
         if self.client is not None:
             self.client.shutdown()
         return codes
@@ -221,6 +173,17 @@ def test_rpc_info_reports_schemas_and_full_cache(swarm: Swarm) -> None:
     assert info["outputs_schema"][0].shape[-1] == swarm.hidden
     assert info["inference_max_length"] == MAX_LENGTH
     assert (info["start_block"], info["end_block"]) == (0, 2)
+
+
+def test_ready_lines_describe_the_servers(swarm: Swarm) -> None:
+    """Each server's ``DISTCONF_READY`` record names its peer, loopback addresses, blocks and prefix."""
+    for server, blocks in zip(swarm.servers, ([0, 2], [2, 4]), strict=True):
+        ready = server.ready
+        assert ready is not None and ready["peer_id"] == server.peer_id
+        assert ready["blocks"] == blocks and ready["dht_prefix"] == PREFIX
+        assert ready["throughput"] > 0 and ready["parameters"] > 0
+        assert ready["addresses"] and all(a.startswith("/ip4/127.0.0.1/") and a.endswith(server.peer_id)
+                                          for a in ready["addresses"])
 
 
 def test_servers_announce_online_with_throughput_and_cache(swarm: Swarm) -> None:
@@ -696,15 +659,16 @@ def test_planned_server_takes_the_weakest_block_and_goes_offline_on_sigterm(swar
     expected = choose_blocks(swarm.config, 1, before)
     args = [a for a in swarm.server_args("0:1") if a not in ("--blocks", "0:1")]
     args += ["--update-period", "30"]  # records live 60 s: the OFFLINE one outlives the process
-    server = ServerProcess([*args, "--num-blocks", "1", "--initial-peers", *swarm.initial_peers],
-                           swarm.root / "server-c.log")
+    server = start_server([*args, "--num-blocks", "1", "--initial-peers", *swarm.initial_peers],
+                          swarm.root / "server-c.log")
     try:
-        server.wait_serving()
+        ready = wait_ready(server)
+        assert tuple(ready["blocks"]) == expected and ready["dht_prefix"] == PREFIX
         state = find_block_servers(swarm.client, swarm.config, timeout=10)
         (span,) = [s for s in state.spans if s.peer_id == server.peer_id]
         assert (span.start, span.end) == expected and span.state == ServerState.ONLINE
     finally:
-        code = server.stop(signal.SIGTERM)
+        code = server.stop()
     assert code == 0
     for _ in range(10):
         spans = [s for s in find_block_servers(swarm.client, swarm.config, timeout=10).spans
@@ -713,17 +677,6 @@ def test_planned_server_takes_the_weakest_block_and_goes_offline_on_sigterm(swar
             break
         time.sleep(0.5)
     assert spans and spans[0].state == ServerState.OFFLINE
-
-
-def test_serve_command_line_errors(tmp_path: Path) -> None:
-    from distconf.cli.cmd_serve import main, parse_blocks
-
-    assert parse_blocks("2:5") == (2, 5)
-    for bad in ("5:2", "a:b", "3"):
-        with pytest.raises(Exception, match="START:END"):
-            parse_blocks(bad)
-    assert main([str(tmp_path), "--num-blocks", "1"]) == 2  # neither --initial-peers nor --new-swarm
-    assert main([str(tmp_path), "--new-swarm"]) == 2  # no size: --memory, --num-blocks or --blocks
 
 
 def test_bad_push_does_not_end_the_session(swarm: Swarm) -> None:

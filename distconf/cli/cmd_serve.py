@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -11,9 +12,12 @@ from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
 
-__all__ = ["register", "run", "main", "parse_blocks"]
+__all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record", "ready_line", "parse_ready_line"]
 
 logger = logging.getLogger(__name__)
+
+READY_TAG = "DISTCONF_READY"
+"""First word of the machine-readable line a server prints to stdout once it is ONLINE (a JSON object follows)."""
 
 
 def parse_blocks(text: str) -> tuple[int, int]:
@@ -24,6 +28,31 @@ def parse_blocks(text: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
+def ready_record(server: Any) -> dict[str, Any]:
+    """What the ready line says about an ONLINE `BlockServer`: peer id, addresses, blocks, prefix, throughput."""
+    blocks = server.handler.ordered if server.handler is not None else []
+    return {"peer_id": str(server.peer_id), "addresses": list(server.maddrs),
+            "blocks": [int(server.start_block), int(server.end_block)], "dht_prefix": str(server.config.dht_prefix),
+            "throughput": float(server.throughput),
+            "parameters": sum(p.numel() for block in blocks for p in block.module.parameters())}
+
+
+def ready_line(server: Any) -> str:
+    """``DISTCONF_READY {"peer_id": ..., "addresses": [...], "blocks": [start, end], ...}`` (one line)."""
+    return f"{READY_TAG} {json.dumps(ready_record(server), sort_keys=True)}"
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The record of a ready line, or None if ``line`` is another line."""
+    tag, _, payload = line.strip().partition(" ")
+    if tag != READY_TAG:
+        return None
+    record = json.loads(payload)
+    if not isinstance(record, dict) or not {"peer_id", "addresses", "blocks", "dht_prefix"} <= set(record):
+        raise ValueError(f"malformed {READY_TAG} line: {line.strip()!r}")
+    return record
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = add_command(
@@ -32,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and serve them on the swarm reached through --initial-peers (or a new swarm with --new-swarm, "
                     "whose address is printed). Without --blocks the server sizes itself with the planner for "
                     "--memory and takes the weakest part of the chain. It announces JOINING while loading, ONLINE "
-                    "with its measured throughput, and OFFLINE on Ctrl-C / SIGTERM. Petals 2.x clients can use it.",
+                    "with its measured throughput, and OFFLINE on Ctrl-C / SIGTERM. Petals 2.x clients can use it. "
+                    f"Once ONLINE it prints a SERVING line for people and a '{READY_TAG} {{json}}' line for "
+                    "programs (peer_id, addresses, blocks [start, end), dht_prefix, throughput, parameters).",
         examples=[("distconf serve ./model --new-swarm --num-blocks 4 --dtype fp32", "first server of a new swarm"),
                   ("distconf serve ./model --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... --memory 8GiB",
                    "join a swarm, sized by the planner"),
@@ -104,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         server.serve()
         print(f"SERVING blocks {server.start_block}:{server.end_block} of {server.config.dht_prefix} as peer "
               f"{server.peer_id} (throughput {server.throughput:.1f})", flush=True)
+        print(ready_line(server), flush=True)
         while not stop.wait(1.0):
             pass
         logger.info("stopping: announcing OFFLINE")

@@ -22,7 +22,7 @@ from distconf.tools.demo.generation import (
     replaceable_server,
     swarm_generation,
 )
-from distconf.tools.demo.process import ServerProcess
+from distconf.tools.demo.process import DemoServer
 from distconf.tools.demo.tiny_model import (
     DEMO_DTYPE,
     blocks_per_server,
@@ -54,7 +54,7 @@ class _Demo:
     t0: float
     deadline: float
     out: Out
-    servers: list[ServerProcess] = field(default_factory=list)
+    servers: list[DemoServer] = field(default_factory=list)
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.t0:.1f} s"
@@ -63,8 +63,9 @@ class _Demo:
         """The demo name (``server-2``) of a peer id."""
         return next((s.name for s in self.servers if s.peer_id == peer), f"peer ..{peer[-8:]}")
 
-    def stop_deadline(self) -> float:
-        return min(self.deadline, time.monotonic() + STOP_TIMEOUT)
+    def stop_timeout(self) -> float:
+        """Seconds a server may take to stop now (`STOP_TIMEOUT`, less if the demo's deadline is closer)."""
+        return max(0.1, min(self.deadline - time.monotonic(), STOP_TIMEOUT))
 
 
 def run_swarm_demo(
@@ -115,7 +116,7 @@ def run_swarm_demo(
             out(f"swarm demo failed: {exc!r}")
             _show_log(out, log, log_path)
         finally:
-            codes = [s.stop(demo.stop_deadline()) for s in _ask_all_to_stop(demo.servers)]
+            codes = [s.stop(demo.stop_timeout()) for s in _ask_all_to_stop(demo.servers)]
         clean = all(c == 0 for c in codes)
         out(f"stopped {len(codes)} servers ({'cleanly' if clean else f'exit codes {codes}'}) and the DHT "
             f"in {demo.elapsed()} total")
@@ -133,7 +134,7 @@ def _show_log(out: Out, log: IO[str], log_path: Path) -> None:
     out("\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
 
 
-def _ask_all_to_stop(servers: list[ServerProcess]) -> list[ServerProcess]:
+def _ask_all_to_stop(servers: list[DemoServer]) -> list[DemoServer]:
     """Ask every server to stop at once (they announce OFFLINE in parallel), then wait for each."""
     for server in servers:
         server.send("STOP")
@@ -144,21 +145,21 @@ def _start_servers(demo: _Demo, num_servers: int, log: IO[str]) -> None:
     """Start the processes together, then let them choose their blocks one after another."""
     for i in range(num_servers):
         lifetime = max(30.0, demo.deadline - time.monotonic() + STOP_TIMEOUT)
-        demo.servers.append(ServerProcess(f"server-{i + 1}", [
+        demo.servers.append(DemoServer(f"server-{i + 1}", [
             "--model-dir", str(demo.model_dir), "--initial-peers", *demo.peers, "--memory", str(demo.memory),
             "--lifetime", str(lifetime)], log))
     demo.out(f"{num_servers} block servers (distconf serve's code, one process each), "
              f"{demo.memory / 2**20:.1f} MiB each: the planner fits {demo.blocks_each} blocks")
     for server in demo.servers:
-        server.peer_id = server.expect("READY", demo.deadline)[0]
+        server.peer_id = server.expect("JOINED", demo.deadline).split()[1]
     demo.out(f"  all joined the DHT ({demo.elapsed()}); each in turn takes the weakest part of the chain:")
     for i, server in enumerate(demo.servers):  # one at a time: each sees its predecessors when it places itself
         server.send("GO")
-        start, end, rps, params = server.expect("SERVING", demo.deadline)
-        server.span = (int(start), int(end))
+        ready = server.wait_ready(demo.deadline)
+        start, end = server.span
         spare = any(s.span[0] < server.span[1] and server.span[0] < s.span[1] for s in demo.servers[:i])
-        demo.out(f"  {server.name}: blocks {start}..{int(end) - 1}, {int(params):,} parameters loaded, "
-                 f"{float(rps):.0f} rps measured, ONLINE" + ("  (a spare)" if spare else ""))
+        demo.out(f"  {server.name}: blocks {start}..{end - 1}, {ready['parameters']:,} parameters loaded, "
+                 f"{ready['throughput']:.0f} rps measured, ONLINE" + ("  (a spare)" if spare else ""))
 
 
 def _client(demo: _Demo, vocab_size: int) -> bool:
@@ -220,7 +221,7 @@ def _generate(demo: _Demo, model: Any, vocab_size: int) -> bool:
         return replaceable_server(route, {s.peer_id: s.span for s in demo.servers if s.alive})
 
     def stop(peer: str) -> None:
-        codes[peer] = by_peer[peer].stop(demo.stop_deadline())
+        codes[peer] = by_peer[peer].stop(demo.stop_timeout())
 
     result = _bounded(lambda: swarm_generation(model, prompt, choose=choose, stop=stop), demo.deadline,
                       "the generation through the swarm")
@@ -257,7 +258,7 @@ def _one_leaves(demo: _Demo, dht: Any) -> None:
     if leaving is None:
         return
     too = " too" if any(not s.alive for s in demo.servers) else ""
-    code = leaving.stop(demo.stop_deadline())
+    code = leaving.stop(demo.stop_timeout())
     _, text = format_route(find_servers_by_prefix(dht, demo.prefix, demo.num_blocks, timeout=10))
     demo.out(f"then {leaving.name} leaves{too} (exit {code}, announced OFFLINE); the client sees:")
     demo.out(f"  {text}")

@@ -2,11 +2,11 @@
 
 The server is the real one (planner, placement rule, weight loading, throughput, Petals
 2.x handlers, announcements); this module only adds the orchestrator's line protocol on
-stdin/stdout: it prints ``READY <peer_id>`` once its DHT node has joined, waits for
+stdin/stdout: it prints ``JOINED <peer_id>`` once its DHT node has joined, waits for
 ``GO`` (so that servers place themselves one after another, each seeing its
-predecessors), prints ``SERVING <start> <end> <throughput> <parameters>`` once ONLINE,
-and waits for ``STOP`` (or end of input, SIGTERM, or ``--lifetime`` seconds) before
-announcing OFFLINE.
+predecessors), prints ``distconf serve``'s ready line (``DISTCONF_READY {json}``) once
+ONLINE, and waits for ``STOP`` (or end of input, SIGTERM, or ``--lifetime`` seconds)
+before announcing OFFLINE.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def serve(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from distconf.cli.cmd_serve import ready_line
     from distconf.server import BlockServer, ServeOptions
 
     torch.set_num_threads(1)
@@ -66,12 +67,11 @@ def serve(argv: list[str] | None = None) -> int:
         # read stdin only now: the DHT is a forked process whose bootstrap closes stdin, which
         # deadlocks if another thread is blocked reading it at fork time
         lines = _stdin_lines()
-        _say(f"READY {server.peer_id}")
+        _say(f"JOINED {server.peer_id}")
         if _wait_for(lines, "GO", deadline) != "GO":
             return 0
         server.serve()
-        params = sum(p.numel() for block in server.handler.ordered for p in block.module.parameters())
-        _say(f"SERVING {server.start_block} {server.end_block} {server.throughput:.2f} {params}")
+        _say(ready_line(server))
         _wait_for(lines, "STOP", deadline)
         return 0
     finally:
