@@ -8,6 +8,7 @@ from blockhelpers import family_config, write_family
 
 from distconf import load_preset
 from distconf.blocks.kvcache import kv_geometry
+from distconf.blocks.quant import nf4_cpu_packed, quantized_linear_bytes
 from distconf.blocks.sizing import block_param_count, block_size_bytes, bytes_per_value, kv_cache_bytes_per_token
 from distconf.errors import ConfigValueError
 from distconf.loader import load_family
@@ -38,6 +39,13 @@ def test_geometry_of_presets() -> None:
     assert (bloom.num_kv_heads, bloom.key_head_dim, bloom.values_per_token) == (112, 128, 28672)
 
 
+def quantized_nf4_other_layout(linear: int) -> int:
+    """nf4 bytes of Llama-2-70b's seven Linear weights in bitsandbytes' double-quantized layout."""
+    shapes = [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192), (28672, 8192), (28672, 8192), (8192, 28672)]
+    assert sum(o * i for o, i in shapes) == linear
+    return sum(quantized_linear_bytes(o, i, "nf4", torch.bfloat16, device_type="cuda") for o, i in shapes)
+
+
 def test_block_size_of_llama_2_70b() -> None:
     config = load_preset("meta-llama/Llama-2-70b-hf")
     # q, o: 8192^2 each; k, v: 8192 x 1024 each; MLP 3 x 8192 x 28672; two norms.
@@ -45,8 +53,12 @@ def test_block_size_of_llama_2_70b() -> None:
     assert block_param_count(config) == params
     assert block_size_bytes(config) == int(params * 2 * 1.01)
     assert block_size_bytes(config, torch.float32) == int(params * 4 * 1.01)
-    assert block_size_bytes(config, quant="int8") == int(params * 1 * 1.01)
-    assert block_size_bytes(config, quant="nf4") == int(params * 4.25 / 8 * 1.01)
+    # Quantized: Linear weights as stored by quantize_block, the norms in bf16.
+    linear, rows, norms = params - 2 * 8192, 2 * 8192 + 2 * 1024 + 2 * 28672 + 8192, 2 * 8192
+    assert block_size_bytes(config, quant="int8") == int((linear + rows * 2 + norms * 2) * 1.01)  # bf16 row scales
+    # nf4 on an AVX512-BF16 CPU (bitsandbytes' CPU layout): 4 bits + a bf16 absmax per 64, codebook and offset.
+    nf4 = linear * 4.25 / 8 + 7 * (64 + 4) if nf4_cpu_packed() else quantized_nf4_other_layout(linear)
+    assert block_size_bytes(config, quant="nf4") == int((nf4 + norms * 2) * 1.01)
     with pytest.raises(ValueError, match="quant"):
         block_size_bytes(config, quant="int3")
 

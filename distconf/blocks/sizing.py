@@ -1,9 +1,11 @@
 """Memory cost of a block and of its KV cache, from the family file alone.
 
-- ``block_size_bytes``: parameter count of the block built on the meta device (no
-  memory) x bytes per value x 1.01; bytes per value is the dtype's size, 1 for int8,
-  4.25/8 for nf4. By default the largest block of the model (every layer is built once
-  on meta per distinct config; later calls hit a cache).
+- ``block_size_bytes``: the exact bytes of the block's parameters (built on the meta device,
+  no memory) x 1.01: unquantized, every parameter in the dtype; quantized, the rule of
+  `distconf.blocks.quant.block_bytes` (Linear weights quantized with their scales/absmax,
+  everything else in the dtype), so that a plan and a server agree. By default the largest
+  block of the model (every layer is built once on meta per distinct config; later calls
+  hit a cache).
 - ``kv_cache_bytes_per_token``: values the block caches per token (the family's
   ``kv_cache`` section, see `distconf.kvcache.kv_geometry`) x bytes per value.
 """
@@ -16,26 +18,28 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.build import build_block
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
+from distconf.blocks.quant import QUANT_BYTES, normalize_quant
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "block_size_bytes", "block_param_count", "layer_param_counts", "kv_cache_bytes_per_token", "bytes_per_value",
-    "kv_geometry", "KVGeometry", "SIZE_MARGIN", "QUANT_BYTES",
+    "kv_geometry", "KVGeometry", "SIZE_MARGIN", "QUANT_BYTES", "layer_sizes",
 ]
 
 SIZE_MARGIN = 1.01
 """Safety margin on a block's parameter bytes (Petals 2.x reserves 1 % more than the parameters)."""
-QUANT_BYTES: dict[str, float] = {"int8": 1.0, "nf4": 4.25 / 8}
-"""Bytes per parameter of each supported quantization (the one home of this table)."""
 
 
 def bytes_per_value(dtype: torch.dtype | None = None, quant: str | None = None) -> float:
-    """Bytes per parameter for ``dtype`` (default bfloat16) or a quantization (``int8``, ``nf4``)."""
+    """Bytes per value for ``dtype`` (default bfloat16), or per quantized Linear weight value.
+
+    For ``quant`` (``int8``, ``nf4``) it is `distconf.blocks.quant.QUANT_BYTES`; a block's
+    size also counts per-row tables and its unquantized parameters (`block_size_bytes`).
+    """
+    quant = normalize_quant(quant)
     if quant is not None:
-        if quant not in QUANT_BYTES:
-            raise ValueError(f"quant={quant!r} is not supported; use None, 'int8' or 'nf4'")
         return QUANT_BYTES[quant]
     import torch
 
@@ -45,6 +49,7 @@ def bytes_per_value(dtype: torch.dtype | None = None, quant: str | None = None) 
 
 _counts_lock = threading.Lock()
 _counts: dict[tuple[type, str], tuple[int, ...]] = {}
+_sizes: dict[tuple[type, str, str, str | None, str], tuple[int, ...]] = {}
 
 
 def _fingerprint(config: Any) -> str:
@@ -78,15 +83,48 @@ def block_param_count(config: Any, layer_idx: int | None = None) -> int:
     return counts[layer_idx]
 
 
+def layer_sizes(config: Any, dtype: torch.dtype | None = None, quant: str | None = None, *,
+                device_type: str = "cpu") -> tuple[int, ...]:
+    """Exact parameter bytes of every block of ``config`` in ``dtype``/``quant`` (no margin; cached).
+
+    Unquantized: parameters x the dtype's size. Quantized: `distconf.blocks.quant.block_bytes`
+    of each block built on meta (what `quantize_block` leaves on ``device_type``).
+    """
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    quant = normalize_quant(quant)
+    if quant is None:
+        value_bytes = int(bytes_per_value(dtype))
+        return tuple(count * value_bytes for count in layer_param_counts(config))
+    key = (type(config), _fingerprint(config), str(dtype), quant, device_type)
+    sizes = _sizes.get(key)
+    if sizes is None:
+        from distconf.blocks.quant import block_bytes
+
+        sizes = tuple(block_bytes(build_block(config, i, device="meta", buffers_device=None), dtype, quant,
+                                  device_type=device_type) for i in range(config.num_hidden_layers))
+        with _counts_lock:
+            if len(_sizes) > 256:
+                _sizes.clear()
+            _sizes[key] = sizes
+    return sizes
+
+
 def block_size_bytes(config: Any, dtype: torch.dtype | None = None, quant: str | None = None, *,
-                     layer_idx: int | None = None) -> int:
-    """Bytes a block takes: parameters x bytes per value x 1.01.
+                     layer_idx: int | None = None, device_type: str = "cpu") -> int:
+    """Bytes a block takes: its exact parameter bytes (`layer_sizes`) x 1.01.
 
     ``layer_idx`` selects the block; by default the largest block of the model (blocks
     differ per layer in MoE families with dense layers). ``dtype`` defaults to bfloat16;
-    ``quant`` ('int8', 'nf4') overrides the bytes per value.
+    ``quant`` (None/'none', 'int8', 'nf4') quantizes the Linear weights as a server does.
     """
-    return int(block_param_count(config, layer_idx) * bytes_per_value(dtype, quant) * SIZE_MARGIN)
+    sizes = layer_sizes(config, dtype, quant, device_type=device_type)
+    if layer_idx is None:
+        return int(max(sizes) * SIZE_MARGIN)
+    if not 0 <= layer_idx < len(sizes):
+        raise IndexError(f"layer_idx={layer_idx!r} out of range for num_hidden_layers={len(sizes)}")
+    return int(sizes[layer_idx] * SIZE_MARGIN)
 
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype | None = None) -> int:
