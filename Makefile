@@ -1,11 +1,12 @@
 # make demo  -- set up .venv (when missing) and run the main job on built-in data
 # make test  -- set up .venv (when missing) and run every check CI runs
+# make test-fast -- the tests that start no process swarm and take no seconds each (under a minute)
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ test: setup lint
 	$(BIN)/distconf validate --resolve
 	$(BIN)/distconf check
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not swarm and not slow"
 
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

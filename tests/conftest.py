@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,35 @@ def fresh_cache():
 def family_text():
     """Text of a built-in family file."""
     return lambda name: (FAMILIES / f"{name}.yaml").read_text(encoding="utf-8")
+
+
+SWARM_FIXTURES = frozenset({"swarm", "swarms", "served", "dht", "nodes", "live_swarm", "small_swarm", "browser"})
+"""Fixtures that start processes (DHT nodes, ``distconf serve`` servers, Chromium): a test using one is ``swarm``.
+
+A test that starts such processes itself carries ``@pytest.mark.swarm`` (or its module a ``pytestmark``).
+"""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses a process-starting fixture as ``swarm`` (`make test-fast` deselects them)."""
+    for item in items:
+        if SWARM_FIXTURES.intersection(getattr(item, "fixturenames", ())) and item.get_closest_marker("swarm") is None:
+            item.add_marker(pytest.mark.swarm)
+
+
+@pytest.fixture(autouse=True)
+def _swarm_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test not marked ``swarm`` may not start a hivemind process (a DHT node): the fast tier stays fast."""
+    if request.node.get_closest_marker("swarm") is not None:
+        yield
+        return
+    start = multiprocessing.process.BaseProcess.start
+
+    def guarded_start(process: multiprocessing.process.BaseProcess) -> None:
+        if type(process).__module__.startswith("hivemind"):
+            raise RuntimeError(f"{request.node.nodeid} starts a hivemind {type(process).__name__} process: "
+                               "mark it @pytest.mark.swarm (or use a fixture in conftest.SWARM_FIXTURES)")
+        start(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    yield

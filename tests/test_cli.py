@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts the CLI in a fresh interpreter
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -299,6 +299,7 @@ async def _refresh_over_a_deep_record(_dht, node, key):
     return True
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "plain"])
 def test_cache_refresh_over_a_deep_record(guarded):
     """A plain hivemind node that refreshes a key holding a deep record crashes itself (SIGSEGV); ours does not."""

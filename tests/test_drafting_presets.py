@@ -24,6 +24,7 @@ def test_every_preset_is_checked_somewhere() -> None:
     assert len(list_presets()) > len(CHECKED_IN_TEST_DRAFTING)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hub_id", sorted(set(list_presets()) - CHECKED_IN_TEST_DRAFTING))
 def test_new_from_preset_passes_check(hub_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       fresh_cache: None) -> None:

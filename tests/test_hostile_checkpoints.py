@@ -182,6 +182,7 @@ def _huge_experts(directory: Path, side: int) -> str:
     return names[0]
 
 
+@pytest.mark.slow
 def test_huge_declared_expert_shapes_are_refused_before_any_allocation(tmp_path, moe) -> None:
     """An ~800 KB file declaring 4 GB experts: refused from its header, under a 1 GiB address-space limit."""
     _, model = moe

@@ -64,6 +64,7 @@ def test_import_is_light(package: str) -> None:
     assert not heavy, f"import {package} loads {heavy}"
 
 
+@pytest.mark.slow
 def test_synthesizing_every_family_loads_no_model_code() -> None:
     loaded = loaded_after("import distconf\nfor name in distconf.list_families():\n    distconf.load_family(name)")
     assert loaded["transformers"], "synthesis should import the HF config classes"

@@ -36,8 +36,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-extensions", "--disable-dev-shm-usage", "--remote-debugging-port=0",
          "--remote-debugging-address=127.0.0.1", "--remote-allow-origins=*", "--window-size=1100,900"]
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="needs a headless Chromium: install Debian's package with `apt-get install -y chromium`")
+pytestmark = [pytest.mark.swarm, pytest.mark.skipif(
+    CHROMIUM is None, reason="needs a headless Chromium: install Debian's package with `apt-get install -y chromium`")]
 websockets_sync = pytest.importorskip(
     "websockets.sync.client", reason="needs the websockets client: `pip install 'websockets>=13'`")
 

@@ -56,6 +56,7 @@ def test_class_shape(family: str) -> None:
     assert isinstance(cfg.num_key_value_groups, int)
 
 
+@pytest.mark.slow
 def test_block_and_attention_classes_are_lazy() -> None:
     import subprocess
     import sys
@@ -116,6 +117,7 @@ def _child_roundtrip(payload: bytes, queue) -> None:
                pickle.dumps(cfg)))
 
 
+@pytest.mark.slow
 def test_pickle_in_spawned_process() -> None:
     cls = load_family("falcon")
     cfg = cls(num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, hidden_size=64,

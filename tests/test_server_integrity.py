@@ -139,6 +139,7 @@ def test_memory_mapped_bfloat16_block_hashes(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ an in-process server
 
 
+@pytest.mark.swarm
 def test_server_reports_a_changed_weight_at_stop(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     from hivemind.proto import runtime_pb2
 

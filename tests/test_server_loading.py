@@ -73,6 +73,7 @@ def test_load_measure_and_place_real_blocks(tmp_path: Path) -> None:
         plan_span(config, 1000, "float32")
 
 
+@pytest.mark.swarm
 def test_stop_while_loading_ends_the_server(tmp_path: Path) -> None:
     """A stop request (SIGINT/SIGTERM in ``distconf serve``) during loading stops at the next block."""
     import threading

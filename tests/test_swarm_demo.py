@@ -12,6 +12,7 @@ import pytest
 from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_dht, visible_maddrs
 
 
+@pytest.mark.swarm
 def test_swarm_demo_runs_end_to_end(tmp_path):
     """Block servers in separate processes place themselves and load real weights; a client routes, then
     generates through them while one is stopped, and gets exactly the local model's tokens; then it trains deep

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import transformers
 
 from distconf import AutoDistributedConfig, list_families, load_family
@@ -40,6 +41,7 @@ tiny_config:
 """
 
 
+@pytest.mark.slow
 def test_user_family_end_to_end(tmp_path, monkeypatch, fresh_cache) -> None:
     assert "olmo2" not in list_families()
     families = tmp_path / "my_families"

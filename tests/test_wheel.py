@@ -8,6 +8,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.swarm  # builds a wheel (pip, a minute): never in `make test-fast`
+
 REPO = Path(__file__).resolve().parents[1]
 
 
