@@ -17,6 +17,10 @@ from typing import Any
 import pytest
 import torch
 from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
+from hivemind.p2p import P2PHandlerError
+
+from distconf.client.sequence_manager import RetriesExhausted
+from distconf.dht import NoRouteError
 
 FAST = {"max_retries": 0, "min_backoff": 0.01, "max_backoff": 0.02}
 
@@ -115,15 +119,17 @@ def test_initial_peers_and_startup_timeout(swarm: Swarm) -> None:
 
 def test_dht_prefix_names_the_blocks(swarm: Swarm) -> None:
     model = swarm.model(dht_prefix="no-such-model", **FAST)
-    with pytest.raises(Exception, match="no-such-model"):
+    with pytest.raises(RetriesExhausted, match="no-such-model") as failure:
         model(prompts())
+    assert isinstance(failure.value.__cause__, NoRouteError)
 
 
 def test_connect_and_request_timeouts(swarm: Swarm) -> None:
     ids = prompts()
-    with pytest.raises(Exception, match="TimeoutError"):
+    with pytest.raises(RetriesExhausted) as failure:
         generate(swarm.model(connect_timeout=1e-6, **FAST), ids, max_new_tokens=1)
-    with pytest.raises(Exception, match=r"TimeoutError|timed out"):
+    assert isinstance(failure.value.__cause__, TimeoutError)
+    with pytest.raises(RetriesExhausted, match=r"TimeoutError|timed out"):
         swarm.model(request_timeout=1e-6, **FAST)(ids)
     ok = swarm.model(connect_timeout=5.0, request_timeout=30.0, **FAST)
     assert generate(ok, ids, max_new_tokens=2) == swarm.expected(ids, max_new_tokens=2)
@@ -154,8 +160,9 @@ def test_show_route(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
 
 def test_active_adapter_is_sent(swarm: Swarm) -> None:
     ids = prompts()
-    with pytest.raises(Exception, match="adapter"):
+    with pytest.raises(RetriesExhausted, match="adapter") as failure:
         swarm.model(active_adapter="some-adapter", **FAST)(ids)
+    assert isinstance(failure.value.__cause__, P2PHandlerError)  # the server refused it
     assert swarm.model(active_adapter=None, **FAST)(ids).logits.shape == (2, 5, swarm.local.config.vocab_size)
 
 
@@ -194,7 +201,7 @@ def decoy(swarm: Swarm) -> Any:
 
 def test_max_retries_and_ban_timeout(swarm: Swarm, decoy: str) -> None:
     ids = prompts()
-    with pytest.raises(Exception, match="after 1 attempt"):
+    with pytest.raises(RetriesExhausted, match="after 1 attempt"):
         swarm.model(max_retries=0, max_pinged=0)(ids)
     model = swarm.model(max_retries=3, min_backoff=0.01, max_pinged=0, ban_timeout=600.0)
     with torch.no_grad():

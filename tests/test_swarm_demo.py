@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -103,18 +104,24 @@ def run_cli(capsys, *args: str) -> SimpleNamespace:
 
 
 def test_swarm_command_shows_coverage_and_route(live_swarm, capsys):
-    proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model")
+    args = ("swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model")
+    proc = run_cli(capsys, *args, "--json")
     assert proc.returncode == 1, proc.stderr  # clients route through ONLINE servers only; block 4.. is JOINING
-    assert "cli-test-model: 6 blocks, 2 peer(s)" in proc.stdout
-    assert "OOOO.." in proc.stdout and "....JJ" in proc.stdout and "1,024" in proc.stdout
-    assert "no online server covers block 4" in proc.stdout
-    assert "full route in 2 hop(s)" in proc.stdout and "see --include-joining" in proc.stdout
-    proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model",
-                   "--include-joining")
-    assert proc.returncode == 0 and "full route in 2 hop(s)" in proc.stdout
-    proc = run_cli(capsys, "swarm", "--initial-peers", *live_swarm.peers, "--model", "cli-test-model", "--online-only")
-    assert proc.returncode == 1 and "no online server covers block 4" in proc.stdout
-    assert "see --include-joining" not in proc.stdout
+    report = json.loads(proc.stdout)
+    assert report["dht_prefix"] == "cli-test-model" and report["num_blocks"] == 6
+    assert sorted((s["start"], s["end"], s["state"], s["cache_tokens_left"]) for s in report["spans"]) == [
+        (0, 4, "online", 1024), (4, 6, "joining", None)]
+    assert report["route_exists"] is False and report["skipped_records"] == report["failed_blocks"] == 0
+    proc = run_cli(capsys, *args, "--include-joining", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["route_exists"] is True
+    proc = run_cli(capsys, *args, "--online-only", "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["route_exists"] is False
+    # the human form: the coverage bar per state, and the hint to count joining servers
+    proc = run_cli(capsys, *args)
+    assert proc.returncode == 1 and "OOOO.." in proc.stdout and "....JJ" in proc.stdout
+    assert "see --include-joining" in proc.stdout
+    proc = run_cli(capsys, *args, "--online-only")
+    assert proc.returncode == 1 and "see --include-joining" not in proc.stdout
 
 
 def test_swarm_command_needs_peers_and_a_listed_model(live_swarm, monkeypatch, capsys):
@@ -131,11 +138,15 @@ def test_plan_command_side_by_side(capsys, tmp_path):
 
     # a local model directory of a family whose file records Petals 2.x's fixed KV groups (1)
     load_preset("mistralai/Mixtral-8x7B-v0.1").save_pretrained(tmp_path)
-    assert main(["plan", str(tmp_path), "--memory", "24GiB"]) == 0
+    assert main(["plan", str(tmp_path), "--memory", "24GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["num_blocks"], plan["petals_num_blocks"], plan["max_blocks"]) == (8, 7, 32)
+    assert plan["petals_kv_groups"] == 1 and plan["petals_over_reservation"] == 4.0
+    assert main(["plan", str(tmp_path), "--memory", "24GiB"]) == 0  # the human table says the same
     out = capsys.readouterr().out
-    assert "blocks that fit" in out and "8 / 32" in out and "7 / 32" in out
-    assert "reserves 4.00x the cache" in out
-    assert main(["plan", "meta-llama/Llama-2-70b-hf", "--memory", "24GiB", "--quant", "nf4"]) == 0
-    assert "46 / 80" in capsys.readouterr().out
+    assert "8 / 32" in out and "7 / 32" in out and "reserves 4.00x the cache" in out
+    assert main(["plan", "meta-llama/Llama-2-70b-hf", "--memory", "24GiB", "--quant", "nf4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["num_blocks"], plan["max_blocks"], plan["quant"]) == (46, 80, "nf4")
     assert main(["plan", "bigscience/bloom", "--memory", "1GiB"]) == 1
     assert main(["plan", "no/such-preset", "--memory", "1GiB"]) == 1
