@@ -20,6 +20,11 @@ of the whole set, ratio to fp32, relative error of the output against fp32, and 
 weight parameter measured (every tensor the module holds, its quantization statistics
 included, counted once per storage).
 
+Columns: ms per call (median round), its ratio to fp32, the ratio of the fastest rounds ("min x"),
+relative error, bytes per weight parameter. A candidate whose library is missing (torchao is not
+a project dependency: ``pip install torchao`` to compare it) or that fails on a shape is listed
+as FAILED with its reason.
+
 Usage: .venv/bin/python benchmarks/bench_quant.py [--rounds N] [--calls N] [--compute fp32,bf16]
        [--hidden 576,2048] [--threads N]
 """
@@ -122,7 +127,8 @@ def torchao_int8(layer: nn.Linear, compute: torch.dtype) -> nn.Module:
 
 
 class OwnInt8(nn.Module):
-    """Per-output-channel symmetric int8 weights; ``mode`` 'pack' (torch's int8 CPU kernel) or 'deq'."""
+    """Per-output-channel symmetric int8 weights; ``mode`` 'pack' (torch's int8 CPU kernel), 'pack-bf16' (the
+    kernel on activations rounded to bf16) or 'deq' (dequantize, then matmul)."""
 
     def __init__(self, layer: nn.Linear, compute: torch.dtype, mode: str) -> None:
         super().__init__()
@@ -133,10 +139,12 @@ class OwnInt8(nn.Module):
         self.mode = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "pack":
-            shape = x.shape
-            return torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scale).reshape(
-                *shape[:-1], -1)
+        if self.mode.startswith("pack"):
+            shape, dtype = x.shape, x.dtype
+            compute = torch.bfloat16 if self.mode == "pack-bf16" else dtype
+            out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(compute), self.weight,
+                                            self.scale.to(compute))
+            return out.to(dtype).reshape(*shape[:-1], -1)
         return nn.functional.linear(x, self.weight.to(x.dtype)) * self.scale
 
 
@@ -206,6 +214,7 @@ CANDIDATES: list[tuple[str, str, Callable[[nn.Linear, torch.dtype], nn.Module]]]
     ("int8", "torchao Int8WeightOnly", torchao_int8),
     ("int8", "own _weight_int8pack_mm", lambda layer, c: OwnInt8(layer, c, "pack")),
     ("int8", "own dequant+matmul", lambda layer, c: OwnInt8(layer, c, "deq")),
+    ("int8", "own pack, bf16 activations", lambda layer, c: OwnInt8(layer, c, "pack-bf16")),
     ("int8", "distconf", distconf_path("int8")),
     ("nf4", "bitsandbytes Linear4bit dq", bnb_nf4(True)),
     ("nf4", "bitsandbytes Linear4bit", bnb_nf4(False)),
@@ -260,10 +269,15 @@ def main() -> None:
     logging.disable(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import bitsandbytes
-    import torchao
+    import importlib.metadata as metadata
 
-    print(f"torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, torchao {torchao.__version__}, "
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    print(f"torch {torch.__version__}, bitsandbytes {version('bitsandbytes')}, torchao {version('torchao')}, "
           f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     computes = [DTYPES[c] for c in args.compute.split(",")]

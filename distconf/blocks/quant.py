@@ -3,15 +3,18 @@
 Chosen by measurement on CPU (``benchmarks/bench_quant.py``):
 
 - ``int8``: our own weight-only int8, symmetric, one scale per output channel (stored in the
-  block's dtype). bf16/fp16 blocks compute with torch's int8 CPU kernel
-  (``torch._weight_int8pack_mm``: about 0.5x bf16 ``nn.Linear`` time at 1 token); fp32 blocks
-  dequantize then multiply (that kernel is 3-19x slower than fp32 ``nn.Linear`` with fp32
-  activations). Petals 2.x serves int8 with
+  block's dtype), computed by torch's int8 CPU kernel (``torch._weight_int8pack_mm``) with
+  bf16 activations (an fp32 block's activations are rounded to bf16 for it: the kernel is
+  3-19x slower with fp32 ones); elsewhere (other devices, in_features not a multiple of 64)
+  dequantized then multiplied. Petals 2.x serves int8 with
   bitsandbytes' LLM.int8() (activations quantized too, outliers above 6.0 kept apart); on
-  this CPU that was no faster and less accurate. The record value is the same: quantization
-  is local to a server.
+  this CPU at 1 token that was 3.3x fp32's time at hidden 576 (ours 1.0x) and 0.43x at 2048
+  (ours 0.40x), and less accurate. The record value is the same: quantization is local to a
+  server.
 - ``nf4``: bitsandbytes' ``Linear4bit`` exactly as Petals 2.x builds it (``quant_type="nf4"``,
   blocksize 64, double-quantized statistics), so the NF4 codebook and blocks are Petals'.
+  At 1 token: 1.6x fp32's time at hidden 576, 0.16x at 2048 (torchao's NF4Tensor refuses
+  SmolLM2's shapes and is 40x slower; a torch dequantize-then-matmul is 16-30x slower).
   On CPUs with AVX512-BF16, bitsandbytes repacks the weight for its CPU kernel at the first
   call (absmax undone from double quantization and kept in bf16); `quantize_block` makes that
   happen at once, so the bytes a block holds do not change when it serves its first request.
@@ -177,10 +180,12 @@ def _int8_linear_class() -> type:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
             flat = x.reshape(-1, shape[-1])
-            # torch's int8 CPU kernel: fast for bf16/fp16 activations (it needs in_features % 16 == 0);
-            # with fp32 activations it is 3x (1 token) to 19x (16 tokens) slower than dequantizing.
-            if flat.dtype in (torch.bfloat16, torch.float16) and self.in_features % 64 == 0 and flat.is_cpu:
-                out = torch._weight_int8pack_mm(flat.contiguous(), self.weight, self.scale.to(flat.dtype))
+            # torch's int8 CPU kernel is fast with bf16/fp16 activations only (fp32 ones: 3-19x slower
+            # than nn.Linear), so fp32 activations go through it in bf16. It needs in_features % 16 == 0.
+            if flat.is_cpu and self.in_features % 64 == 0:
+                compute = flat.dtype if flat.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+                out = torch._weight_int8pack_mm(flat.to(compute).contiguous(), self.weight,
+                                                self.scale.to(compute)).to(flat.dtype)
             else:
                 out = nn.functional.linear(flat, self.weight.to(flat.dtype)) * self.scale.to(flat.dtype)
             if self.bias is not None:
@@ -219,7 +224,7 @@ def _nf4_linear(linear: nn.Linear) -> nn.Module:
     return module
 
 
-def quantize_block(block: nn.Module, quant: str | None, **_: Any) -> nn.Module:
+def quantize_block(block: nn.Module, quant: str | None) -> nn.Module:
     """Replace ``block``'s ``nn.Linear`` modules in place by quantized ones; return ``block``.
 
     ``quant``: ``"int8"``, ``"nf4"``, or ``None``/``"none"`` (nothing changes). Weights must be
