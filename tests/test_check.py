@@ -22,7 +22,6 @@ def test_check_all_builtin_families(capsys) -> None:
     assert "new_decoder_architecture=True" in out and "multi_query=True" in out
 
 
-@pytest.mark.slow
 def test_check_reports_measurements() -> None:
     (result,) = check_family("llama")
     assert result.ok, result.failure
@@ -89,7 +88,6 @@ def test_check_fails_on_wrong_family_file(tmp_path, fresh_cache, capsys, source,
     assert field in err
 
 
-@pytest.mark.slow
 def test_falcon_hint_for_expanded_cache(tmp_path, fresh_cache) -> None:
     path = write_family(tmp_path, "falcon", "falcon_expanded",
                         lambda t: t.replace("  layer_writes: repeat_interleave\n", "  layer_writes: kv_heads\n"))

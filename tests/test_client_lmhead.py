@@ -52,7 +52,6 @@ def test_families_are_the_builtin_ones() -> None:
     assert {p.stem for p in builtin_families_dir().glob("*.yaml")} == set(FAMILIES)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_head_equals_plain_head(family: str) -> None:
     """The chunked head equals the plain head on every built-in family's tiny model, in float32 and bfloat16."""
@@ -122,7 +121,6 @@ def test_some_builtin_family_ties_its_head() -> None:
     assert tied and untied
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bloom", "llama", "gemma2"])  # tied, untied, tied with logit soft-capping
 @pytest.mark.parametrize("frozen", [False, True])
 def test_gradients_match_plain_head(family: str, frozen: bool) -> None:

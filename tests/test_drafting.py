@@ -78,7 +78,6 @@ def test_draft_finds_the_family_structure(preset: str, tmp_path: Path, fresh_cac
     assert tiny.hidden_size == 64 and tiny.vocab_size == 256 and tiny.num_hidden_layers in (2, 3)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["Qwen--Qwen3-4B", "google--gemma-2-9b", "deepseek-ai--DeepSeek-V2-Lite",
                                     "EleutherAI--gpt-neox-20b", "Qwen--Qwen3-30B-A3B",
                                     "microsoft--Phi-3-mini-4k-instruct"])

@@ -83,7 +83,6 @@ def test_load_block_fills_computed_buffers_and_matches_the_layer(tmp_path) -> No
 # --- ALiBi calling conventions ---------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_position_bias_convention_passes() -> None:
     results = check_family("mpt")
     assert len(results) == 2 and all(r.ok for r in results), [str(r.failure) for r in results]
@@ -107,7 +106,6 @@ def test_wrong_position_bias_convention_fails(tmp_path, fresh_cache, name, edit)
     assert results[0].failure.field in ("block", "block.position.rotary_class"), str(results[0].failure)
 
 
-@pytest.mark.slow
 def test_alibi_arguments_see_the_key_length(tmp_path, fresh_cache) -> None:
     """A bias built for exactly the keys seen (kv_length) equals the model's sliced max_seq_len bias."""
     path = write_family(tmp_path, "mpt", "mpt_kv_length", lambda t: t.replace(
@@ -140,7 +138,6 @@ def test_validation_error_prints_its_location_once(tmp_path, fresh_cache, capsys
     assert err.count(str(path)) == 1 and err.count("block.mask.kind") == 1
 
 
-@pytest.mark.slow
 def test_inconsistent_tiny_config_is_blamed_on_tiny_config(tmp_path, fresh_cache) -> None:
     path = write_family(tmp_path, "mpt", "mpt_heads", lambda t: t.replace("  n_heads: 4\n", "  n_heads: 5\n"))
     results = check_family(path)

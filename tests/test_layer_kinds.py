@@ -72,7 +72,6 @@ tiny_config:
 """
 
 
-@pytest.mark.slow
 def test_wrong_mask_on_a_pattern_family_fails_when_the_tiny_config_skips_a_kind(tmp_path, fresh_cache, capsys) -> None:
     """2 tiny layers of a 1-in-3 pattern are both sliding: the wrong full-attention mask never runs."""
     path = tmp_path / "pattern_short.yaml"
@@ -99,7 +98,6 @@ def test_wrong_mask_on_a_pattern_family_fails_when_the_tiny_config_skips_a_kind(
     assert result.kinds == "11/11 layer kinds of the tiny config at 48 layers covered"
 
 
-@pytest.mark.slow
 def test_a_preset_kind_missing_from_the_tiny_config_fails(tmp_path, fresh_cache) -> None:
     """gpt_neo's tiny model cut to global layers only: the preset's local layers never run."""
     path = write_family(tmp_path, "gpt_neo", "gpt_neo_global",
