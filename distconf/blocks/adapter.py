@@ -24,6 +24,7 @@ from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.errors import ConfigValueError
 from distconf.loader.formula import FormulaError
+from distconf.loader.protocol import DistributedConfig
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
 from distconf.loader.synthesis import resolve_object
@@ -39,7 +40,7 @@ class LayerSettings:
     """What the adapter resolves once per layer; everything else is read from ``spec``."""
 
     spec: BlockSpec
-    config: Any
+    config: DistributedConfig
     layer_idx: int
     mask_kind: str
     sliding_window: int | None
@@ -57,7 +58,7 @@ class LayerSettings:
         return self.spec.position.alibi_in_mask and self.alibi_function is not None
 
 
-def _layer_type(config: Any, field: str | None, layer_idx: int) -> str | None:
+def _layer_type(config: DistributedConfig, field: str | None, layer_idx: int) -> str | None:
     if field is None:
         return None
     types = getattr(config, field, None)
@@ -74,14 +75,14 @@ def _source(block_cls: type) -> FamilySource:
     return block_cls.config_class.family_source  # type: ignore[attr-defined]
 
 
-def _evaluate(block_cls: type, loc: tuple[str, ...], formula: Any, config: Any) -> Any:
+def _evaluate(block_cls: type, loc: tuple[str, ...], formula: Any, config: DistributedConfig) -> Any:
     try:
         return formula.evaluate_on(config)
     except FormulaError as exc:
         raise _source(block_cls).error(loc, str(exc)) from None
 
 
-def layer_settings(block_cls: type, config: Any, layer_idx: int) -> LayerSettings:
+def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -> LayerSettings:
     """Resolve the family file's ``block`` section for layer ``layer_idx`` of ``config``."""
     spec = block_cls.family_spec
     block, position, mask = spec.block, spec.block.position, spec.block.mask
@@ -132,7 +133,7 @@ def _takes(function: Any, argument: str) -> bool:
         return False
 
 
-def prepare_config(config: Any) -> None:
+def prepare_config(config: DistributedConfig) -> None:
     """Give a config what a transformers model would set before building its layers.
 
     A config not yet used by a model has no attention implementation (the layer would

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
 from distconf.loader.formula import FormulaError
+from distconf.loader.protocol import DistributedConfig
 from distconf.loader.registry import load_family_by_class_name
 from distconf.loader.synthesis import resolve_object
 
@@ -79,7 +80,7 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def block_class_for(config: Any) -> type:
+def block_class_for(config: DistributedConfig) -> type:
     """The block class for a config instance: its class's ``block_class``.
 
     That is whatever the family file's ``block.adapter`` factory builds (`make_block_class`
@@ -100,7 +101,7 @@ def block_class_for(config: Any) -> type:
     return cls
 
 
-def constructor_kwargs(config: Any, layer_idx: int) -> dict[str, Any]:
+def constructor_kwargs(config: DistributedConfig, layer_idx: int) -> dict[str, Any]:
     """Keyword arguments of the family's layer constructor for block ``layer_idx`` (from the family file)."""
     spec = type(config).family_spec.block.constructor
     kwargs: dict[str, Any] = {spec.config_argument: config}
@@ -114,7 +115,7 @@ def constructor_kwargs(config: Any, layer_idx: int) -> dict[str, Any]:
     return kwargs
 
 
-def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: torch.dtype | None = None,
+def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "meta", dtype: torch.dtype | None = None,
                 buffers_device: Any = "cpu") -> Any:
     """Instantiate block ``layer_idx`` of ``config`` (on ``meta`` no parameter is allocated).
 
@@ -145,7 +146,7 @@ def build_block(config: Any, layer_idx: int, *, device: Any = "meta", dtype: tor
     return block
 
 
-def materialize_buffers(block: Any, config: Any, device: Any = "cpu") -> list[str]:
+def materialize_buffers(block: Any, config: DistributedConfig, device: Any = "cpu") -> list[str]:
     """Give every non-persistent buffer still on the meta device real values on ``device``.
 
     Such buffers (e.g. a causal-mask buffer a local-attention layer computes in ``__init__``)

@@ -12,6 +12,7 @@ from typing import Any
 
 from distconf.errors import ConfigValueError
 from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.protocol import DistributedConfig
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 
@@ -26,12 +27,12 @@ class KVGeometry:
     values_per_token: int
 
 
-def _family(config: Any) -> str:
+def _family(config: DistributedConfig) -> str:
     spec = getattr(type(config), "family_spec", None)
     return spec.family if spec is not None else type(config).__name__
 
 
-def _value(config: Any, field: str, value: int | Formula | None, default: Any) -> int:
+def _value(config: DistributedConfig, field: str, value: int | Formula | None, default: Any) -> int:
     """Evaluate one ``kv_cache`` field (int, formula or default callable) to a positive int."""
     source = f"kv_cache.{field}"
     try:
@@ -50,14 +51,14 @@ def _value(config: Any, field: str, value: int | Formula | None, default: Any) -
     return result
 
 
-def _default_head_dim(config: Any) -> int:
+def _default_head_dim(config: DistributedConfig) -> int:
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
         return int(head_dim)
     return config.hidden_size // config.num_attention_heads
 
 
-def kv_geometry(config: Any) -> KVGeometry:
+def kv_geometry(config: DistributedConfig) -> KVGeometry:
     """The KV-cache geometry a block of ``config`` keeps per token (from its family file)."""
     spec = type(config).family_spec.kv_cache
     heads = _value(config, "num_kv_heads", spec.num_kv_heads,

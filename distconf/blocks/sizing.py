@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from distconf.blocks.build import build_block
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.quant import QUANT_BYTES, normalize_quant
+from distconf.loader.protocol import DistributedConfig
 
 if TYPE_CHECKING:
     import torch
@@ -52,11 +53,11 @@ _counts: dict[tuple[type, str], tuple[int, ...]] = {}
 _sizes: dict[tuple[type, str, str, str | None, str], tuple[int, ...]] = {}
 
 
-def _fingerprint(config: Any) -> str:
+def _fingerprint(config: DistributedConfig) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
-def layer_param_counts(config: Any) -> tuple[int, ...]:
+def layer_param_counts(config: DistributedConfig) -> tuple[int, ...]:
     """Parameters of every block of ``config`` (meta builds; cached per config contents).
 
     Blocks can differ per layer (dense and MoE layers, per-layer constructor choices).
@@ -73,7 +74,7 @@ def layer_param_counts(config: Any) -> tuple[int, ...]:
     return counts
 
 
-def block_param_count(config: Any, layer_idx: int | None = None) -> int:
+def block_param_count(config: DistributedConfig, layer_idx: int | None = None) -> int:
     """Parameters of block ``layer_idx`` (default: the largest block), counted on the meta device."""
     counts = layer_param_counts(config)
     if layer_idx is None:
@@ -83,7 +84,7 @@ def block_param_count(config: Any, layer_idx: int | None = None) -> int:
     return counts[layer_idx]
 
 
-def layer_sizes(config: Any, dtype: torch.dtype | None = None, quant: str | None = None, *,
+def layer_sizes(config: DistributedConfig, dtype: torch.dtype | None = None, quant: str | None = None, *,
                 device_type: str = "cpu") -> tuple[int, ...]:
     """Exact parameter bytes of every block of ``config`` in ``dtype``/``quant`` (no margin; cached).
 
@@ -111,7 +112,7 @@ def layer_sizes(config: Any, dtype: torch.dtype | None = None, quant: str | None
     return sizes
 
 
-def block_size_bytes(config: Any, dtype: torch.dtype | None = None, quant: str | None = None, *,
+def block_size_bytes(config: DistributedConfig, dtype: torch.dtype | None = None, quant: str | None = None, *,
                      layer_idx: int | None = None, device_type: str = "cpu") -> int:
     """Bytes a block takes: its exact parameter bytes (`layer_sizes`) x 1.01.
 
@@ -127,6 +128,6 @@ def block_size_bytes(config: Any, dtype: torch.dtype | None = None, quant: str |
     return int(sizes[layer_idx] * SIZE_MARGIN)
 
 
-def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype | None = None) -> int:
+def kv_cache_bytes_per_token(config: DistributedConfig, dtype: torch.dtype | None = None) -> int:
     """Bytes one block keeps in its KV cache per token (per sequence), in ``dtype`` (default bfloat16)."""
     return int(kv_geometry(config).values_per_token * bytes_per_value(dtype))

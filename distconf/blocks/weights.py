@@ -25,6 +25,7 @@ from distconf.blocks.build import build_block
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint, checkpoint_files, release_pages, torch_dtype
 from distconf.blocks.convert import Conversions, Group, order_problem, plan_stream, run_ops, stream
 from distconf.blocks.safetensors_header import read_safetensors_header, tensor_label
+from distconf.loader.protocol import DistributedConfig
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def layer_prefixes(config: Any, layer_idx: int) -> list[str]:
+def layer_prefixes(config: DistributedConfig, layer_idx: int) -> list[str]:
     """Accepted name prefixes of layer ``layer_idx``: with and without the base-model prefix."""
     block = type(config).family_spec.block
     forms = [block.prefix]
@@ -50,7 +51,7 @@ def layer_prefixes(config: Any, layer_idx: int) -> list[str]:
     return [f"{form}.{layer_idx}." for form in forms]
 
 
-def layer_keys(names: list[str] | Any, config: Any, layer_idx: int) -> tuple[str | None, list[str]]:
+def layer_keys(names: list[str] | Any, config: DistributedConfig, layer_idx: int) -> tuple[str | None, list[str]]:
     """The checkpoint names of layer ``layer_idx`` and the prefix form they use.
 
     If both forms occur, the family's own ``block.prefix`` wins.
@@ -75,7 +76,7 @@ def _layer_like_prefixes(names: Any) -> list[str]:
     return sorted(counts, key=lambda p: -counts[p])[:3]
 
 
-def _expected(config: Any, layer_idx: int, block: Any = None) -> dict[str, tuple[tuple[int, ...], Any]]:
+def _expected(config: DistributedConfig, layer_idx: int, block: Any = None) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Name -> (shape, dtype) of every tensor of the block (built on the meta device unless given)."""
     if block is None:
         block = build_block(config, layer_idx, device="meta", buffers_device=None)
@@ -169,7 +170,7 @@ class _Match:
 
 
 def _read(match: _Match, checkpoint: Checkpoint, dtype: torch.dtype | None,
-          config: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+          config: DistributedConfig) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read every checked tensor (cast one by one) and run the conversions."""
     state: dict[str, torch.Tensor] = {}
     for local, name in match.direct.items():
@@ -196,7 +197,7 @@ def _read(match: _Match, checkpoint: Checkpoint, dtype: torch.dtype | None,
     return state, converted
 
 
-def load_block_weights(model_dir: str | Path, config: Any, layer_idx: int, *,
+def load_block_weights(model_dir: str | Path, config: DistributedConfig, layer_idx: int, *,
                        dtype: torch.dtype | None = None, report: dict[str, Any] | None = None,
                        block: Any = None) -> dict[str, torch.Tensor]:
     """The state dict of block ``layer_idx`` (names as in the block), read from ``model_dir``.
@@ -230,7 +231,7 @@ def load_block_weights(model_dir: str | Path, config: Any, layer_idx: int, *,
     return state
 
 
-def _raise_no_layer(model_dir: Any, config: Any, layer_idx: int, names: Any, expected: Any) -> None:
+def _raise_no_layer(model_dir: Any, config: DistributedConfig, layer_idx: int, names: Any, expected: Any) -> None:
     tried = " or ".join(repr(p) for p in layer_prefixes(config, layer_idx))
     seen = ", ".join(tensor_label(p) for p in _layer_like_prefixes(names)) or "none"
     raise BlockWeightsError(
@@ -265,7 +266,7 @@ def _raise(model_dir: Any, prefix: str, layer_idx: int, missing: list[str], matc
                             field="block.prefix" if names_wrong else None)
 
 
-def load_block(model_dir: str | Path, config: Any, layer_idx: int, *, dtype: torch.dtype | None = None,
+def load_block(model_dir: str | Path, config: DistributedConfig, layer_idx: int, *, dtype: torch.dtype | None = None,
                device: Any = "cpu") -> Any:
     """Build block ``layer_idx`` on the meta device and fill it with its checkpoint weights.
 

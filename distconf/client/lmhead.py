@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distconf.loader.protocol import DistributedConfig
+
 __all__ = ["LMHead", "chunked_forward_wanted", "install_lm_head", "has_linear_kernel"]
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class LMHead(nn.Module):
     with ``use_chunked_forward`` and ``chunked_forward_step``, read at every call.
     """
 
-    def __init__(self, linear: nn.Module, config: Any) -> None:
+    def __init__(self, linear: nn.Module, config: DistributedConfig) -> None:
         super().__init__()
         weight, bias = _checked_weights(linear)
         self.weight = weight
@@ -158,7 +160,7 @@ def _checked_weights(linear: Any) -> tuple[nn.Parameter, nn.Parameter | None]:
     return weight, bias
 
 
-def install_lm_head(model: nn.Module, config: Any) -> LMHead:
+def install_lm_head(model: nn.Module, config: DistributedConfig) -> LMHead:
     """Replace ``model``'s output embeddings by an `LMHead` reading ``config``; return the head.
 
     The head takes over the existing parameters (ties and state-dict keys are kept). Installing

@@ -23,9 +23,10 @@ prompts start at zero, so an untrained ``deep_ptune`` model equals its ``ptune``
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
+
+from distconf.loader.protocol import DistributedConfig
 
 __all__ = ["PromptTuning", "prompt_tuning_for"]
 
@@ -79,7 +80,7 @@ class PromptTuning(torch.nn.Module):
         return f"pre_seq_len={self.pre_seq_len}, deep={self.deep}"
 
 
-def prompt_tuning_for(config: Any, input_embeddings: torch.nn.Module | None) -> PromptTuning | None:
+def prompt_tuning_for(config: DistributedConfig, input_embeddings: torch.nn.Module | None) -> PromptTuning | None:
     """The `PromptTuning` that ``config`` asks for (``tuning_mode``), or None when it asks for none.
 
     The input prompts start at the scale of ``input_embeddings``' weight (0.02 when unknown).

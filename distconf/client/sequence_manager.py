@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
 from distconf.dht.liveness import ping_candidates, unreachable_peers
+from distconf.loader.protocol import DistributedConfig
 from distconf.rpc.calls import call_info
 from distconf.rpc.protocol import KEY_ACTIVE_ADAPTER, KEY_POINTS, chain_uid
 
@@ -38,7 +39,7 @@ class RetriesExhausted(RuntimeError):
 class SequenceManager:
     """Routes blocks of one model through the swarm for one client (see the module docstring)."""
 
-    def __init__(self, config: Any, swarm: Any) -> None:
+    def __init__(self, config: DistributedConfig, swarm: Any) -> None:
         self.config = config
         self.swarm = swarm
         self.num_blocks = swarm.num_blocks

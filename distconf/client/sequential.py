@@ -18,6 +18,7 @@ import torch
 from distconf.client.sequence_manager import SequenceManager
 from distconf.client.session import InferenceSession
 from distconf.dht import RemoteSpan
+from distconf.loader.protocol import DistributedConfig
 from distconf.rpc.calls import call_backward, call_forward
 
 __all__ = ["RemoteSequential"]
@@ -32,7 +33,7 @@ class RemoteSequential(torch.nn.Module):
     :param swarm: a `SwarmClient` connected to the swarm.
     """
 
-    def __init__(self, config: Any, swarm: Any) -> None:
+    def __init__(self, config: DistributedConfig, swarm: Any) -> None:
         super().__init__()
         self.config = config
         self.swarm = swarm
@@ -67,7 +68,7 @@ def _check_prompts(prompts: torch.Tensor, num_blocks: int, hidden_states: torch.
         raise ValueError(f"deep prompts cover {shape[2]} positions but the input has only {seq}")
 
 
-def _float_dtype(config: Any) -> torch.dtype:
+def _float_dtype(config: DistributedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)

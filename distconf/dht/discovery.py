@@ -36,6 +36,7 @@ from distconf.dht.records import (
     listing_prefix_problem,
 )
 from distconf.loader.naming import block_uids, config_block_uids, config_dht_prefix
+from distconf.loader.protocol import DistributedConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
@@ -224,7 +225,7 @@ def find_servers_by_prefix(
 
 
 def find_block_servers(
-    dht: DHT, config: Any, *, latest: bool = True, timeout: float | None = 30.0,
+    dht: DHT, config: DistributedConfig, *, latest: bool = True, timeout: float | None = 30.0,
     beam_size: int | None = DEFAULT_BEAM_SIZE, max_records_per_block: int | None = None,
 ) -> SwarmState:
     """Who serves which block of ``config``'s model (all uids in ONE batched request).

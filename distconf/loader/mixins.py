@@ -18,6 +18,7 @@ from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationE
 
 from distconf.errors import ConfigValueError
 from distconf.loader.naming import config_block_uids, dht_prefix_problem
+from distconf.loader.protocol import DistributedConfig
 
 __all__ = [
     "ClientConfig", "PTuneConfig", "LMHeadConfig", "PinnedRevisionMixin", "MIXINS",
@@ -95,7 +96,7 @@ def check_field(name: str, value: Any) -> None:
         raise ConfigValueError(f"{name}={shown} is invalid: {reason}") from None
 
 
-def check_cross_fields(config: Any) -> None:
+def check_cross_fields(config: DistributedConfig) -> None:
     """Checks that involve several fields; run once a config is fully built."""
     mode = getattr(config, "tuning_mode", None)
     pre_seq_len = getattr(config, "pre_seq_len", 0)

@@ -35,6 +35,7 @@ from distconf.loader.mixins import (
 )
 from distconf.loader.naming import derive_dht_prefix
 from distconf.loader.presets import preset_path
+from distconf.loader.protocol import DistributedConfig
 from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
 
@@ -138,7 +139,7 @@ def _check_names(source: FamilySource, config_class: type) -> None:
         raise FamilyValidationError(problems)
 
 
-def kv_groups_of(config: Any) -> int:
+def kv_groups_of(config: DistributedConfig) -> int:
     """Query heads per KV head of ``config``, from its family's ``kv_groups`` (checked to divide the heads)."""
     return type(config).family_spec.kv_groups_for(config)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from distconf.loader.protocol import DistributedConfig
 
 __all__ = ["describe_class", "describe_config", "size_summary"]
 
@@ -28,7 +28,7 @@ def describe_class(cls: type) -> list[tuple[str, str]]:
     ]
 
 
-def size_summary(config: Any) -> list[tuple[str, str]]:
+def size_summary(config: DistributedConfig) -> list[tuple[str, str]]:
     """Block sizes (bf16, int8, nf4) and KV bytes per token (bf16) of a loaded config."""
     import torch
 
@@ -43,7 +43,7 @@ def size_summary(config: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def describe_config(config: Any) -> list[tuple[str, str]]:
+def describe_config(config: DistributedConfig) -> list[tuple[str, str]]:
     """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids, sizes."""
     n = config.num_hidden_layers
     rows = [

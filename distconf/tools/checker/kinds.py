@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from distconf.loader.protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
 __all__ = ["LayerKinds", "layer_kinds", "real_configs", "tiny_configs", "coverage", "compare_kinds", "check_coverage",
@@ -57,7 +58,7 @@ class LayerKinds:
         return f"{covered}/{len(self.real)} layer kinds of {', '.join(sources) or 'no real config'} covered"
 
 
-def _per_layer_lists(config: Any, layers: int) -> dict[str, list[Any]]:
+def _per_layer_lists(config: DistributedConfig, layers: int) -> dict[str, list[Any]]:
     """Config attributes holding one category per layer."""
     if layers < 2:
         return {}
@@ -71,7 +72,7 @@ def _per_layer_lists(config: Any, layers: int) -> dict[str, list[Any]]:
     return found
 
 
-def _structure(config: Any, layer_idx: int) -> set[str]:
+def _structure(config: DistributedConfig, layer_idx: int) -> set[str]:
     """``child:Class`` of each direct submodule of block ``layer_idx`` built on the meta device."""
     import torch
 
@@ -82,7 +83,7 @@ def _structure(config: Any, layer_idx: int) -> set[str]:
     return {f"{name}:{type(child).__name__}" for name, child in block.named_children()}
 
 
-def layer_kinds(config: Any) -> list[frozenset[str]]:
+def layer_kinds(config: DistributedConfig) -> list[frozenset[str]]:
     """The kind (set of labels) of every layer of ``config`` (a distributed config instance)."""
     from distconf.blocks.adapter import layer_settings
     from distconf.blocks.build import block_class_for

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
+from distconf.loader.protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 from distconf.tools.checker.reference import Reference
 
@@ -110,7 +111,7 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
                               "is not the module that receives the KV cache")
 
 
-def check_meta_build(cls: type, config: Any) -> None:
+def check_meta_build(cls: type, config: DistributedConfig) -> None:
     """Building a block on the meta device (as sizing does) must allocate no real tensors."""
     from distconf.blocks import build_block
 

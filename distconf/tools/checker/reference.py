@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distconf.loader.protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
 __all__ = ["SEQ_LEN", "BATCH", "tiny_variants", "Reference", "build_reference", "save_sharded",
@@ -39,7 +40,7 @@ def tiny_variants(tiny: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 class Reference:
     """A tiny HF causal LM (float32, eval mode) and the distributed config of the same values."""
 
-    config: Any
+    config: DistributedConfig
     model: Any
 
     @property
@@ -81,7 +82,7 @@ def save_sharded(model: Any, directory: Path) -> None:
     model.save_pretrained(directory, max_shard_size=max(total // 4, 4096))
 
 
-def find_layer_module(model: Any, config: Any, layer_idx: int) -> Any:
+def find_layer_module(model: Any, config: DistributedConfig, layer_idx: int) -> Any:
     """The module of ``model`` at the family prefix of layer ``layer_idx``, or None."""
     from distconf.blocks.weights import layer_prefixes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from distconf.blocks.sizing import SIZE_MARGIN
+from distconf.loader.protocol import DistributedConfig
 from distconf.tools.checker.failures import CheckFailure, located_failure
 from distconf.tools.checker.reference import BATCH, SEQ_LEN
 from distconf.tools.checker.result import CheckResult
@@ -12,7 +13,7 @@ from distconf.tools.checker.result import CheckResult
 __all__ = ["check_kv_cache", "check_block_sizes", "loaded_block_bytes"]
 
 
-def check_kv_cache(cls: type, config: Any, caches: list[Any], result: CheckResult) -> None:
+def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], result: CheckResult) -> None:
     """Bytes per token each block caches must equal ``kv_cache_bytes_per_token``; else name the wrong field."""
     import torch
 
@@ -28,7 +29,8 @@ def check_kv_cache(cls: type, config: Any, caches: list[Any], result: CheckResul
         raise _geometry_failure(cls, config, key, value, held[worst], declared)
 
 
-def _geometry_failure(cls: type, config: Any, key: Any, value: Any, actual: int, declared: int) -> CheckFailure:
+def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any, actual: int,
+                      declared: int) -> CheckFailure:
     """The field of the family's KV section that explains a cache of the wrong size."""
     from distconf.blocks.kvcache import kv_geometry
 
@@ -45,7 +47,7 @@ def _geometry_failure(cls: type, config: Any, key: Any, value: Any, actual: int,
                            f"blocks cache {actual} bytes per token, the family declares {declared}")
 
 
-def _kv_heads_failure(cls: type, config: Any, cached: int, declared: int) -> CheckFailure:
+def _kv_heads_failure(cls: type, config: DistributedConfig, cached: int, declared: int) -> CheckFailure:
     """Blocks cache ``cached`` KV heads, the family declares ``declared``: blame kv_cache or kv_groups."""
     kv_cache = cls.family_spec.kv_cache  # type: ignore[attr-defined]
     loc = ("kv_cache", "num_kv_heads") if kv_cache.num_kv_heads is not None else ("kv_groups",)
@@ -64,7 +66,7 @@ def loaded_block_bytes(block: Any) -> int:
     return int(sum(p.numel() * p.element_size() for p in block.parameters()) * SIZE_MARGIN)
 
 
-def check_block_sizes(cls: type, config: Any, blocks: list[Any], result: CheckResult) -> None:
+def check_block_sizes(cls: type, config: DistributedConfig, blocks: list[Any], result: CheckResult) -> None:
     """``block_size_bytes`` (meta build) must equal the size of every loaded block."""
     import torch
 

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from distconf.loader.protocol import DistributedConfig
+
 __all__ = ["DEMO_LAYERS", "DEMO_DTYPE", "DEMO_SEED", "blocks_per_server", "demo_family", "demo_prefix",
            "make_tiny_checkpoint", "memory_for"]
 
@@ -87,7 +89,7 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO
     return config
 
 
-def memory_for(config: Any, num_blocks: int, dtype: str) -> int:
+def memory_for(config: DistributedConfig, num_blocks: int, dtype: str) -> int:
     """A memory budget for which `plan_server` gives exactly ``num_blocks`` blocks."""
     from distconf.planning import plan_server
 
