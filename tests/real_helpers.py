@@ -1,0 +1,28 @@
+"""The real model for tests: its GGUF converted once into a cache every real-model test and run shares.
+
+The cache is ``$DISTCONF_CACHE/gguf`` when that is set, else a folder in pytest's own cache
+(``.pytest_cache/d/distconf-real-model/gguf``): the ~40 s conversion happens once per checkout,
+not once per test run, and nothing is written outside the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from distconf.sources import ModelSource, open_source
+from distconf.tools.real_model import gguf_path
+
+
+def real_cache_dir(config: pytest.Config) -> Path:
+    """Where the real model's GGUF is converted to, for this test run."""
+    if os.environ.get("DISTCONF_CACHE"):
+        return Path(os.environ["DISTCONF_CACHE"]).expanduser() / "gguf"
+    return Path(config.cache.mkdir("distconf-real-model")) / "gguf"
+
+
+def open_real_source(config: pytest.Config) -> ModelSource:
+    """The real model's GGUF as a `ModelSource` (converted on first use)."""
+    return open_source(gguf_path(), cache_dir=real_cache_dir(config))
