@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from distconf.blocks import sizing
+from distconf.blocks.device import canonical_dtype
 from distconf.blocks.sizing import QUANT_BYTES
 
 __all__ = [
@@ -42,20 +43,12 @@ __all__ = [
 
 GIB = 1024**3
 
-DTYPE_ALIASES: dict[str, str] = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
-}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def resolve_dtype(dtype: Any) -> str:
     """Canonical dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``) of a torch dtype or alias."""
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in DTYPE_ALIASES:
-        raise ValueError(f"unsupported dtype {dtype!r}: use bf16, fp16 or fp32")
-    return DTYPE_ALIASES[name]
+    return canonical_dtype(dtype)
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -195,6 +188,7 @@ def plan_server(
     attn_cache_tokens: int | None = None,
     *,
     num_devices: int = 1,
+    device_type: str = "cpu",
     block_bytes: int | None = None,
     kv_bytes_per_token: int | None = None,
 ) -> ServerPlan:
@@ -211,6 +205,7 @@ def plan_server(
     :param quant: ``None``, ``"int8"`` or ``"nf4"`` (weights only; the cache stays in ``dtype``).
     :param attn_cache_tokens: default 16384 if ``num_key_value_groups > 1`` else 4096.
     :param num_devices: devices sharing the blocks (tensor parallel); scales the reserve.
+    :param device_type: where the blocks live (``"cpu"``, ``"cuda"``): nf4's layout differs per device.
     :param block_bytes: bytes of one block; default ``sizing.block_size_bytes(config, dtype, quant)``.
     :param kv_bytes_per_token: KV bytes per token per block; default
         ``sizing.kv_cache_bytes_per_token(config, dtype)``.
@@ -226,7 +221,8 @@ def plan_server(
         raise ValueError(f"attn_cache_tokens must be an integer >= 0, got {attn_cache_tokens!r}")
     if block_bytes is None or kv_bytes_per_token is None:
         if block_bytes is None:
-            block_bytes = int(sizing.block_size_bytes(config, dtype=_torch_dtype(dtype_name), quant=quant))
+            block_bytes = int(sizing.block_size_bytes(config, dtype=_torch_dtype(dtype_name), quant=quant,
+                                                          device_type=device_type))
         if kv_bytes_per_token is None:
             kv_bytes_per_token = int(sizing.kv_cache_bytes_per_token(config, _torch_dtype(dtype_name)))
     cache_per_block = kv_bytes_per_token * attn_cache_tokens

@@ -10,6 +10,8 @@ import sys
 import threading
 from typing import Any
 
+from distconf.blocks.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
+from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command, positive_int
 
 __all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record", "ready_line", "parse_ready_line"]
@@ -29,12 +31,17 @@ def parse_blocks(text: str) -> tuple[int, int]:
 
 
 def ready_record(server: Any) -> dict[str, Any]:
-    """What the ready line says about an ONLINE `BlockServer`: peer id, addresses, blocks, prefix, throughput."""
+    """What the ready line says about an ONLINE `BlockServer`: peer id, addresses, blocks, prefix, throughput,
+    parameters, dtype, quant_type (the record's value) and device."""
+    from distconf.blocks.quant import petals_quant_type
+
     blocks = server.handler.ordered if server.handler is not None else []
     return {"peer_id": str(server.peer_id), "addresses": list(server.maddrs),
             "blocks": [int(server.start_block), int(server.end_block)], "dht_prefix": str(server.config.dht_prefix),
             "throughput": float(server.throughput),
-            "parameters": sum(p.numel() for block in blocks for p in block.module.parameters())}
+            "parameters": sum(p.numel() for block in blocks for p in block.module.parameters()),
+            "dtype": str(server.dtype_name), "quant_type": petals_quant_type(server.quant),
+            "device": str(server.device)}
 
 
 def ready_line(server: Any) -> str:
@@ -57,19 +64,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = add_command(
         subparsers, "serve", summary="serve blocks of a model to a swarm (Petals 2.x protocol)",
-        description="Load blocks of MODEL_DIR (a model folder with a distributed config.json carrying dht_prefix) "
-                    "and serve them on the swarm reached through --initial-peers (or a new swarm with --new-swarm, "
-                    "whose address is printed). Without --blocks the server sizes itself with the planner for "
-                    "--memory and takes the weakest part of the chain. It announces JOINING while loading, ONLINE "
-                    "with its measured throughput, and OFFLINE on Ctrl-C / SIGTERM. Petals 2.x clients can use it. "
+        description="Load blocks of MODEL (a Hugging Face model folder as it is, a .gguf file or a folder holding "
+                    "one, or a hub id in the local Hugging Face cache) and serve them on the swarm reached through "
+                    "--initial-peers (or a new swarm with --new-swarm, whose address is printed). The DHT prefix is "
+                    "config.json's dht_prefix, else derived from the model's name (--dht-prefix overrides it). "
+                    "Without --blocks the server sizes itself with the planner: for --memory, else from the memory "
+                    "available on its device (RAM minus max(10%, 1 GiB) on CPU, free memory minus 5% on CUDA), "
+                    "and takes the weakest part of the chain. Each block is loaded in --dtype, moved to --device "
+                    "and quantized with --quant. It announces JOINING while loading, ONLINE with its measured "
+                    "throughput, and OFFLINE on Ctrl-C / SIGTERM. Petals 2.x clients can use it. "
                     f"Once ONLINE it prints a SERVING line for people and a '{READY_TAG} {{json}}' line for "
-                    "programs (peer_id, addresses, blocks [start, end), dht_prefix, throughput, parameters).",
+                    "programs (peer_id, addresses, blocks [start, end), dht_prefix, throughput, parameters, dtype, "
+                    "quant_type, device). A MODEL that cannot be served: one line on stderr and exit code 2.",
         examples=[("distconf serve ./model --new-swarm --num-blocks 4 --dtype fp32", "first server of a new swarm"),
                   ("distconf serve ./model --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3Koo... --memory 8GiB",
                    "join a swarm, sized by the planner"),
-                  ("distconf serve ./model --initial-peers ADDR --blocks 4:8", "serve blocks 4..7")],
+                  ("distconf serve ./SmolLM2-135M-Instruct.Q4_1.gguf --new-swarm --dtype float32",
+                   "a GGUF file, converted once into a cache, sized from available memory"),
+                  ("distconf serve ./model --initial-peers ADDR --blocks 4:8 --quant int8", "blocks 4..7, int8")],
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json with dht_prefix, safetensors)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="a model folder (safetensors; dht_prefix optional), a .gguf file or a folder holding one, "
+                        "or a hub id in the local Hugging Face cache")
+    p.add_argument("--dht-prefix", "--dht_prefix", dest="dht_prefix", default=None,
+                   help="prefix of the block uids on the DHT (default: config.json's, else derived from the name)")
     p.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", default=None,
                    help="multiaddrs of swarm peers (default: $DISTCONF_INITIAL_PEERS)")
     p.add_argument("--new-swarm", action="store_true", help="start a new swarm (prints its address)")
@@ -77,7 +95,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     span.add_argument("--blocks", type=parse_blocks, default=None, metavar="A:B", help="serve blocks A..B-1")
     span.add_argument("--num-blocks", type=positive_int, default=None, help="serve N blocks, placed by the swarm")
     p.add_argument("--memory", default=None, help="memory for blocks and cache, e.g. 24GiB (sizes the server)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute and cache dtype")
+    p.add_argument("--dtype", "--torch-dtype", "--torch_dtype", dest="dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"compute and cache dtype: {DTYPE_HELP}")
+    p.add_argument("--device", default="auto", help=f"where blocks live and compute: {DEVICE_HELP}")
+    p.add_argument("--quant", "--quant-type", "--quant_type", dest="quant", default=None, choices=QUANT_TYPES,
+                   help="weight quantization of the served blocks (default: nf4 on CUDA as Petals, none on CPU); "
+                        "announced as the record's quant_type")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     p.add_argument("--public-name", default=None, help="name shown in swarm listings")
@@ -101,13 +124,31 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
     from distconf.server.block_server import ServeOptions
 
     return ServeOptions(
-        model_dir=args.model_dir, initial_peers=peers, new_swarm=args.new_swarm, blocks=args.blocks,
-        num_blocks=args.num_blocks, memory=args.memory, dtype=args.dtype, host=args.host, port=args.port,
+        model_dir=args.model_dir, dht_prefix=args.dht_prefix, initial_peers=peers, new_swarm=args.new_swarm,
+        blocks=args.blocks, num_blocks=args.num_blocks, memory=args.memory, dtype=args.dtype, device=args.device,
+        quant=args.quant, host=args.host, port=args.port,
         public_name=args.public_name, update_period=args.update_period, request_timeout=args.request_timeout,
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
         attn_cache_tokens=args.attn_cache_tokens, repository=args.repository,
         verify_weights=args.verify_weights)
+
+
+def _open(args: argparse.Namespace) -> Any:
+    """The checked model source and options (None after printing the one-line reason to stderr)."""
+    from distconf.blocks.device import resolve_device
+    from distconf.sources import ModelSourceError, open_source
+
+    try:
+        if args.memory is not None:
+            from distconf.planning import parse_memory
+
+            parse_memory(args.memory)
+        resolve_device(args.device)
+        return open_source(args.model_dir, dht_prefix=args.dht_prefix)
+    except (ModelSourceError, ValueError) as exc:
+        print(f"distconf serve: {exc}", file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,16 +159,16 @@ def run(args: argparse.Namespace) -> int:
     if not peers and not args.new_swarm:
         print("distconf serve: give --initial-peers (or set DISTCONF_INITIAL_PEERS), or --new-swarm", file=sys.stderr)
         return 2
-    if args.memory is None and args.blocks is None and args.num_blocks is None:
-        print("distconf serve: give --memory, --num-blocks or --blocks", file=sys.stderr)
-        return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from distconf.server.block_server import BlockServer
 
+    source = _open(args)
+    if source is None:
+        return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    server = BlockServer(_options(args, peers), stop_event=stop)
+    server = BlockServer(_options(args, peers), stop_event=stop, source=source)
     try:
         server.join()
         if args.new_swarm:  # printed before loading: other servers and clients may join at once

@@ -30,15 +30,25 @@ VERSION = "distconf"
 
 @dataclass
 class ServeOptions:
-    """What ``distconf serve`` takes (timeouts in seconds; memory in bytes or ``"24GiB"``)."""
+    """What ``distconf serve`` takes (timeouts in seconds; memory in bytes or ``"24GiB"``).
+
+    ``model_dir`` is any model source `distconf.sources.open_source` opens (a folder, a
+    ``.gguf``, a cached hub id); ``dht_prefix`` overrides its prefix. ``dtype``, ``device``
+    and ``quant`` are resolved by `distconf.blocks.device` (``quant`` None: nf4 on CUDA, none
+    elsewhere). With no ``blocks``, ``num_blocks`` or ``memory`` the server sizes itself from
+    the memory available on its device.
+    """
 
     model_dir: str
+    dht_prefix: str | None = None
     initial_peers: list[str] = field(default_factory=list)
     new_swarm: bool = False
     blocks: tuple[int, int] | None = None
     num_blocks: int | None = None
     memory: int | str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    device: str = "auto"
+    quant: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
     public_name: str | None = None
@@ -70,11 +80,21 @@ class _LiveAnnouncer(BlockAnnouncer):
 class BlockServer:
     """One server process's blocks, handlers and DHT presence (see the module docstring)."""
 
-    def __init__(self, options: ServeOptions, config: Any = None, *, stop_event: threading.Event | None = None) -> None:
-        """``stop_event``: when set while blocks load, `serve` stops early (`InterruptedError`)."""
+    def __init__(self, options: ServeOptions, config: Any = None, *, stop_event: threading.Event | None = None,
+                 source: Any = None) -> None:
+        """``stop_event``: when set while blocks load, `serve` stops early (`InterruptedError`).
+
+        ``source``: an opened `distconf.sources.ModelSource` (default: `join` opens
+        ``options.model_dir``); ``config``: a distributed config whose weights are in
+        ``options.model_dir`` (skips opening a source).
+        """
         install_refused_request_filter()
         self.options = options
-        self.config = config
+        self.config = config if config is not None or source is None else source.config
+        self.source = source
+        self.checkpoint_dir = str(source.checkpoint_dir) if source is not None else options.model_dir
+        self.device: Any = None
+        self.quant: str | None = None
         self.stop_event = stop_event
         self.dht: Any = None
         self.handler: Any = None
@@ -132,47 +152,67 @@ class BlockServer:
     def _join(self) -> None:
         import torch
 
-        from distconf.planning import resolve_dtype
+        from distconf.blocks.device import default_quant, resolve_compute_dtype, resolve_device
+        from distconf.blocks.quant import normalize_quant
 
         o = self.options
         if not o.initial_peers and not o.new_swarm:
             raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
-        if o.memory is None and o.blocks is None and o.num_blocks is None:
-            raise ValueError("give --memory (the planner sizes the server), --num-blocks or --blocks")
+        self.device = resolve_device(o.device)
+        self.quant = normalize_quant(o.quant if o.quant is not None else default_quant(self.device))
         if self.config is None:
-            from distconf.loader.auto import AutoDistributedConfig
+            from distconf.sources import open_source
 
-            self.config = AutoDistributedConfig.from_pretrained(o.model_dir)
-        self.dtype_name = resolve_dtype(o.dtype)
+            self.source = open_source(o.model_dir, dht_prefix=o.dht_prefix)
+            self.config, self.checkpoint_dir = self.source.config, str(self.source.checkpoint_dir)
+        self.dtype_name, why = resolve_compute_dtype(o.dtype, self.config, self.device)
         self.dtype = getattr(torch, self.dtype_name)
+        logger.info("device %s, dtype %s (%s), quant %s", self.device, self.dtype_name, why, self.quant or "none")
         self.dht = start_local_dht([] if o.new_swarm else o.initial_peers,
                                    host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"],
                                    num_workers=max(1, int(self.config.num_hidden_layers)))
 
     def _serve(self) -> None:
+        from distconf.blocks.quant import petals_quant_type
         from distconf.blocks.sizing import kv_cache_bytes_per_token
         from distconf.server.loading import plan_span
 
         if self.dht is None:
             self.join()
         o, config, dtype_name = self.options, self.config, self.dtype_name
-        span = plan_span(config, o.memory if o.memory is not None else 2**50, dtype_name, dht=self.dht,
-                         blocks=o.blocks, num_blocks=o.num_blocks, attn_cache_tokens=o.attn_cache_tokens)
+        memory: int | str = o.memory if o.memory is not None else 2**50  # a given span: memory does not limit it
+        sized = o.memory is None and o.blocks is None and o.num_blocks is None
+        if sized:
+            from distconf.blocks.device import available_memory
+
+            seen = available_memory(self.device)
+            memory = seen.usable
+        span = plan_span(config, memory, dtype_name, dht=self.dht, blocks=o.blocks, num_blocks=o.num_blocks,
+                         attn_cache_tokens=o.attn_cache_tokens, quant=self.quant, device_type=self.device.type)
+        if sized:
+            logger.info("sized from memory: %.2f GiB available (%s) - %.2f GiB margin = %.2f GiB -> %d of %d "
+                        "blocks (%.1f MiB each, %s, quant %s), %d cache tokens per block", seen.available / 2**30,
+                        seen.source, seen.margin / 2**30, seen.usable / 2**30, span.num_blocks,
+                        int(config.num_hidden_layers), span.plan.block_bytes / 2**20, dtype_name,
+                        self.quant or "none", span.plan.attn_cache_tokens)
         self.start_block, self.end_block = span.start, span.end
         self.kv_bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
         self.budget_bytes = span.plan.cache_bytes_per_block * span.num_blocks
         info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=o.public_name, version=VERSION,
-                          torch_dtype=dtype_name, start_block=span.start, end_block=span.end)
+                          torch_dtype=dtype_name, quant_type=petals_quant_type(self.quant),
+                          start_block=span.start, end_block=span.end)
         self.announcer = _LiveAnnouncer(self.dht, config, span.start, span.end, info, update_period=o.update_period,
                                         repository=o.repository or hub_repository(o.model_dir),
                                         tokens_left=self.cache_tokens_left)
         self.announcer.start()
-        logger.info("serving blocks %d..%d of %s (%s), cache budget %.1f MiB", span.start, span.end - 1,
-                    config.dht_prefix, dtype_name, self.budget_bytes / 2**20)
+        logger.info("serving blocks %d..%d of %s (%s, quant %s, on %s), cache budget %.1f MiB", span.start,
+                    span.end - 1, config.dht_prefix, dtype_name, self.quant or "none", self.device,
+                    self.budget_bytes / 2**20)
         self._load_and_serve(span, dtype_name)
 
     def _load_and_serve(self, span: Any, dtype_name: str) -> None:
         from distconf.blocks.kvcache import kv_geometry
+        from distconf.blocks.quant import held_bytes
         from distconf.loader.naming import block_uids
         from distconf.planning import default_max_length
         from distconf.rpc.calls import RpcLoop
@@ -183,8 +223,13 @@ class BlockServer:
         from distconf.server.memory import CacheBudget
 
         o, config = self.options, self.config
-        modules = load_blocks(o.model_dir, config, span.start, span.end, self.dtype, on_block=self._check_stop)
+        modules = load_blocks(self.checkpoint_dir, config, span.start, span.end, self.dtype,
+                              on_block=self._check_stop, quant=self.quant, device=self.device)
         self.modules = modules
+        held = max(held_bytes(m) for m in modules)
+        logger.info("block bytes: planned %.2f MiB per block (%s, quant %s, with the 1%% margin), held %.2f MiB "
+                    "(largest loaded block, %.1f%% of the plan)", span.plan.block_bytes / 2**20, self.dtype_name,
+                    self.quant or "none", held / 2**20, 100 * held / max(span.plan.block_bytes, 1))
         if o.verify_weights:
             self.weights_sha256 = weights_digest(modules, first_block=span.start)
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)

@@ -37,13 +37,18 @@ class SpanPlan:
 
 
 def plan_span(config: Any, memory: int | str, dtype: str, *, dht: Any = None, blocks: tuple[int, int] | None = None,
-              num_blocks: int | None = None, attn_cache_tokens: int | None = None, timeout: float = 10.0) -> SpanPlan:
+              num_blocks: int | None = None, attn_cache_tokens: int | None = None, quant: str | None = None,
+              device_type: str = "cpu", timeout: float = 10.0) -> SpanPlan:
     """Choose the span: ``blocks`` as given; else ``num_blocks`` (or as many as ``memory`` holds)
-    placed with `choose_blocks` over the swarm ``dht`` sees (an empty swarm without a DHT)."""
+    placed with `choose_blocks` over the swarm ``dht`` sees (an empty swarm without a DHT).
+
+    The capacity plan is `distconf.planning.plan_server`'s with the same ``quant`` and device
+    as ``distconf plan --quant``, so a plan and a server agree on the bytes of a block.
+    """
     from distconf.dht import find_block_servers
     from distconf.planning import choose_blocks, plan_server
 
-    plan = plan_server(config, memory, dtype, attn_cache_tokens=attn_cache_tokens)
+    plan = plan_server(config, memory, dtype, quant, attn_cache_tokens=attn_cache_tokens, device_type=device_type)
     layers = int(config.num_hidden_layers)
     if blocks is not None:
         start, end = blocks
@@ -87,21 +92,34 @@ class Progress:
 
 
 def load_blocks(model_dir: str | Path, config: Any, start: int, end: int, dtype: Any, *,
-                progress: Progress | None = None, on_block: Callable[[int], None] | None = None) -> list[Any]:
-    """Load blocks ``start..end-1`` from ``model_dir`` (one block's memory at a time), frozen, in eval mode."""
+                progress: Progress | None = None, on_block: Callable[[int], None] | None = None,
+                quant: str | None = None, device: Any = None) -> list[Any]:
+    """Load blocks ``start..end-1`` from ``model_dir`` (one block's memory at a time), frozen, in eval mode.
+
+    Each block is loaded in ``dtype``, moved to ``device`` (default cpu) and then quantized with
+    `distconf.blocks.quant.quantize_block` (``quant``: None/"none", "int8", "nf4"); progress
+    counts the bytes each block holds once quantized (`held_bytes`).
+    """
+    from distconf.blocks.device import move_block
+    from distconf.blocks.quant import held_bytes, quantize_block
     from distconf.blocks.sizing import block_size_bytes
     from distconf.blocks.weights import load_block
 
+    device_type = getattr(device, "type", None) or str(device or "cpu").split(":")[0]
     if progress is None:
-        total = sum(block_size_bytes(config, dtype, layer_idx=i) for i in range(start, end))
+        total = sum(block_size_bytes(config, dtype, quant, layer_idx=i, device_type=device_type)
+                    for i in range(start, end))
         progress = Progress(end - start, total)
     blocks = []
     for i in range(start, end):
         block = load_block(model_dir, config, i, dtype=dtype)
+        if device is not None:
+            block = move_block(block, device)
         block.requires_grad_(False)
         block.eval()
+        quantize_block(block, quant)
         blocks.append(block)
-        progress.advance(sum(p.numel() * p.element_size() for p in block.parameters()))
+        progress.advance(held_bytes(block))
         if on_block is not None:
             on_block(i)
     return blocks
@@ -137,9 +155,12 @@ def measure_throughput(blocks: list[Any], hidden_size: int, dtype: Any, *, steps
     (``forward_rps``); checks that the outputs are finite."""
     import torch
 
+    from distconf.blocks.device import block_device
+
+    device = block_device(blocks[0])
     g = torch.Generator().manual_seed(0)
-    token = torch.randn(1, 1, hidden_size, generator=g).to(dtype)
-    chunk = torch.randn(1, forward_tokens, hidden_size, generator=g).to(dtype)
+    token = torch.randn(1, 1, hidden_size, generator=g).to(device, dtype)
+    chunk = torch.randn(1, forward_tokens, hidden_size, generator=g).to(device, dtype)
     outputs = []
 
     def inference() -> None:
