@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -27,20 +26,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand."""
     p = add_command(
         subparsers, "generate", summary="generate text through a swarm (blocks on servers, the rest here)",
-        description="Load the non-block weights of MODEL_DIR (embeddings, final norm, LM head), join the swarm "
-                    "through --initial-peers and generate from PROMPT, printing each new token as it arrives. A "
-                    "model folder without a tokenizer prints token ids; give the prompt as --ids 1,2,3 then.",
+        description="Load the non-block weights of MODEL (embeddings, final norm, LM head), join the swarm "
+                    "through --initial-peers and generate from PROMPT, printing each new token as it arrives. MODEL "
+                    "is a Hugging Face model folder as it is (config.json with or without dht_prefix; without, it "
+                    "is derived by the family's rule, as the servers do), a folder written by save_pretrained, a "
+                    ".gguf file or a folder holding one (converted once into a cache), or a hub id already in the "
+                    "local Hugging Face cache. A model without a tokenizer prints token ids; give the prompt as "
+                    "--ids 1,2,3 then. A MODEL that cannot be used exits with status 2.",
         examples=[("distconf generate ./model --initial-peers ADDR 'A cat sat'", "greedy, 32 new tokens"),
                   ("distconf generate ./model --initial-peers ADDR --ids 1,2,3 --max-new-tokens 8", "token ids in, "
                    "token ids out"),
                   ("distconf generate ./model --initial-peers ADDR 'Once' --sample --temperature 0.8 --seed 1",
                    "sampling")],
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="model folder (config.json with dht_prefix, safetensors)")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer in MODEL_DIR)")
+    p.add_argument("model", metavar="MODEL", help="model folder, .gguf file (or a folder holding one), or a cached "
+                                                  "hub id")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer in MODEL)")
     p.add_argument("--ids", type=parse_ids, default=None, help="prompt as comma-separated token ids")
     p.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", default=None,
                    help="multiaddrs of swarm peers (default: $DISTCONF_INITIAL_PEERS)")
+    p.add_argument("--dht-prefix", default=None, metavar="PREFIX",
+                   help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
+                        "model's name by the family's rule)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
@@ -80,17 +87,8 @@ class _Printer:
         self.out.flush()
 
 
-def _tokenizer(model_dir: str) -> Any:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def run(args: argparse.Namespace) -> int:
-    """Generate and print; exit 2 on bad arguments, 1 if the swarm cannot serve the model."""
+    """Generate and print; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve the model."""
 
     peers = initial_peers(args, "generate")
     if peers is None:
@@ -98,9 +96,17 @@ def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.ids is None):
         print("distconf generate: give either PROMPT or --ids", file=sys.stderr)
         return 2
-    tokenizer = _tokenizer(args.model_dir)
+    from distconf.client.model_source import open_client_source
+    from distconf.sources import ModelSourceError
+
+    try:
+        source = open_client_source(args.model, dht_prefix=args.dht_prefix)
+        tokenizer = source.load_tokenizer()
+    except ModelSourceError as exc:
+        print(f"distconf generate: {exc}", file=sys.stderr)
+        return 2
     if args.prompt is not None and tokenizer is None:
-        print(f"distconf generate: {args.model_dir} has no tokenizer; give the prompt as --ids 1,2,3", file=sys.stderr)
+        print(f"distconf generate: {args.model} has no tokenizer; give the prompt as --ids 1,2,3", file=sys.stderr)
         return 2
     import torch
 
@@ -113,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_server_to_server:
         fields["use_server_to_server"] = False
     try:
-        model = AutoDistributedModelForCausalLM.from_pretrained(args.model_dir, **fields)
+        model = AutoDistributedModelForCausalLM.from_pretrained(source, **fields)
+    except ModelSourceError as exc:
+        print(f"distconf generate: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, TimeoutError) as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return 1

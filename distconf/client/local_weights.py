@@ -4,7 +4,8 @@ Only the non-block tensors are read (through `distconf.blocks.checkpoint.Checkpo
 its file checks); a checkpoint name matches a model tensor as it is, with or without the
 base-model prefix, or after the renaming rules transformers registers for the model. A
 tensor shared by tied modules is read once; shapes are checked from the file's header
-before anything is read.
+before anything is read. A tensor missing or of the wrong shape is a
+`distconf.sources.ModelSourceError` naming the folder.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from distconf.blocks.checkpoint import Checkpoint
 from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
 from distconf.blocks.weights import layer_prefixes
+from distconf.sources import ModelSourceError
 
 __all__ = ["checkpoint_name_map", "load_non_block_weights", "load_prompts"]
 
@@ -66,8 +68,9 @@ def load_non_block_weights(model: torch.nn.Module, config: Any, checkpoint: Chec
     missing = sorted(k for k in wanted if k not in mapping and k not in tied
                      and not any(state[k] is state[m] for m in mapping))
     if missing:
-        raise ValueError(f"{checkpoint.model_dir}: the checkpoint has no tensor for {', '.join(missing)} (non-block "
-                         f"weights of {type(model).__name__}; checked names with and without the base-model prefix)")
+        raise ModelSourceError(checkpoint.model_dir, f"the checkpoint has no tensor for {', '.join(missing)} "
+                               f"(non-block weights of {type(model).__name__}; checked names with and without the "
+                               "base-model prefix)")
     done: set[int] = set()
     with torch.no_grad():
         for target in sorted(mapping):
@@ -84,8 +87,8 @@ def _copy_tensor(checkpoint: Checkpoint, name: str, param: torch.Tensor, what: s
     """Copy checkpoint tensor ``name`` into ``param`` (shape checked from the header before reading)."""
     _, shape = checkpoint.info(name)
     if shape != tuple(param.shape):
-        raise ValueError(f"{checkpoint.names[name]}: {name} has shape {list(shape)}, {what} needs "
-                         f"{list(param.shape)}")
+        raise ModelSourceError(checkpoint.model_dir, f"{checkpoint.names[name]}: {name} has shape {list(shape)}, "
+                               f"{what} needs {list(param.shape)}")
     param.copy_(checkpoint.tensor(name).to(param.dtype))
     param._is_hf_initialized = True
 

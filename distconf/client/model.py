@@ -13,28 +13,32 @@ The config's ``PTuneConfig`` adds trainable prompts (`distconf.client.ptune`): t
 trainable parameters of the model. ``LMHeadConfig`` picks the LM head's forward
 (`distconf.client.lmhead`). ``save_pretrained`` writes the config and the client-side
 tensors, trained prompts included; ``from_pretrained`` on that folder loads them back.
+``from_pretrained`` takes any model source (`distconf.client.model_source`): a Hugging Face
+folder as it is, a GGUF file, a cached hub id; a source that cannot be used raises
+`distconf.sources.ModelSourceError`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from distconf.blocks.checkpoint import Checkpoint
+from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
 from distconf.blocks.hf_compat import record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
 from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
 from distconf.client.lmhead import install_lm_head
 from distconf.client.local_weights import load_non_block_weights, load_prompts
+from distconf.client.model_source import ClientSource, open_client_source
 from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
 from distconf.loader.auto import AutoDistributedConfig
+from distconf.sources import ModelSource, ModelSourceError
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
            "distributed_model_class"]
@@ -171,38 +175,64 @@ def distributed_model_class(config_cls: type) -> type:
 
 
 class AutoDistributedModelForCausalLM:
-    """Loads the distributed causal LM of any supported family from a local model folder."""
+    """Loads the distributed causal LM of any supported family from any model source."""
 
     def __init__(self) -> None:
         raise TypeError("use AutoDistributedModelForCausalLM.from_pretrained(...)")
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike[str], *, dht: Any = None,
-                        dtype: torch.dtype | str | None = None, **config_kwargs: Any) -> Any:
+    def from_pretrained(cls, model_dir: str | os.PathLike[str] | ModelSource | ClientSource, *, dht: Any = None,
+                        dtype: torch.dtype | str | None = None, dht_prefix: str | None = None,
+                        revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                        gguf_cache_dir: str | os.PathLike[str] | None = None, **config_kwargs: Any) -> Any:
         """Build the model of ``model_dir`` with its blocks on the swarm.
 
-        :param model_dir: a local folder with ``config.json`` and safetensors weights (the
-            original checkpoint, or a folder written by the model's ``save_pretrained``,
-            which holds the trained prompts too).
+        :param model_dir: any model source (see `distconf.client.model_source.open_client_source`):
+            a Hugging Face model folder as it is (``config.json`` with or without ``dht_prefix``,
+            safetensors), a folder written by the model's ``save_pretrained`` (which holds the
+            trained prompts too), a ``.gguf`` file or a folder holding one (converted once into
+            a cache; the non-block tensors and the tokenizer are read from the converted copy),
+            or a hub id already in the local Hugging Face cache.
         :param dht: a running ``hivemind.DHT`` to reuse (default: start a client-mode node).
         :param dtype: dtype of the local modules and hidden states (default: float32).
-        :param config_kwargs: config fields, e.g. ``initial_peers``, ``dht_prefix`` and any
-            other ClientConfig field (``ban_timeout``, ``use_server_to_server``, ...),
-            ``tuning_mode``/``pre_seq_len`` (prompt tuning) or the LM head's settings.
+        :param dht_prefix: the prefix of the model's blocks on the DHT (default: ``config.json``'s,
+            else derived by the family's rule from the model's name, as the servers do).
+        :param revision: for a hub id, the cached revision to use.
+        :param cache_dir: the Hugging Face cache holding hub ids (default: huggingface_hub's).
+        :param gguf_cache_dir: where GGUF files are converted to (see `distconf.sources.gguf_cache`).
+        :param config_kwargs: config fields, e.g. ``initial_peers`` and any other ClientConfig
+            field (``ban_timeout``, ``use_server_to_server``, ...), ``tuning_mode``/``pre_seq_len``
+            (prompt tuning) or the LM head's settings.
+        :raises ModelSourceError: the source cannot be used (named, with the reason).
         """
-        config = AutoDistributedConfig.from_pretrained(os.fspath(model_dir), **config_kwargs)
+        source = open_client_source(model_dir, dht_prefix=dht_prefix, revision=revision, cache_dir=gguf_cache_dir,
+                                    hub_cache_dir=cache_dir)
+        config = AutoDistributedConfig.from_pretrained(str(source.folder), **source.config_kwargs(), **config_kwargs)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
         config.dtype = dtype
-        swarm = SwarmClient(config, dht=dht)
-        try:
-            return build_model(config, Path(model_dir), swarm, dtype)
-        except BaseException:
-            swarm.shutdown()
-            raise
+        with _open_checkpoint(source) as checkpoint:
+            swarm = SwarmClient(config, dht=dht)
+            try:
+                return build_model(config, checkpoint, swarm, dtype)
+            except BaseException as exc:
+                swarm.shutdown()
+                if isinstance(exc, BlockWeightsError):  # a tensor that cannot be read: the source is at fault
+                    raise ModelSourceError(source.name, f"its weights cannot be read: {exc}") from None
+                raise
 
 
-def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.dtype) -> Any:
-    """The distributed model of ``config``: non-block modules loaded, layer list replaced."""
+def _open_checkpoint(source: ClientSource) -> Checkpoint:
+    """The source's safetensors checkpoint, opened before the swarm is joined (errors named)."""
+    try:
+        return Checkpoint(source.folder)
+    except FileNotFoundError as exc:
+        raise ModelSourceError(source.name, f"no weights: {exc}") from None
+    except BlockWeightsError as exc:
+        raise ModelSourceError(source.name, f"its weights cannot be read: {exc}") from None
+
+
+def build_model(config: Any, checkpoint: Checkpoint, swarm: SwarmClient, dtype: torch.dtype) -> Any:
+    """The distributed model of ``config``: non-block modules loaded from ``checkpoint``, layer list replaced."""
     model_cls = distributed_model_class(type(config))
     with torch.device("meta"):
         model = model_cls(config)
@@ -216,17 +246,16 @@ def build_model(config: Any, model_dir: Path, swarm: SwarmClient, dtype: torch.d
     model._created_caches = []
     model.to_empty(device="cpu")
     model.tie_weights()
-    with Checkpoint(model_dir) as checkpoint:
-        load_non_block_weights(model, config, checkpoint)
-        model.initialize_weights()  # only what the checkpoint did not give: non-persistent buffers
-        model.to(dtype)
-        model.eval()
-        model.requires_grad_(False)
-        install_lm_head(model, config)
-        prompts = prompt_tuning_for(config, model.get_input_embeddings())
-        if prompts is not None:
-            setattr(model, PROMPTS_ATTRIBUTE, prompts)  # trainable, float32
-            load_prompts(prompts, checkpoint, PROMPTS_ATTRIBUTE)
+    load_non_block_weights(model, config, checkpoint)
+    model.initialize_weights()  # only what the checkpoint did not give: non-persistent buffers
+    model.to(dtype)
+    model.eval()
+    model.requires_grad_(False)
+    install_lm_head(model, config)
+    prompts = prompt_tuning_for(config, model.get_input_embeddings())
+    if prompts is not None:
+        setattr(model, PROMPTS_ATTRIBUTE, prompts)  # trainable, float32
+        load_prompts(prompts, checkpoint, PROMPTS_ATTRIBUTE)
     stand_in.use_prompts(prompts)
     base = model.get_submodule(type(config).family_spec.block.base_model_prefix or "")
     layer_output_is_tuple(base, stand_in, config.hidden_size)

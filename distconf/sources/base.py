@@ -25,7 +25,7 @@ from distconf.sources.errors import ModelSourceError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ModelSource", "open_checkpoint", "TOKENIZER_FILES"]
+__all__ = ["ModelSource", "open_checkpoint", "resolve_prefix", "TOKENIZER_FILES"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def prefix_name(data: dict[str, Any], folder: Path) -> str:
     return folder.resolve().name
 
 
-def _resolve_prefix(name: str, cls: type, data: dict[str, Any], explicit: str | None, derive_from: str) -> str | None:
+def resolve_prefix(name: str, cls: type, data: dict[str, Any], explicit: str | None, derive_from: str) -> str | None:
     """``dht_prefix`` to pass: the explicit one, else None (config.json has one), else derived."""
     try:
         if explicit is not None:
@@ -173,7 +173,7 @@ def open_checkpoint(name: str, kind: str, origin: Path, folder: Path, *, dht_pre
     """
     data = read_config_json(name, folder)
     cls = family_class_for(name, data["model_type"])
-    prefix = _resolve_prefix(name, cls, data, dht_prefix, derive_from or prefix_name(data, folder))
+    prefix = resolve_prefix(name, cls, data, dht_prefix, derive_from or prefix_name(data, folder))
     kwargs = {} if prefix is None else {"dht_prefix": prefix}
     try:
         config = cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
