@@ -117,6 +117,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-weights", action="store_true",
                    help="hash the served blocks' weights after loading and again at shutdown, and log whether "
                         "they are unchanged (the load-time sha256 is also reported by rpc_info)")
+    p.add_argument("--balance-quality", type=float, default=0.75, metavar="Q",
+                   help="move to other blocks when that makes the swarm more than 1/Q times faster (Petals' "
+                        "--balance_quality; 0 never moves; a span given with --blocks never moves)")
+    p.add_argument("--mean-balance-check-period", type=float, default=60.0, metavar="S",
+                   help="mean seconds between balance checks (each wait is random in 0..2S, as Petals)")
     p.set_defaults(func=run)
 
 
@@ -131,7 +136,8 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
         attn_cache_tokens=args.attn_cache_tokens, repository=args.repository,
-        verify_weights=args.verify_weights)
+        verify_weights=args.verify_weights, balance_quality=args.balance_quality,
+        mean_balance_check_period=args.mean_balance_check_period)
 
 
 def _open(args: argparse.Namespace) -> Any:

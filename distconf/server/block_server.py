@@ -6,11 +6,15 @@ handlers and announces ONLINE; records are refreshed every ``update_period`` wit
 tokens left. `BlockServer.stop()` announces OFFLINE and releases everything. With
 ``verify_weights``, the served weights are hashed (`distconf.server.integrity.weights_digest`)
 after loading and again at stop, and the server logs whether they are unchanged.
+A server placed by the swarm (no ``blocks``) checks every ``mean_balance_check_period``
+(randomized) whether moving would raise the swarm's throughput enough
+(`distconf.server.rebalance`, Petals' ``--balance_quality``) and moves (`BlockServer.move_to`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +66,8 @@ class ServeOptions:
     repository: str | None = None
     compute_threads: int | None = None
     verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
+    balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
+    mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
 
 
 class _LiveAnnouncer(BlockAnnouncer):
@@ -105,6 +111,8 @@ class BlockServer:
         self.throughput = 0.0
         self.modules: list[Any] = []
         self.weights_sha256: str | None = None  # at load, with ``verify_weights``
+        self._rebalancer: threading.Thread | None = None
+        self._rebalance_stop = threading.Event()
 
     # ------------------------------------------------------------------ properties
 
@@ -147,6 +155,7 @@ class BlockServer:
         except BaseException:
             self.stop(offline=self.announcer is not None)
             raise
+        self._start_rebalancing()
         return self
 
     def _join(self) -> None:
@@ -211,20 +220,13 @@ class BlockServer:
         self._load_and_serve(span, dtype_name)
 
     def _load_and_serve(self, span: Any, dtype_name: str) -> None:
-        from distconf.blocks.kvcache import kv_geometry
         from distconf.blocks.quant import held_bytes
-        from distconf.loader.naming import block_uids
-        from distconf.planning import default_max_length
         from distconf.rpc.calls import RpcLoop
-        from distconf.server.compute import ServedBlock
-        from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.integrity import weights_digest
-        from distconf.server.loading import load_blocks, measure_throughput
-        from distconf.server.memory import CacheBudget
+        from distconf.server.loading import measure_throughput
 
         o, config = self.options, self.config
-        modules = load_blocks(self.checkpoint_dir, config, span.start, span.end, self.dtype,
-                              on_block=self._check_stop, quant=self.quant, device=self.device)
+        modules = self._load_span(span.start, span.end)
         self.modules = modules
         held = max(held_bytes(m) for m in modules)
         logger.info("block bytes: planned %.2f MiB per block (%s, quant %s, with the 1%% margin), held %.2f MiB "
@@ -235,19 +237,8 @@ class BlockServer:
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
         speed = measure_throughput(modules, config.hidden_size, self.dtype)
         self.throughput = speed.throughput
-        uids = block_uids(config.dht_prefix, span.start, span.end)
-        geometry = kv_geometry(config)
-        served = [ServedBlock(uid, span.start + i, m, self.dtype, geometry, self.kv_bytes_per_token)
-                  for i, (uid, m) in enumerate(zip(uids, modules))]
-        settings = HandlerSettings(
-            dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,
-            inference_max_length=o.inference_max_length or default_max_length(config),
-            request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
-            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
-            weights_sha256=self.weights_sha256)
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
-        self.handler = BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings,
-                                    self.executor)
+        self.handler = self._make_handler(span.start, modules)
         self.rpc = RpcLoop(self.dht)
         self.rpc.run(self.handler.start(self.rpc.p2p), timeout=30)
         assert self.announcer is not None
@@ -261,6 +252,154 @@ class BlockServer:
     def _check_stop(self, _block: int) -> None:
         if self.stop_event is not None and self.stop_event.is_set():
             raise InterruptedError(f"stopped while loading blocks {self.start_block}..{self.end_block - 1}")
+
+    def _load_span(self, start: int, end: int) -> list[Any]:
+        """Load blocks ``start..end-1`` as this server serves them (source, dtype, quant, device)."""
+        from distconf.server.loading import load_blocks
+
+        return load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
+                           quant=self.quant, device=self.device)
+
+    def _make_handler(self, start: int, modules: list[Any]) -> Any:
+        """A `BlockHandler` (not registered yet) serving ``modules`` as blocks ``start..``, with a fresh budget."""
+        from distconf.blocks.kvcache import kv_geometry
+        from distconf.loader.naming import block_uids
+        from distconf.planning import default_max_length
+        from distconf.server.compute import ServedBlock
+        from distconf.server.handler import BlockHandler, HandlerSettings
+        from distconf.server.memory import CacheBudget
+
+        o, config = self.options, self.config
+        uids = block_uids(config.dht_prefix, start, start + len(modules))
+        geometry = kv_geometry(config)
+        served = [ServedBlock(uid, start + i, m, self.dtype, geometry, self.kv_bytes_per_token)
+                  for i, (uid, m) in enumerate(zip(uids, modules))]
+        settings = HandlerSettings(
+            dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,
+            inference_max_length=o.inference_max_length or default_max_length(config),
+            request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
+            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
+            weights_sha256=self.weights_sha256)
+        return BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings, self.executor)
+
+    # ------------------------------------------------------------------ rebalancing (Petals' --balance_quality)
+
+    def _start_rebalancing(self) -> None:
+        """Start the periodic balance check (not with ``--blocks``: a span given by hand stays, as in Petals)."""
+        o = self.options
+        if o.balance_quality <= 0 or o.blocks is not None or self._rebalancer is not None:
+            return
+        self._rebalancer = threading.Thread(target=self._rebalance_loop, name="distconf-rebalance", daemon=True)
+        self._rebalancer.start()
+
+    def _stop_rebalancing(self, timeout: float) -> None:
+        self._rebalance_stop.set()
+        if self._rebalancer is not None and self._rebalancer is not threading.current_thread():
+            self._rebalancer.join(timeout)
+            if self._rebalancer.is_alive():
+                logger.warning("the balance check did not end within %.1f s", timeout)
+        self._rebalancer = None
+
+    def _rebalance_loop(self) -> None:
+        period = max(self.options.mean_balance_check_period, 0.1)  # a zero period would spin
+        while not self._rebalance_stop.wait(random.random() * 2 * period):
+            if self.stop_event is not None and self.stop_event.is_set():
+                return
+            try:
+                self.rebalance()
+            except InterruptedError:
+                return
+            except Exception as exc:  # the server goes on serving its span
+                logger.warning("balance check failed: %r", exc)
+
+    def rebalance(self) -> Any:
+        """Read the swarm once and move when that raises its throughput enough (`distconf.server.rebalance`).
+
+        Returns the `distconf.server.rebalance.Rebalance` decision.
+        """
+        from distconf.dht import find_block_servers
+        from distconf.server.rebalance import Rebalance, decide_rebalance
+
+        swarm = find_block_servers(self.dht, self.config, timeout=30.0)
+        if swarm.failed:
+            decision = Rebalance(False, f"the records of {len(swarm.failed)} block(s) could not be read")
+        else:
+            decision = decide_rebalance(self.peer_id, swarm.servers, self.options.balance_quality)
+        if decision.move and decision.start is not None:
+            logger.info("swarm is imbalanced (%s): moving from blocks %d..%d to %d..%d", decision.reason,
+                        self.start_block, self.end_block - 1, decision.start,
+                        decision.start + self.end_block - self.start_block - 1)
+            self.move_to(decision.start)
+        else:
+            logger.debug("balance check: staying on blocks %d..%d (%s)", self.start_block, self.end_block - 1,
+                         decision.reason)
+        return decision
+
+    def move_to(self, start: int) -> None:
+        """Serve as many blocks from ``start`` on instead of the current span, make before break.
+
+        Announces the new span JOINING (with this server's throughput, so other servers do not
+        move into the same place), loads the blocks it lacks (blocks in both spans are kept),
+        switches the handlers to the new span, announces ONLINE there and OFFLINE on the blocks
+        it left, and frees them. Sessions open on the old span end with an error at their next
+        step (clients fail over). If loading fails, the server stays on its old span.
+        """
+        old_start, old_end = self.start_block, self.end_block
+        end = start + old_end - old_start
+        if not 0 <= start < end <= int(self.config.num_hidden_layers):
+            raise ValueError(f"cannot move to blocks {start}..{end - 1}: outside the model")
+        old_announcer, old_handler, rpc = self.announcer, self.handler, self.rpc
+        if start == old_start or old_announcer is None or old_handler is None or rpc is None:
+            return
+        online = old_announcer.info
+        new_announcer = _LiveAnnouncer(self.dht, self.config, start, end,
+                                       online.model_copy(update={"state": ServerState.JOINING}),
+                                       update_period=self.options.update_period, repository=old_announcer.repository,
+                                       tokens_left=self.cache_tokens_left)
+        new_announcer.start()
+        kept = {old_start + i: m for i, m in enumerate(self.modules)}
+        try:
+            modules = []
+            for a, b in _ranges([i for i in range(start, end) if i not in kept]):
+                loaded = dict(zip(range(a, b), self._load_span(a, b)))
+                kept.update(loaded)
+                if self._rebalance_stop.is_set():
+                    raise InterruptedError("stopped while moving")
+            modules = [kept[i] for i in range(start, end)]
+            handler = self._make_handler(start, modules)
+            reason = (f"this server moved from blocks {old_start}..{old_end - 1} to {start}..{end - 1}; "
+                      "open a new session")
+            rpc.run(_switch_handlers(old_handler, handler, rpc.p2p, reason), timeout=30)
+        except BaseException:
+            new_announcer.stop(offline=False)
+            self._announce_offline(start, end, keep=(old_start, old_end), info=online)
+            old_announcer.announce()  # the old span's records are the newest again
+            raise
+        self.handler, self.modules, self.start_block, self.end_block = handler, modules, start, end
+        self.announcer = new_announcer
+        old_announcer.stop(offline=False)
+        self._announce_offline(old_start, old_end, keep=(start, end), info=online)
+        new_announcer.announce(online)
+        if self.options.verify_weights:
+            from distconf.server.integrity import weights_digest
+
+            self.weights_sha256 = weights_digest(modules, first_block=start)
+        logger.info("ONLINE: moved to blocks %d..%d (from %d..%d), peer %s", start, end - 1, old_start,
+                    old_end - 1, self.peer_id)
+
+    def _announce_offline(self, start: int, end: int, *, keep: tuple[int, int], info: ServerInfo) -> None:
+        """Announce blocks ``start..end-1`` OFFLINE, except those in ``keep`` (still served)."""
+        from distconf.dht import announce_blocks
+
+        assert self.announcer is not None
+        lifetime = self.announcer.expiration
+        gone = [i for i in range(start, end) if not keep[0] <= i < keep[1]]
+        for a, b in _ranges(gone):
+            try:
+                announce_blocks(self.dht, self.config, a, b, info.model_copy(update={"state": ServerState.OFFLINE}),
+                                lifetime, repository=self.announcer.repository)
+            except Exception as exc:
+                logger.warning("announcing blocks %d..%d OFFLINE failed: %s", a, b - 1, exc)
 
     def verify_weights(self) -> bool | None:
         """Hash the served weights again and log whether they equal the digest taken at load.
@@ -284,6 +423,7 @@ class BlockServer:
         """Announce OFFLINE (when announced), stop serving, check the weights (with ``verify_weights``),
         shut the DHT node down. Idempotent."""
         t0 = time.monotonic()
+        self._stop_rebalancing(timeout / 2)
         if self.announcer is not None:
             self.announcer.stop(offline=offline, timeout=timeout)
             self.announcer = None
@@ -308,3 +448,34 @@ class BlockServer:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _ranges(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as ``(start, end)`` runs of consecutive blocks."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(blocks):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+class _RetiredCompute:
+    """Stands in for a replaced handler's compute thread: every step of its open sessions fails with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Refuse: the blocks moved."""
+        from distconf.server.validation import RequestError
+
+        raise RequestError(self.reason)
+
+
+async def _switch_handlers(old: Any, new: Any, p2p: Any, reason: str) -> None:
+    """Unregister ``old``, register ``new`` on ``p2p``, and make ``old``'s open sessions fail with ``reason``."""
+    await old.stop()
+    await new.start(p2p)
+    old.compute = old.sessions.compute = _RetiredCompute(reason)
