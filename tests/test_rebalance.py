@@ -214,3 +214,14 @@ def test_serve_options_carry_the_balance_settings() -> None:
     given = _options(parser.parse_args(["serve", "m", "--new-swarm", "--balance-quality", "0",
                                         "--mean-balance-check-period", "3"]), [])
     assert (given.balance_quality, given.mean_balance_check_period) == (0.0, 3.0)
+
+
+def test_a_replaced_handler_refuses_the_steps_of_its_open_sessions() -> None:
+    import asyncio
+
+    from distconf.server.block_server import _ranges, _RetiredCompute
+    from distconf.server.validation import RequestError
+
+    assert _ranges([5, 0, 1, 3, 4]) == [(0, 2), (3, 6)] and _ranges([]) == []
+    with pytest.raises(RequestError, match=r"moved from blocks 2\.\.3"):
+        asyncio.run(_RetiredCompute("this server moved from blocks 2..3 to 0..1").run(print))
