@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_helpers import open_real_source
+from real_helpers import QUALITY, open_real_source
 
 from distconf.sources import ModelSource
 from distconf.tools import real_model as rm
@@ -34,11 +34,6 @@ pytestmark = pytest.mark.slow
 
 FP32_PERPLEXITY = (12.5, 16.5)
 """Bounds of the fp32 model's perplexity on the fixed text (measured 14.32): a wrong conversion misses them."""
-QUALITY = {  # quant/dtype: (least top-1 agreement with fp32, largest perplexity ratio to fp32)
-    "bf16": (0.91, 1.03),
-    "int8": (0.91, 1.04),
-    "nf4": (0.68, 1.30),
-}
 
 
 @pytest.fixture(scope="module")
