@@ -1,6 +1,6 @@
 """Quantized Linear layers on this CPU: which library to serve int8 and nf4 with.
 
-A llama-shaped set of Linear layers (q, k, v, o, gate, up, down: what one decoder block
+A decoder-shaped set of Linear layers (q, k, v, o, gate, up, down: what one decoder block
 multiplies by) for hidden 576 (SmolLM2-135M: 9 heads / 3 KV heads, intermediate 1536) and
 2048 (TinyLlama-1.1B: 32 / 4, intermediate 5632), at 1 and 16 tokens. Side by side in one
 run, interleaved rounds (the machine is shared; the median round is reported):
@@ -57,7 +57,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def linear_set(hidden: int, seed: int = 0) -> list[nn.Linear]:
-    """q, k, v, o, gate, up, down of a llama block with ``hidden``, fp32, random weights."""
+    """q, k, v, o, gate, up, down of a gated-MLP decoder block with ``hidden``, fp32, random weights."""
     inter, heads, kv_heads = SHAPES[hidden]
     kv = hidden // heads * kv_heads
     shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),

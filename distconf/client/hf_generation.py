@@ -155,8 +155,8 @@ def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidde
     """Whether ``base``'s decoder-layer loop reads a layer's output as ``output[0]`` (else as is).
 
     Why a probe: what a decoder layer returns is not part of transformers' API and differs
-    between models of one release (in 5.24 the loops of bloom, falcon, gpt_neo and mpt read
-    ``outputs[0]``, the llama-style ones take the tensor), and a family file may name any
+    between models of one release (in 5.24 four built-in families' loops read ``outputs[0]``,
+    the others take the tensor), and a family file may name any
     model. So ``base`` runs on a 2x3 dummy input with ``stand_in.probing`` set (the stand-in
     passes hidden states through: only embeddings and norms compute), first returning the
     tensor, then a 1-tuple; the convention that gives back ``[2, 3, hidden_size]`` is the

@@ -74,7 +74,7 @@ def _check_header(name: str, header: GGUFHeader) -> None:
     if arch is None:
         raise ModelSourceError(name, "unknown architecture: the GGUF header has no general.architecture")
     supported = GGUF_SUPPORTED_ARCHITECTURES
-    # transformers renames a few llama.cpp names (qwen2moe, gpt-oss, t5encoder, ...) before its own check
+    # transformers renames a few GGUF architecture names (``-`` to ``_``, ``moe`` suffixes, ...) before its check
     candidates = {arch, arch.replace("-", "_"), arch.replace("moe", "_moe"), arch.replace("encoder", "")}
     if supported is not None and not candidates & set(supported):
         raise ModelSourceError(name, f"unsupported architecture: transformers cannot read GGUF architecture "

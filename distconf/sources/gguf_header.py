@@ -43,7 +43,7 @@ class GGUFHeader:
 
     @property
     def architecture(self) -> str | None:
-        """``general.architecture`` (``"llama"``, ...), if present."""
+        """``general.architecture`` (the GGUF's model architecture name), if present."""
         value = self.metadata.get("general.architecture")
         return value if isinstance(value, str) else None
 
