@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from distconf.blocks.device import DTYPE_CHOICES
+from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command, positive_int
 
 
@@ -26,8 +28,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf demo`) or a model directory")
     p.add_argument("--memory", required=True, help="memory for the server, e.g. 24GiB, 80GB, 512MiB")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="compute and cache dtype")
-    p.add_argument("--quant", default="none", choices=["none", "int8", "nf4"], help="weight quantization")
+    p.add_argument("--dtype", "--torch-dtype", "--torch_dtype", dest="dtype", default="bf16", choices=DTYPE_CHOICES,
+                   help="compute and cache dtype (default bf16; auto: what `distconf serve --dtype auto` takes on "
+                        "CPU, the checkpoint's dtype with float16 computed in float32)")
+    p.add_argument("--quant", "--quant-type", "--quant_type", dest="quant", default="none", choices=QUANT_TYPES,
+                   help="weight quantization (the same rule `distconf serve --quant` loads with)")
     p.add_argument("--attn-cache-tokens", type=int, default=None,
                    help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
     p.add_argument("--num-devices", type=positive_int, default=1,
@@ -63,7 +68,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         memory = parse_memory(args.memory)
         config = load_model_config(args.model)
-        plan = plan_server(config, memory, args.dtype, args.quant, args.attn_cache_tokens,
+        dtype = args.dtype
+        if dtype == "auto":
+            import torch
+
+            from distconf.blocks.device import resolve_compute_dtype
+
+            dtype = resolve_compute_dtype("auto", config, torch.device("cpu"))[0]
+        plan = plan_server(config, memory, dtype, args.quant, args.attn_cache_tokens,
                            num_devices=args.num_devices)
     except (ValueError, LookupError, OSError) as exc:
         print(f"distconf plan: {exc}", file=sys.stderr)
