@@ -2,6 +2,8 @@
 
 Blocks follow the adapter's calling convention (``hidden, present = block(hidden,
 layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``).
+Requests arrive and replies leave on the CPU; inputs move to the blocks' device (where the
+caches live too) and results come back, so a GPU server needs nothing else here.
 These functions are synchronous and run in the server's one compute thread
 (`ComputeThread`); inputs are already validated (see `distconf.server.validation`).
 """
@@ -36,7 +38,7 @@ class ComputeThread:
 
 @dataclass
 class ServedBlock:
-    """One loaded block: its uid, index, module, dtype and KV geometry."""
+    """One loaded block: its uid, index, module, dtype and KV geometry; ``device`` is where its weights are."""
 
     uid: str
     index: int
@@ -44,6 +46,17 @@ class ServedBlock:
     dtype: torch.dtype
     geometry: KVGeometry
     kv_bytes_per_token: int
+    device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        weight = next(iter(self.module.parameters()), None) if hasattr(self.module, "parameters") else None
+        self.device = torch.device("cpu") if weight is None else weight.device
+
+
+def _on(blocks: Sequence[ServedBlock], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``tensors`` moved to the device of ``blocks`` (no copy when they are there already)."""
+    device = blocks[0].device if blocks else torch.device("cpu")
+    return [None if t is None else t.to(device) for t in tensors]
 
 
 def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int = 0) -> torch.Tensor:
@@ -61,10 +74,11 @@ def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int
 def forward_chain(blocks: Sequence[ServedBlock], hidden: torch.Tensor,
                   prompts: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Run ``hidden`` through ``blocks`` (no cache); deep prompts added to each block's input."""
+    hidden, *prompts = _on(blocks, hidden, *prompts)
     with torch.inference_mode():
         for block, prompt in zip(blocks, prompts):
             hidden, _ = block.module(_add_prompt(hidden, prompt))
-    return hidden
+    return hidden.cpu()
 
 
 def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_outputs: torch.Tensor,
@@ -73,6 +87,7 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
 
     ``prompts``: ``[num_blocks, batch or 1, pre_seq_len, hidden]``. Weights get no gradient.
     """
+    inputs, grad_outputs, prompts = _on(blocks, inputs, grad_outputs, prompts)
     with torch.enable_grad():
         inputs = inputs.detach().requires_grad_(True)
         leaves = [inputs]
@@ -83,7 +98,7 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
         for i, block in enumerate(blocks):
             hidden, _ = block.module(_add_prompt(hidden, None if prompts is None else prompts[i]))
         grads = torch.autograd.grad(hidden, leaves, grad_outputs, allow_unused=True)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+    return [(torch.zeros_like(leaf) if g is None else g).cpu() for g, leaf in zip(grads, leaves)]
 
 
 @dataclass
@@ -106,9 +121,10 @@ class SessionCache:
         """Allocate the cache tensors (zeros)."""
         for b in self.blocks:
             g = b.geometry
-            self.keys.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.key_head_dim, dtype=b.dtype))
+            self.keys.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.key_head_dim, dtype=b.dtype,
+                                         device=b.device))
             self.values.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.value_head_dim,
-                                           dtype=b.dtype))
+                                           dtype=b.dtype, device=b.device))
 
     def release(self) -> None:
         """Drop the cache tensors."""
@@ -119,17 +135,18 @@ class SessionCache:
              hypo_ids: torch.Tensor | None) -> torch.Tensor:
         """Process ``hidden`` ``[batch, n, hidden]`` at the current position; advance it by ``n``."""
         pos, n = self.position, hidden.shape[1]
+        hidden, hypo_ids, *prompts = _on(self.blocks, hidden, hypo_ids, *prompts)
         with torch.inference_mode():
             if hypo_ids is not None and pos > 0:
                 for k, v in zip(self.keys, self.values):
                     k[:, :, :pos] = k[hypo_ids, :, :pos]
                     v[:, :, :pos] = v[hypo_ids, :, :pos]
             if n == 0:
-                return hidden
+                return hidden.cpu()
             for block, k, v, prompt in zip(self.blocks, self.keys, self.values, prompts):
                 past = (k[:, :, :pos], v[:, :, :pos]) if pos > 0 else None
                 hidden, present = block.module(_add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
                 k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
                 v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
         self.position = pos + n
-        return hidden
+        return hidden.cpu()
