@@ -65,7 +65,7 @@ def _swarm_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     start = multiprocessing.process.BaseProcess.start
 
     def guarded_start(process: multiprocessing.process.BaseProcess) -> None:
-        if type(process).__module__.startswith("hivemind"):
+        if any(cls.__module__.startswith("hivemind") for cls in type(process).__mro__):  # distconf's too
             raise RuntimeError(f"{request.node.nodeid} starts a hivemind {type(process).__name__} process: "
                                "mark it @pytest.mark.swarm (or use a fixture in conftest.SWARM_FIXTURES)")
         start(process)

@@ -296,3 +296,39 @@ def test_p2p_message_limits_are_hiveminds():
     largest, unary = compat.p2p_message_limits()
     assert (largest, unary) == (control.DEFAULT_MAX_MSG_SIZE, control.MAX_UNARY_PAYLOAD_SIZE)
     assert 0 < unary <= largest
+
+
+# ----------------------------------------------------------------------------- 12. p2pd process group
+def test_isolate_p2p_daemon_detaches_p2pd_only(monkeypatch):
+    import asyncio.subprocess as aio_subprocess
+
+    calls = []
+
+    async def fake_exec(program, *args, **kwargs):
+        calls.append((program, kwargs))
+
+    monkeypatch.setattr(aio_subprocess, "create_subprocess_exec", fake_exec)  # undone after the test
+    compat.isolate_p2p_daemon()
+    compat.isolate_p2p_daemon()  # idempotent: one wrapper
+    assert compat._marked(aio_subprocess.create_subprocess_exec)
+    asyncio.run(aio_subprocess.create_subprocess_exec("/somewhere/hivemind_cli/p2pd", "-listen=x"))
+    asyncio.run(aio_subprocess.create_subprocess_exec("/bin/true"))
+    assert [program for program, _ in calls] == ["/somewhere/hivemind_cli/p2pd", "/bin/true"]
+    assert callable(calls[0][1]["preexec_fn"]) and "preexec_fn" not in calls[1][1]
+
+
+def _p2p_daemon_of(dht) -> int:
+    import psutil
+
+    daemons = [p.pid for p in psutil.Process(dht.pid).children() if p.name() == compat.P2P_DAEMON_NAME]
+    assert len(daemons) == 1, daemons
+    return daemons[0]
+
+
+def test_start_local_dht_gives_p2pd_its_own_process_group(nodes):
+    import os
+
+    isolated = _p2p_daemon_of(nodes.local)
+    assert os.getpgid(isolated) == isolated != os.getpgid(nodes.local.pid)
+    plain = _p2p_daemon_of(nodes.plain)  # hivemind as it is: p2pd in the group of the DHT process
+    assert os.getpgid(plain) == os.getpgid(nodes.plain.pid)

@@ -85,10 +85,16 @@ def start_local_dht(
 ) -> DHT:
     """Start a ``hivemind.DHT`` listening on 127.0.0.1 only (dialing only ``initial_peers``).
 
-    Waits up to ``startup_timeout`` seconds for the node to be ready (then shuts it down
-    and raises `TimeoutError`). ``kwargs`` go to ``hivemind.DHT`` (e.g.
-    ``client_mode=True``, ``num_workers``, ``record_validators``). The caller must call
-    ``.shutdown()``.
+    Waits up to ``startup_timeout`` seconds for the node to be ready (then kills it and
+    raises `TimeoutError`). ``kwargs`` go to ``hivemind.DHT`` (e.g.
+    ``client_mode=True``, ``num_workers``, ``record_validators``). The caller should call
+    ``.shutdown()`` (bounded: it kills a node that does not stop); nodes still running at
+    interpreter exit are shut down then.
+
+    The node is a `distconf.dht.process.NodeProcess`: its process and its p2p daemon
+    ignore signals sent to the caller's process group, leaving the caller to stop them in
+    order (a server announces OFFLINE through the node first), and they exit by
+    themselves if the caller dies.
 
     The node is hardened against hostile peers: it installs a `SwarmRecordValidator`
     (malformed server and listing records are never stored or returned) and the guard of
@@ -102,8 +108,7 @@ def start_local_dht(
         records: a swarm's own DHT) or ``"listed"`` (only models discovered or announced
         through this node are checked: a DHT shared with other hivemind applications).
     """
-    from hivemind import DHT
-
+    from distconf.dht.process import NodeProcess
     from distconf.dht.validators import SwarmRecordValidator
 
     kwargs.setdefault("host_maddrs", list(LOOPBACK_MADDRS))
@@ -121,15 +126,15 @@ def start_local_dht(
 
         validators.insert(0, RSASignatureValidator(key))
     validators.append(SwarmRecordValidator(signed=signed_records, scope=record_scope))
-    dht = DHT(initial_peers=list(initial_peers), start=False, record_validators=validators, **kwargs)
+    dht = NodeProcess(initial_peers=list(initial_peers), start=False, record_validators=validators, **kwargs)
     try:
         dht.run_in_background(await_ready=True, timeout=startup_timeout)
         dht.run_coroutine(_guard_node, return_future=True).result(timeout=startup_timeout)
     except TimeoutError as exc:  # concurrent.futures.TimeoutError is TimeoutError on 3.11+
-        _stop(dht)
+        dht.kill_now()
         raise TimeoutError(f"DHT node not ready after {startup_timeout} s") from exc
     except BaseException:
-        _stop(dht)
+        dht.kill_now()
         raise
     finally:
         if cleanup is not None:
@@ -152,12 +157,6 @@ def __getattr__(name: str) -> Any:
 
         return SwarmRecordValidator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _stop(dht: DHT) -> None:
-    if dht.is_alive():
-        dht.terminate()
-        dht.join(5)
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

@@ -72,10 +72,24 @@ Reads of private state (no patch)
     ``MAX_UNARY_PAYLOAD_SIZE``) from the internal module
     ``hivemind.p2p.p2p_daemon_bindings.control``. *If they move*: it raises
     ``ImportError``; if they change, our streaming chunk size follows them.
+
+Process control
+
+12. `isolate_p2p_daemon` wraps ``asyncio.subprocess.create_subprocess_exec`` (process-wide;
+    we call it in our DHT processes only) so that the ``p2pd`` binary ``hivemind.P2P.create``
+    launches with it gets a process group of its own and, on Linux, dies (SIGTERM) with the
+    process that started it. *Why*: p2pd is a Go program that exits on SIGINT or SIGTERM;
+    in its parent's process group it gets every signal sent to the group (Ctrl-C in a
+    terminal, ``kill -- -PGID``, systemd's default ``KillMode``) and is gone before the
+    server can announce OFFLINE through it. *If hivemind changes it*: a daemon started some
+    other way is back in the caller's group (the test reading p2pd's process group fails).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -101,6 +115,7 @@ __all__ = [
     "filter_dictionaries",
     "forget_p2p_replica",
     "guard_msgpack_depth",
+    "isolate_p2p_daemon",
     "lazy_peer_id_text",
     "p2p_message_limits",
     "rsa_private_key_from_der",
@@ -328,3 +343,49 @@ def p2p_message_limits() -> tuple[int, int]:
     from hivemind.p2p.p2p_daemon_bindings import control
 
     return control.DEFAULT_MAX_MSG_SIZE, control.MAX_UNARY_PAYLOAD_SIZE
+
+
+# ----------------------------------------------------------------------------- 12. p2pd process group
+P2P_DAEMON_NAME = "p2pd"
+"""File name of the p2p daemon binary hivemind ships and launches (``hivemind/hivemind_cli/p2pd``)."""
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def isolate_p2p_daemon() -> None:
+    """Start every p2p daemon this process launches in its own process group, dying with this process.
+
+    Signals sent to this process's group no longer reach the daemon; this process stops it
+    (``P2P.shutdown``) when it is done with it. On Linux the daemon also gets SIGTERM when
+    this process dies, however it dies. Process-wide; idempotent.
+    """
+    import asyncio.subprocess as aio_subprocess
+
+    with _lock:
+        unguarded = aio_subprocess.create_subprocess_exec
+        if _marked(unguarded):
+            return
+
+        async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> Any:
+            if os.path.basename(os.fspath(program)) == P2P_DAEMON_NAME and "preexec_fn" not in kwargs:
+                kwargs["preexec_fn"] = _detacher(os.getpid())
+            return await unguarded(program, *args, **kwargs)
+
+        aio_subprocess.create_subprocess_exec = _mark(create_subprocess_exec)  # type: ignore[assignment]
+
+
+def _detacher(parent_pid: int) -> Callable[[], None]:
+    """The function a forked daemon runs before ``exec``: own process group, death signal on Linux."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+
+    def detach() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+                os._exit(1)
+
+    return detach

@@ -1,0 +1,130 @@
+"""A clean stop: SIGINT or SIGTERM to a server (or a client), or to its whole process group.
+
+Each real ``distconf serve`` process runs in a session of its own: after the signal it
+must exit within `STOP_LIMIT` seconds, its OFFLINE record must be readable from a DHT peer
+that stays up, and no process of its session (its DHT node, the p2p daemon) may be left.
+A client process (a user's program holding a DHT node) must leave nothing behind either,
+however it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from client_swarm import REPO, START_DEADLINE, make_model_dir, start_server
+
+from distconf.dht import ServerState, find_servers_by_prefix, start_local_dht, visible_maddrs
+from distconf.tools.serving import ServerProcess
+
+pytestmark = pytest.mark.swarm
+
+STOP_LIMIT = 10.0
+"""Seconds a signalled server may take to exit."""
+LEFT_LIMIT = 3.0
+"""Seconds the processes of an exited server's (or client's) session may take to be gone."""
+
+CLIENT = """
+import sys, time
+from distconf.dht import start_local_dht
+dht = start_local_dht(sys.argv[1:], client_mode=True)
+print("READY", flush=True)
+time.sleep(120)
+"""
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of session ``sid``."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def processes_left(sid: int, before: list[psutil.Process], limit: float = LEFT_LIMIT) -> list[str]:
+    """What is still running, ``limit`` seconds at most after the leader exited, of the session and of ``before``."""
+    deadline = time.monotonic() + limit
+    while True:
+        left = {p.pid: p for p in session_processes(sid)}
+        left.update({p.pid: p for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE})
+        if not left or time.monotonic() > deadline:
+            return [f"{pid} {p.name()}" for pid, p in left.items()]
+        time.sleep(0.1)
+
+
+def deliver(proc: subprocess.Popen, sig: int, target: str) -> None:
+    """Send ``sig`` to the process alone or to its whole process group (as ``kill -- -PGID`` does)."""
+    if target == "group":
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """A bootstrap DHT node that stays up (the peer the OFFLINE records are read from) and a tiny model."""
+    root = tmp_path_factory.mktemp("stop")
+    model_dir, _ = make_model_dir(root / "llama", "llama", layers=2)
+    boot = start_local_dht()
+    try:
+        yield boot, model_dir, root
+    finally:
+        boot.shutdown()
+
+
+@pytest.mark.parametrize("target", ["process", "group"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_server_stops_cleanly(swarm, sig, target):
+    boot, model_dir, root = swarm
+    log = root / f"server-{sig.name}-{target}.log"
+    server = start_server(model_dir, visible_maddrs(boot), "0:2", log)
+    try:
+        ready = server.wait_ready(time.monotonic() + START_DEADLINE)
+        before = session_processes(server.proc.pid)
+        assert "p2pd" in [p.name() for p in before] and len(before) >= 3, before  # server, DHT node, p2pd
+        started = time.monotonic()
+        deliver(server.proc, sig, target)
+        code = server.proc.wait(STOP_LIMIT)
+        took = time.monotonic() - started
+        left = processes_left(server.proc.pid, before)
+        assert code == 0, server.log_tail()
+        assert not left, f"left behind: {left}"
+        assert took < STOP_LIMIT
+        state = find_servers_by_prefix(boot, ready["dht_prefix"], 2, timeout=20)
+        spans = [span for span in state.spans if span.peer_id == server.peer_id]
+        assert spans and {span.state for span in spans} == {ServerState.OFFLINE}, (spans, server.log_tail())
+        text = Path(log).read_text()
+        assert "announcing OFFLINE" in text
+        assert "hard way" not in text and "did not stop" not in text  # the DHT node stopped when asked
+    finally:
+        server.stop(timeout=1.0)  # kills whatever is left of its group
+
+
+@pytest.mark.parametrize(("sig", "target"), [(signal.SIGINT, "group"), (signal.SIGTERM, "process"),
+                                             (signal.SIGTERM, "group"), (signal.SIGKILL, "group")],
+                         ids=["ctrl-c", "SIGTERM", "SIGTERM-group", "SIGKILL-group"])
+def test_client_leaves_no_process(swarm, sig, target):
+    boot, _, root = swarm
+    cmd = [sys.executable, "-c", CLIENT, *visible_maddrs(boot)]
+    client = ServerProcess(cmd, root / f"client-{sig.name}-{target}.log", name="client",
+                           env={"PYTHONPATH": str(REPO)})
+    try:
+        client.expect("READY", time.monotonic() + START_DEADLINE)
+        before = session_processes(client.proc.pid)
+        assert "p2pd" in [p.name() for p in before], before
+        deliver(client.proc, sig, target)
+        client.proc.wait(STOP_LIMIT)
+        left = processes_left(client.proc.pid, before)
+        assert not left, f"left behind: {left}"
+    finally:
+        client.stop(timeout=1.0)
