@@ -19,14 +19,15 @@ def test_serve_command_line_errors(tmp_path: Path) -> None:
         with pytest.raises(argparse.ArgumentTypeError, match="START:END"):
             parse_blocks(bad)
     assert main([str(tmp_path), "--num-blocks", "1"]) == 2  # neither --initial-peers nor --new-swarm
-    assert main([str(tmp_path), "--new-swarm"]) == 2  # no size: --memory, --num-blocks or --blocks
+    assert main([str(tmp_path), "--new-swarm"]) == 2  # an empty folder is no model source
 
 
 def _online_server() -> SimpleNamespace:
     blocks = [SimpleNamespace(module=torch.nn.Linear(3, 2)) for _ in range(2)]  # 8 parameters each
     return SimpleNamespace(peer_id="12D3KooWpeer", maddrs=["/ip4/127.0.0.1/tcp/4000/p2p/12D3KooWpeer"],
                            start_block=2, end_block=4, config=SimpleNamespace(dht_prefix="tiny-llama"),
-                           throughput=12.5, handler=SimpleNamespace(ordered=blocks))
+                           throughput=12.5, handler=SimpleNamespace(ordered=blocks), dtype_name="float32",
+                           quant="int8", device="cpu")
 
 
 def test_ready_line_is_one_json_line_that_parses_back() -> None:
@@ -35,7 +36,8 @@ def test_ready_line_is_one_json_line_that_parses_back() -> None:
     record = parse_ready_line(line + "\n")
     assert record == json.loads(line.split(" ", 1)[1])
     assert record == {"peer_id": "12D3KooWpeer", "addresses": ["/ip4/127.0.0.1/tcp/4000/p2p/12D3KooWpeer"],
-                      "blocks": [2, 4], "dht_prefix": "tiny-llama", "throughput": 12.5, "parameters": 16}
+                      "blocks": [2, 4], "dht_prefix": "tiny-llama", "throughput": 12.5, "parameters": 16,
+                      "dtype": "float32", "quant_type": "int8", "device": "cpu"}
 
 
 def test_other_lines_are_not_ready_lines() -> None:
