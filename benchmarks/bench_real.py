@@ -15,8 +15,9 @@ plain folder (the converted copy without ``dht_prefix``; stopped when ready). Pr
   state; ratios to local fp32;
 - quality on `FIXED_TEXT`: top-1 agreement with the local fp32 model and perplexity, locally
   and through the swarm, and the swarm's greedy chat answer;
-- each server's peak and current RSS (VmHWM and psutil's rss of the server process; its DHT
-  and P2P children apart) against the exact bytes of its 15 blocks.
+- each server's peak and current RSS (VmHWM and psutil's rss of the server process, with the
+  resident part of its memory-mapped checkpoint; its DHT and P2P children apart) against the
+  exact bytes of its 15 blocks.
 
 Prints only; no assertions. Total run about 4-6 minutes on a shared 2-core machine.
 """
@@ -86,21 +87,23 @@ def _hwm_mib(pid: int) -> float:
     return float("nan")
 
 
-def rss_mib(pid: int) -> tuple[float, float, float]:
-    """(peak RSS, current RSS of the server process, peak RSS of its children summed), in MiB.
+def rss_mib(pid: int) -> tuple[float, float, float, float]:
+    """(peak RSS, current RSS, of which mapped checkpoint files, children's peak RSS summed), in MiB.
 
-    The peak is Linux's VmHWM (it includes what loading and quantizing held for a moment);
-    the children (the DHT process, the P2P daemon) share pages with the server, so their sum
-    is an upper bound.
+    The peak is Linux's VmHWM (it includes what loading and quantizing held for a moment). The
+    mapped checkpoint is the resident part of memory-mapped ``.safetensors`` files (an fp32
+    server's weights are views of it). The children (the DHT process, the P2P daemon) share
+    pages with the server, so their sum is an upper bound.
     """
     import psutil
 
     try:
         process = psutil.Process(pid)
         children, now = process.children(recursive=True), process.memory_info().rss / 2**20
+        mapped = sum(m.rss for m in process.memory_maps(grouped=True) if m.path.endswith(".safetensors")) / 2**20
     except psutil.Error:
-        children, now = [], float("nan")
-    return _hwm_mib(pid), now, sum(_hwm_mib(c.pid) for c in children)
+        children, now, mapped = [], float("nan"), float("nan")
+    return _hwm_mib(pid), now, mapped, sum(_hwm_mib(c.pid) for c in children)
 
 
 def blocks_mib(config: Any, dtype: str, quant: str, count: int) -> float:
@@ -224,9 +227,9 @@ def run(root: Path, new_tokens: int, rounds: int, threads: int) -> None:
             dtype, quant, _ = VARIANTS[name]
             expect = blocks_mib(config, dtype, quant, 15)
             for i, server in enumerate(pair):
-                peak, now, children = rss_mib(server.proc.pid)
-                print(f"  {name:5} server {i} ({SPANS[i]:>5}): peak {peak:5.0f}  now {now:5.0f}  blocks {expect:6.1f}"
-                      f"   (DHT/P2P children's peaks {children:4.0f})")
+                peak, now, mapped, children = rss_mib(server.proc.pid)
+                print(f"  {name:5} server {i} ({SPANS[i]:>5}): peak {peak:5.0f}  now {now:5.0f} (mapped checkpoint "
+                      f"{mapped:4.0f})  blocks {expect:6.1f}   (DHT/P2P children's peaks {children:4.0f})")
         print(f"\ntotal run {time.monotonic() - began:.0f} s")
     finally:
         for model in clients:
