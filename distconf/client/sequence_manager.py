@@ -24,7 +24,7 @@ from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find
 from distconf.dht.liveness import ping_candidates, unreachable_peers
 from distconf.loader.protocol import DistributedConfig
 from distconf.rpc.calls import call_info
-from distconf.rpc.protocol import KEY_ACTIVE_ADAPTER, KEY_POINTS, chain_uid
+from distconf.rpc.protocol import KEY_ACTIVE_ADAPTER, KEY_POINTS, NOT_SERVED, chain_uid
 
 __all__ = ["SequenceManager", "RetriesExhausted"]
 
@@ -47,6 +47,7 @@ class SequenceManager:
         self.state: SwarmState | None = None
         self.last_update = -math.inf
         self.bans: dict[str, float] = {}
+        self.moved: dict[str, float] = {}
         self.pings: dict[str, float] = {}
         self.rpc_infos: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
@@ -120,11 +121,23 @@ class SequenceManager:
 
     # ------------------------------------------------------------------ failures and retries
     def on_failure(self, peer_id: str | None, error: BaseException | None = None) -> None:
-        """Ban ``peer_id`` for ``ban_timeout`` seconds."""
+        """Ban ``peer_id`` for ``ban_timeout`` seconds.
+
+        A server that answers it no longer serves the blocks asked for has most likely moved
+        (rebalancing) since the swarm was read: the first such answer within ``ban_timeout``
+        re-reads the swarm instead of banning it; a second one bans it (a server that keeps
+        announcing blocks it refuses is not trusted twice).
+        """
         if peer_id is None:
             return
+        now = time.monotonic()
         with self._lock:
-            self.bans[peer_id] = time.monotonic() + float(self.config.ban_timeout)
+            if NOT_SERVED in str(error) and self.moved.get(peer_id, -math.inf) <= now:
+                self.moved[peer_id] = now + float(self.config.ban_timeout)
+                self.last_update = -math.inf
+                logger.debug("%s no longer serves the blocks asked for: re-reading the swarm", peer_id)
+                return
+            self.bans[peer_id] = now + float(self.config.ban_timeout)
         logger.debug("banned %s for %s s after: %r", peer_id, self.config.ban_timeout, error)
 
     def on_success(self, peer_id: str) -> None:

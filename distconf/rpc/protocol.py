@@ -30,13 +30,17 @@ __all__ = [
     "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",
     "KEY_ACTIVE_ADAPTER", "KEY_ALLOC_TIMEOUT", "KEY_ARGS_STRUCTURE", "KEY_MAX_LENGTH", "KEY_NEXT_SERVERS",
     "KEY_OUTPUT_COMPRESSION", "KEY_POINTS", "KEY_PUSHED", "KEY_SESSION_ID", "KEY_START_FROM_POSITION",
-    "KEY_STEP_ID", "MAX_UNARY_PAYLOAD_SIZE", "ProtocolError", "chain_uid", "deserialize_tensors", "dumps_metadata",
+    "KEY_STEP_ID", "MAX_UNARY_PAYLOAD_SIZE", "NOT_SERVED", "ProtocolError", "chain_uid", "deserialize_tensors",
+    "dumps_metadata",
     "is_dummy", "loads_metadata", "make_request", "pack_args_kwargs", "parse_chain", "read_request",
     "serialize_tensors", "serialized_size", "split_chain", "stream_parts", "unpack_args_kwargs",
 ]
 
 DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE = p2p_message_limits()
 """The p2p daemon's largest stream message and largest unary payload, in bytes (hivemind's limits)."""
+
+NOT_SERVED = "Remote peer does not serve"
+"""How a server refuses a block uid it does not serve (Petals 2.x's words; the uid follows)."""
 
 HANDLER_CLASS_NAME = "TransformerConnectionHandler"
 """hivemind names a P2P handler ``f"{servicer class name}.{rpc name}"``; Petals 2.x servers and

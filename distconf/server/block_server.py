@@ -23,6 +23,7 @@ from typing import Any
 
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
 from distconf.dht.announce import hub_repository  # re-exported: distconf.server.hub_repository
+from distconf.rpc.protocol import NOT_SERVED
 from distconf.server.logfilter import install_refused_request_filter
 
 __all__ = ["BlockServer", "ServeOptions", "hub_repository"]
@@ -367,7 +368,7 @@ class BlockServer:
                     raise InterruptedError("stopped while moving")
             modules = [kept[i] for i in range(start, end)]
             handler = self._make_handler(start, modules)
-            reason = (f"this server moved from blocks {old_start}..{old_end - 1} to {start}..{end - 1}; "
+            reason = (f"{NOT_SERVED} blocks {old_start}..{old_end - 1} any more: it moved to {start}..{end - 1}; "
                       "open a new session")
             rpc.run(_switch_handlers(old_handler, handler, rpc.p2p, reason), timeout=30)
         except BaseException:

@@ -15,6 +15,7 @@ from distconf.rpc.protocol import (
     KEY_ACTIVE_ADAPTER,
     KEY_ARGS_STRUCTURE,
     KEY_NEXT_SERVERS,
+    NOT_SERVED,
     ProtocolError,
     is_dummy,
     parse_chain,
@@ -38,7 +39,7 @@ def served_chain(blocks: Mapping[str, ServedBlock], uids: str) -> list[ServedBlo
         raise RequestError("the request names no block uid")
     for uid in names:
         if uid not in blocks:
-            raise RequestError(f"Remote peer does not serve {uid[:120]}")
+            raise RequestError(f"{NOT_SERVED} {uid[:120]}")
     try:
         parse_chain(uids)
     except ProtocolError as exc:
