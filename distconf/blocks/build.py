@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
 from distconf.loader.formula import FormulaError
+from distconf.loader.once import OncePerKey
 from distconf.loader.protocol import DistributedConfig
 from distconf.loader.registry import load_family_by_class_name
 from distconf.loader.synthesis import resolve_object
@@ -26,9 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["make_block_class", "build_block", "block_class_for", "constructor_kwargs", "materialize_buffers"]
 
-_lock = threading.Lock()
 _resolve_lock = threading.RLock()
-_block_classes: dict[type, type] = {}
+_block_classes: OncePerKey[type, type] = OncePerKey()
 
 
 def _class_name(config_cls: type) -> str:
@@ -38,34 +38,30 @@ def _class_name(config_cls: type) -> str:
 
 def make_block_class(config_cls: type) -> type:
     """The block class of a distributed config class (synthesized once per config class)."""
-    cls = _block_classes.get(config_cls)
-    if cls is not None:
-        return cls
-    with _lock:
-        cls = _block_classes.get(config_cls)
-        if cls is not None:
-            return cls
-        spec = config_cls.family_spec  # type: ignore[attr-defined]
-        layer_class = resolve_object(config_cls.family_source, ("block", "layer_class"), spec.block.layer_class)
-        if not isinstance(layer_class, type):
-            raise config_cls.family_source.error(("block", "layer_class"), f"{spec.block.layer_class} is not a class")
-        import torch
+    return _block_classes.get(config_cls, lambda: _synthesize_block_class(config_cls))
 
-        if not issubclass(layer_class, torch.nn.Module):
-            raise config_cls.family_source.error(("block", "layer_class"),
-                              f"{spec.block.layer_class} is not a torch.nn.Module")
-        name = _class_name(config_cls)
-        cls = type(name, (BlockAdapter, layer_class), {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"Block of the {spec.family!r} family: {layer_class.__name__} + the generic adapter.",
-            "family_spec": spec,
-            "config_class": config_cls,
-            "layer_class": layer_class,
-        })
-        _block_classes[config_cls] = cls
-        globals()[name] = cls  # latest class of that name, for pickle
-        return cls
+
+def _synthesize_block_class(config_cls: type) -> type:
+    spec = config_cls.family_spec  # type: ignore[attr-defined]
+    layer_class = resolve_object(config_cls.family_source, ("block", "layer_class"), spec.block.layer_class)
+    if not isinstance(layer_class, type):
+        raise config_cls.family_source.error(("block", "layer_class"), f"{spec.block.layer_class} is not a class")
+    import torch
+
+    if not issubclass(layer_class, torch.nn.Module):
+        raise config_cls.family_source.error(("block", "layer_class"),
+                                             f"{spec.block.layer_class} is not a torch.nn.Module")
+    name = _class_name(config_cls)
+    cls = type(name, (BlockAdapter, layer_class), {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"Block of the {spec.family!r} family: {layer_class.__name__} + the generic adapter.",
+        "family_spec": spec,
+        "config_class": config_cls,
+        "layer_class": layer_class,
+    })
+    globals()[name] = cls  # latest class of that name, for pickle
+    return cls
 
 
 def __getattr__(name: str) -> type:

@@ -21,7 +21,6 @@ folder as it is, a GGUF file, a cached hub id; a source that cannot be used rais
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
 from distconf.loader.auto import AutoDistributedConfig
+from distconf.loader.once import OncePerKey
 from distconf.sources import ModelSource, ModelSourceError
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
@@ -46,8 +46,7 @@ __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMP
 #: Where a model holds its `PromptTuning` (so its tensors are saved as ``ptune.*``).
 PROMPTS_ATTRIBUTE = "ptune"
 
-_lock = threading.Lock()
-_classes: dict[type, type] = {}
+_classes: OncePerKey[type, type] = OncePerKey()
 
 
 class RemoteLayers(torch.nn.Module):
@@ -158,20 +157,16 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
 
 def distributed_model_class(config_cls: type) -> type:
     """``Distributed<Name>ForCausalLM``: the family's transformers causal LM plus `DistributedCausalLMMixin`."""
-    cls = _classes.get(config_cls)
-    if cls is not None:
-        return cls
+    return _classes.get(config_cls, lambda: _synthesize_model_class(config_cls))
+
+
+def _synthesize_model_class(config_cls: type) -> type:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    with _lock:
-        cls = _classes.get(config_cls)
-        if cls is None:
-            base = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls.hf_config_class]
-            name = config_cls.__name__.removesuffix("Config") + "ForCausalLM"
-            cls = type(name, (DistributedCausalLMMixin, base), {"__module__": __name__, "__qualname__": name,
-                                                                 "config_class": config_cls})
-            _classes[config_cls] = cls
-    return cls
+    base = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls.hf_config_class]
+    name = config_cls.__name__.removesuffix("Config") + "ForCausalLM"
+    return type(name, (DistributedCausalLMMixin, base), {"__module__": __name__, "__qualname__": name,
+                                                         "config_class": config_cls})
 
 
 class AutoDistributedModelForCausalLM:
