@@ -3,26 +3,43 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from real_helpers import real_cache_dir
 
 from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_dht, visible_maddrs
 
 
 @pytest.mark.swarm
-def test_swarm_demo_runs_end_to_end(tmp_path):
+def test_swarm_demo_runs_end_to_end(tmp_path, request):
     """Block servers in separate processes place themselves and load real weights; a client routes, then
     generates through them while one is stopped, and gets exactly the local model's tokens; then it trains deep
-    prompts through the swarm (the loss at least halves) and every server's weights are unchanged at stop."""
+    prompts through the swarm (the loss at least halves) and every server's weights are unchanged at stop.
+    The real model, served from its GGUF by two more servers, answers the chat question through the swarm
+    exactly as the local transformers model does."""
+    summary_path = tmp_path / "summary.json"
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {**os.environ, "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}  # the real tests' copy
     proc = subprocess.run(
-        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "400", "--workdir", str(tmp_path)],
-        capture_output=True, text=True, timeout=480,
+        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "400", "--workdir", str(workdir),
+         "--json", str(summary_path)],
+        capture_output=True, text=True, timeout=480, env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["ok"] is True and summary["clean_stop"] is True and summary["exit_codes"] == [0] * 5
+    real = summary["real_model"]
+    assert real["swarm_tokens"] == real["local_tokens"] and real["identical"] is True, real
+    assert real["swarm_answer"] == real["local_answer"] == real["known_answer"] == "The capital of France is Paris."
+    assert real["spans"] == [[0, 15], [15, 30]] and real["dht_prefix"] == "SmolLM2-135M-Instruct-Q4_1-hf"
+    assert summary["generation"]["identical"] and summary["generation"]["failed_over"]
+    assert summary["tuning"]["halved"] and summary["weights_unchanged"] == [3, 3]
     out = proc.stdout
     spans = re.findall(r"^  (server-\d): blocks (\d)\.\.(\d), ([\d,]+) parameters loaded", out, re.M)
     assert [s[:3] for s in spans[:2]] == [("server-1", "0", "3"), ("server-2", "4", "7")]
@@ -46,9 +63,10 @@ def test_swarm_demo_runs_end_to_end(tmp_path):
     assert tuned and float(tuned.group(2)) <= 0.5 * float(tuned.group(1)), out
     assert re.search(r"^  next token after the prompt: \d+ before, \d+ after$", out, re.M), out
     assert "trainable on the client: 2,304 prompt values (no block weight is local)" in out
-    assert "stopped 3 servers (cleanly)" in out
+    assert "stopped 3 tiny-model servers and 2 real-model servers (cleanly)" in out
     assert "server weights unchanged (sha256 at load = at stop): 3 of 3 servers" in out
-    assert len(list(tmp_path.glob("distconf-demo-tiny-*/model.safetensors"))) == 1
+    assert "  through the swarm:        'The capital of France is Paris.'" in out  # what the user reads
+    assert len(list(workdir.glob("distconf-demo-tiny-*/model.safetensors"))) == 1
 
 
 def test_demo_chooses_a_replaceable_server():

