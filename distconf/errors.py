@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError", "excerpt"]
+__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError", "ModelSourceError", "excerpt"]
 
 EXCERPT_CHARS = 40
 _MAX_FIELD_PART = 60
@@ -95,3 +95,20 @@ class FamilyNotFoundError(LookupError):
 
 class ConfigValueError(ValueError):
     """A distributed-config field holds a value outside its allowed range."""
+
+
+_MAX_REASON = 1000
+
+
+class ModelSourceError(ValueError):
+    """A model source (a folder, a GGUF file, a hub id) cannot be served; names the source and why.
+
+    ``source`` is what the user named, ``reason`` one sentence (cut to a bounded length:
+    reasons may quote a third-party error about an untrusted file).
+    """
+
+    def __init__(self, source: object, reason: str) -> None:
+        self.source = str(source)
+        reason = str(reason)
+        self.reason = reason if len(reason) <= _MAX_REASON else reason[: _MAX_REASON - 3] + "..."
+        super().__init__(f"{self.source}: cannot be served: {self.reason}")

@@ -26,6 +26,7 @@ from typing import Any
 from distconf.blocks import sizing
 from distconf.blocks.device import canonical_dtype
 from distconf.blocks.sizing import QUANT_BYTES
+from distconf.loader.config_protocol import DistributedConfig
 
 __all__ = [
     "GIB",
@@ -86,27 +87,27 @@ def parse_memory(text: str | int) -> int:
     return int(result)
 
 
-def _groups(config: Any) -> int:
+def _groups(config: DistributedConfig) -> int:
     groups = getattr(config, "num_key_value_groups", 1)
     return int(groups) if groups else 1
 
 
-def default_attn_cache_tokens(config: Any) -> int:
+def default_attn_cache_tokens(config: DistributedConfig) -> int:
     """16384 tokens for grouped/multi-query models (groups > 1), else 4096 (as Petals 2.x)."""
     return 16384 if _groups(config) > 1 else 4096
 
 
-def default_max_length(config: Any) -> int:
+def default_max_length(config: DistributedConfig) -> int:
     """Default ``max_batch_size`` and ``inference_max_length``: 8192 (groups > 1) or 2048."""
     return 8192 if _groups(config) > 1 else 2048
 
 
-def autograd_reserve_bytes(config: Any, num_devices: int = 1) -> float:
+def autograd_reserve_bytes(config: DistributedConfig, num_devices: int = 1) -> float:
     """Memory kept free for backward passes: 2 GiB x hidden_size / 14336 per device."""
     return 2 * GIB * num_devices * config.hidden_size / 14336
 
 
-def petals_kv_groups(config: Any) -> int:
+def petals_kv_groups(config: DistributedConfig) -> int:
     """The ``num_key_value_groups`` Petals 2.x uses for this config.
 
     The family file's ``petals_kv_groups`` when it declares one; otherwise Petals uses
@@ -181,7 +182,7 @@ class ServerPlan:
 
 
 def plan_server(
-    config: Any,
+    config: DistributedConfig,
     memory_bytes: int | str,
     dtype: Any = "bfloat16",
     quant: str | None = None,
@@ -260,7 +261,7 @@ def plan_server(
     )
 
 
-def choose_blocks(config: Any, n: int, swarm_state: Any = None) -> tuple[int, int]:
+def choose_blocks(config: DistributedConfig, n: int, swarm_state: Any = None) -> tuple[int, int]:
     """Where a new server of ``n`` blocks should sit: ``(start, end)``, end exclusive.
 
     Per-block throughput is the sum of the throughputs of the non-offline servers

@@ -6,7 +6,7 @@ import pytest
 import transformers
 
 import distconf
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 
 @pytest.mark.parametrize("family", distconf.list_families())

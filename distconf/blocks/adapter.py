@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.errors import ConfigValueError
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
-from distconf.loader.protocol import DistributedConfig
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
 from distconf.loader.synthesis import resolve_object

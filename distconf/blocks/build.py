@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.once import OncePerKey
-from distconf.loader.protocol import DistributedConfig
 from distconf.loader.registry import load_family_by_class_name
 from distconf.loader.synthesis import resolve_object
 

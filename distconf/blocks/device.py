@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from distconf.loader.config_protocol import DistributedConfig
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -82,7 +84,7 @@ def resolve_device(name: str | None = "auto") -> torch.device:
     return torch.device("cuda", index)
 
 
-def checkpoint_dtype(config: Any) -> str:
+def checkpoint_dtype(config: DistributedConfig) -> str:
     """The checkpoint's dtype name from ``config`` (``torch_dtype``/``dtype``), float32 when it names none."""
     for attr in ("dtype", "torch_dtype"):
         value = getattr(config, attr, None)
@@ -94,7 +96,7 @@ def checkpoint_dtype(config: Any) -> str:
     return "float32"
 
 
-def resolve_compute_dtype(requested: str | None, config: Any, device: torch.device) -> tuple[str, str]:
+def resolve_compute_dtype(requested: str | None, config: DistributedConfig, device: torch.device) -> tuple[str, str]:
     """``(dtype name, why)`` a server computes in on ``device`` for ``--dtype requested``.
 
     ``auto``/None: the checkpoint's dtype (`checkpoint_dtype`), except float16 on CPU -> float32

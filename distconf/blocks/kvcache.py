@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.errors import ConfigValueError
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
-from distconf.loader.protocol import DistributedConfig
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from distconf.blocks.build import build_block
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.quant import QUANT_BYTES, normalize_quant
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ from distconf.blocks.build import build_block
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint, checkpoint_files, release_pages, torch_dtype
 from distconf.blocks.convert import Conversions, Group, order_problem, plan_stream, run_ops, stream
 from distconf.blocks.safetensors_header import read_safetensors_header, tensor_label
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 __all__ = ["LMHead", "chunked_forward_wanted", "install_lm_head", "has_linear_kernel"]
 

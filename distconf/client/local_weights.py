@@ -18,6 +18,7 @@ import torch
 from distconf.blocks.checkpoint import Checkpoint
 from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
 from distconf.blocks.weights import layer_prefixes
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.sources import ModelSourceError
 
 __all__ = ["checkpoint_name_map", "load_non_block_weights", "load_prompts"]
@@ -25,7 +26,8 @@ __all__ = ["checkpoint_name_map", "load_non_block_weights", "load_prompts"]
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_name_map(config: Any, names: list[str], wanted: set[str], model_cls: type) -> dict[str, str]:
+def checkpoint_name_map(config: DistributedConfig, names: list[str], wanted: set[str],
+                        model_cls: type) -> dict[str, str]:
     """``{model tensor name: checkpoint name}`` for the non-block tensors of the checkpoint.
 
     A name matches as it is, with or without the base-model prefix, or after the renaming
@@ -55,7 +57,7 @@ def checkpoint_name_map(config: Any, names: list[str], wanted: set[str], model_c
     return found
 
 
-def load_non_block_weights(model: torch.nn.Module, config: Any, checkpoint: Checkpoint) -> int:
+def load_non_block_weights(model: torch.nn.Module, config: DistributedConfig, checkpoint: Checkpoint) -> int:
     """Copy the embeddings, final norm, LM head from the checkpoint; return the number of tensors read.
 
     A parameter shared by tied modules (head and input embedding) is read once, whichever

@@ -37,6 +37,7 @@ from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
 from distconf.loader.auto import AutoDistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.once import OncePerKey
 from distconf.sources import ModelSource, ModelSourceError
 
@@ -99,7 +100,7 @@ def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
             if not k.startswith("_") and k not in skip and isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def decoder_layer_list(model: torch.nn.Module, config: Any) -> tuple[str, torch.nn.ModuleList]:
+def decoder_layer_list(model: torch.nn.Module, config: DistributedConfig) -> tuple[str, torch.nn.ModuleList]:
     """``(dotted name, module)`` of ``model``'s decoder-layer list: the one the family's ``block.prefix`` names."""
     modules = dict(model.named_modules())
     for prefix in layer_prefixes(config, 0):
@@ -226,7 +227,7 @@ def _open_checkpoint(source: ClientSource) -> Checkpoint:
         raise ModelSourceError(source.name, f"its weights cannot be read: {exc}") from None
 
 
-def build_model(config: Any, checkpoint: Checkpoint, swarm: SwarmClient, dtype: torch.dtype) -> Any:
+def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmClient, dtype: torch.dtype) -> Any:
     """The distributed model of ``config``: non-block modules loaded from ``checkpoint``, layer list replaced."""
     model_cls = distributed_model_class(type(config))
     with torch.device("meta"):

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 __all__ = ["PromptTuning", "prompt_tuning_for"]
 

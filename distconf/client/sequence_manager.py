@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
 from distconf.dht.liveness import ping_candidates, unreachable_peers
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.rpc.calls import call_info
 from distconf.rpc.protocol import KEY_ACTIVE_ADAPTER, KEY_POINTS, NOT_SERVED, chain_uid
 

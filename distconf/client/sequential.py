@@ -18,7 +18,7 @@ import torch
 from distconf.client.sequence_manager import SequenceManager
 from distconf.client.session import InferenceSession
 from distconf.dht import RemoteSpan
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.rpc.calls import call_backward, call_forward
 
 __all__ = ["RemoteSequential"]

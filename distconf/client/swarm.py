@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from distconf.dht import start_local_dht
 from distconf.dht.hivemind_compat import forget_p2p_replica
 from distconf.dht.liveness import ping_peers
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.naming import config_num_blocks
 from distconf.rpc.calls import BackgroundLoop
 
@@ -40,7 +41,7 @@ class SwarmClient:
         shut down by `shutdown`).
     """
 
-    def __init__(self, config: Any, dht: DHT | None = None) -> None:
+    def __init__(self, config: DistributedConfig, dht: DHT | None = None) -> None:
         self.config = config
         self.dht_prefix = config.dht_prefix
         if not self.dht_prefix:

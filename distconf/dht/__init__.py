@@ -91,7 +91,7 @@ def start_local_dht(
     ``.shutdown()`` (bounded: it kills a node that does not stop); nodes still running at
     interpreter exit are shut down then.
 
-    The node is a `distconf.dht.process.NodeProcess`: its process and its p2p daemon
+    The node is a `distconf.dht.node_process.NodeProcess`: its process and its p2p daemon
     ignore signals sent to the caller's process group, leaving the caller to stop them in
     order (a server announces OFFLINE through the node first), and they exit by
     themselves if the caller dies.
@@ -108,7 +108,7 @@ def start_local_dht(
         records: a swarm's own DHT) or ``"listed"`` (only models discovered or announced
         through this node are checked: a DHT shared with other hivemind applications).
     """
-    from distconf.dht.process import NodeProcess
+    from distconf.dht.node_process import NodeProcess
     from distconf.dht.validators import SwarmRecordValidator
 
     kwargs.setdefault("host_maddrs", list(LOOPBACK_MADDRS))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distconf.dht.records import MODELS_REGISTRY_KEY, ModelInfo, ServerInfo, ServerState
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.naming import block_uids, config_dht_prefix, config_num_blocks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,13 +70,13 @@ def hub_repository(name_or_path: str | os.PathLike[str] | None) -> str | None:
     return f"https://huggingface.co/{match.group(1)}/{match.group(2)}" if match else None
 
 
-def _loaded_from(config: Any) -> str | None:
+def _loaded_from(config: DistributedConfig) -> str | None:
     """What ``config`` was loaded from (``name_or_path``), if it says."""
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
     return name if isinstance(name, str) else None
 
 
-def default_expiration(config: Any) -> float:
+def default_expiration(config: DistributedConfig) -> float:
     """Record lifetime used when none is given: ``max(2 * update_period, 3)`` seconds."""
     return max(2.0 * float(getattr(config, "update_period", 60)), MIN_EXPIRATION)
 
@@ -130,7 +131,7 @@ async def _store_records(
 
 def announce_blocks(
     dht: DHT,
-    config: Any,
+    config: DistributedConfig,
     start: int,
     end: int,
     info: ServerInfo,
@@ -220,7 +221,7 @@ class BlockAnnouncer:
     def __init__(
         self,
         dht: DHT,
-        config: Any,
+        config: DistributedConfig,
         start: int,
         end: int,
         info: ServerInfo,

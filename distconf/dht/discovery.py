@@ -35,8 +35,8 @@ from distconf.dht.records import (
     ServerState,
     listing_prefix_problem,
 )
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.naming import block_uids, config_block_uids, config_dht_prefix
-from distconf.loader.protocol import DistributedConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT

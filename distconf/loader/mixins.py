@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from distconf.errors import ConfigValueError
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.naming import config_block_uids, dht_prefix_problem
-from distconf.loader.protocol import DistributedConfig
 
 __all__ = [
     "ClientConfig", "PTuneConfig", "LMHeadConfig", "PinnedRevisionMixin", "MIXINS",

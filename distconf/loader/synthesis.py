@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from distconf.errors import ConfigValueError, FamilyValidationError
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula
 from distconf.loader.mixins import (
     ClientConfig,
@@ -35,7 +36,6 @@ from distconf.loader.mixins import (
 )
 from distconf.loader.naming import derive_dht_prefix
 from distconf.loader.presets import preset_path
-from distconf.loader.protocol import DistributedConfig
 from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
 from distconf.dht.announce import hub_repository  # re-exported: distconf.server.hub_repository
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.rpc.protocol import NOT_SERVED
 from distconf.server.logfilter import install_refused_request_filter
 
@@ -87,8 +88,8 @@ class _LiveAnnouncer(BlockAnnouncer):
 class BlockServer:
     """One server process's blocks, handlers and DHT presence (see the module docstring)."""
 
-    def __init__(self, options: ServeOptions, config: Any = None, *, stop_event: threading.Event | None = None,
-                 source: Any = None) -> None:
+    def __init__(self, options: ServeOptions, config: DistributedConfig | None = None, *,
+                 stop_event: threading.Event | None = None, source: Any = None) -> None:
         """``stop_event``: when set while blocks load, `serve` stops early (`InterruptedError`).
 
         ``source``: an opened `distconf.sources.ModelSource` (default: `join` opens

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from distconf.loader.config_protocol import DistributedConfig
+
 __all__ = ["Progress", "SpanPlan", "Throughput", "load_blocks", "measure_throughput", "plan_span"]
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,10 @@ class SpanPlan:
         return self.end - self.start
 
 
-def plan_span(config: Any, memory: int | str, dtype: str, *, dht: Any = None, blocks: tuple[int, int] | None = None,
-              num_blocks: int | None = None, attn_cache_tokens: int | None = None, quant: str | None = None,
-              device_type: str = "cpu", timeout: float = 10.0) -> SpanPlan:
+def plan_span(config: DistributedConfig, memory: int | str, dtype: str, *, dht: Any = None,
+              blocks: tuple[int, int] | None = None, num_blocks: int | None = None,
+              attn_cache_tokens: int | None = None, quant: str | None = None, device_type: str = "cpu",
+              timeout: float = 10.0) -> SpanPlan:
     """Choose the span: ``blocks`` as given; else ``num_blocks`` (or as many as ``memory`` holds)
     placed with `choose_blocks` over the swarm ``dht`` sees (an empty swarm without a DHT).
 
@@ -91,7 +94,7 @@ class Progress:
             logger.info(text)
 
 
-def load_blocks(model_dir: str | Path, config: Any, start: int, end: int, dtype: Any, *,
+def load_blocks(model_dir: str | Path, config: DistributedConfig, start: int, end: int, dtype: Any, *,
                 progress: Progress | None = None, on_block: Callable[[int], None] | None = None,
                 quant: str | None = None, device: Any = None) -> list[Any]:
     """Load blocks ``start..end-1`` from ``model_dir`` (one block's memory at a time), frozen, in eval mode.

@@ -5,12 +5,12 @@ config (``dht_prefix`` resolved), the tokenizer, and a local safetensors folder 
 `distconf.blocks.weights` reads block by block. Anything that cannot be served raises one
 `ModelSourceError` naming the source and the reason. Modules, each one job::
 
-    errors -> base (ModelSource, the checks) -> folder, gguf_header, gguf_cache, gguf_convert
+    base (ModelSource, the checks; `distconf.errors.ModelSourceError`) -> folder, gguf_header, gguf_cache, gguf_convert
       -> gguf -> hub -> resolve (open_source)
 """
 
+from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource
-from distconf.sources.errors import ModelSourceError
 from distconf.sources.folder import open_folder
 from distconf.sources.gguf import open_gguf
 from distconf.sources.hub import open_hub

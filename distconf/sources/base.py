@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
 from distconf.blocks.weights import layer_keys, load_block_weights
-from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
+from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError, ModelSourceError
 from distconf.loader.auto import AutoDistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.naming import check_dht_prefix, config_num_blocks, derive_dht_prefix
-from distconf.sources.errors import ModelSourceError
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ class ModelSource:
     kind: str
     origin: Path
     checkpoint_dir: Path
-    config: Any
+    config: DistributedConfig
 
     @property
     def dht_prefix(self) -> str:
@@ -145,7 +145,7 @@ def resolve_prefix(name: str, cls: type, data: dict[str, Any], explicit: str | N
         raise ModelSourceError(name, f"no usable DHT prefix{how}: {exc}; pass dht_prefix=...") from None
 
 
-def _check_weights(name: str, folder: Path, config: Any) -> None:
+def _check_weights(name: str, folder: Path, config: DistributedConfig) -> None:
     try:
         with Checkpoint(folder) as checkpoint:
             names = list(checkpoint.names)

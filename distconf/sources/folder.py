@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource, open_checkpoint
-from distconf.sources.errors import ModelSourceError
 
 __all__ = ["open_folder"]
 

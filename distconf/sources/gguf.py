@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource, family_class_for, open_checkpoint
-from distconf.sources.errors import ModelSourceError
 from distconf.sources.gguf_cache import FORMAT_VERSION, MANIFEST, cache_key, cache_root, entry_name, publish_once
 from distconf.sources.gguf_convert import GGUF_PACKAGES, convert_gguf
 from distconf.sources.gguf_header import GGUFHeader, GGUFHeaderError, read_gguf_header

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distconf.sources.errors import ModelSourceError
+from distconf.errors import ModelSourceError
 
 __all__ = ["load_gguf_model", "load_gguf_tokenizer", "write_checkpoint", "convert_gguf"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource, open_checkpoint
-from distconf.sources.errors import ModelSourceError
 from distconf.sources.gguf import open_gguf
 
 __all__ = ["open_hub", "hub_snapshot"]

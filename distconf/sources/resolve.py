@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource
-from distconf.sources.errors import ModelSourceError
 from distconf.sources.folder import open_folder
 from distconf.sources.gguf import open_gguf
 from distconf.sources.hub import open_hub

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 __all__ = ["describe_class", "describe_config", "size_summary"]
 

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
 __all__ = ["LayerKinds", "layer_kinds", "real_configs", "tiny_configs", "coverage", "compare_kinds", "check_coverage",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 from distconf.tools.checker.reference import Reference
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
 __all__ = ["SEQ_LEN", "BATCH", "tiny_variants", "Reference", "build_reference", "save_sharded",

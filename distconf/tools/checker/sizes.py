@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from distconf.blocks.sizing import SIZE_MARGIN
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import CheckFailure, located_failure
 from distconf.tools.checker.reference import BATCH, SEQ_LEN
 from distconf.tools.checker.result import CheckResult

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from distconf.loader.protocol import DistributedConfig
+from distconf.loader.config_protocol import DistributedConfig
 
 __all__ = ["DEMO_LAYERS", "DEMO_DTYPE", "DEMO_SEED", "blocks_per_server", "demo_family", "demo_prefix",
            "make_tiny_checkpoint", "memory_for"]
