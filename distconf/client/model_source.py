@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distconf.sources import ModelSource, ModelSourceError, open_source
-from distconf.sources.base import TOKENIZER_FILES, family_class_for, prefix_name, read_config_json, resolve_prefix
+from distconf.sources import ModelSource, open_source
+from distconf.sources.base import (
+    family_class_for,
+    has_tokenizer,
+    load_tokenizer,
+    prefix_name,
+    read_config_json,
+    resolve_prefix,
+)
 
 __all__ = ["ClientSource", "open_client_source"]
 
@@ -43,19 +50,11 @@ class ClientSource:
     @property
     def has_tokenizer(self) -> bool:
         """Whether the folder holds a tokenizer."""
-        return any((self.folder / name).is_file() for name in TOKENIZER_FILES)
+        return has_tokenizer(self.folder)
 
     def load_tokenizer(self) -> Any | None:
         """The model's tokenizer (``AutoTokenizer``, local files only), or None when the folder has none."""
-        if not self.has_tokenizer:
-            return None
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
-        except Exception as exc:  # transformers raises many types for a broken tokenizer
-            raise ModelSourceError(self.name, f"its tokenizer cannot be loaded ({type(exc).__name__}: "
-                                              f"{str(exc)[:200]})") from None
+        return load_tokenizer(self.name, self.folder)
 
     def config_kwargs(self) -> dict[str, Any]:
         """The config fields this source sets (``dht_prefix`` when it is not ``config.json``'s)."""

@@ -25,7 +25,7 @@ from distconf.loader.naming import check_dht_prefix, config_num_blocks, derive_d
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ModelSource", "open_checkpoint", "resolve_prefix", "TOKENIZER_FILES"]
+__all__ = ["ModelSource", "TOKENIZER_FILES", "has_tokenizer", "load_tokenizer", "open_checkpoint", "resolve_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +74,36 @@ class ModelSource:
     @property
     def has_tokenizer(self) -> bool:
         """Whether the folder holds a tokenizer."""
-        return any((self.checkpoint_dir / name).is_file() for name in TOKENIZER_FILES)
+        return has_tokenizer(self.checkpoint_dir)
 
     def load_tokenizer(self) -> Any | None:
         """The model's tokenizer (``AutoTokenizer``, local files only), or None when it has none."""
-        if not self.has_tokenizer:
-            return None
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(str(self.checkpoint_dir), local_files_only=True)
-        except Exception as exc:  # transformers raises many types for a broken tokenizer
-            raise ModelSourceError(self.name, f"its tokenizer cannot be loaded ({_brief(exc)})") from None
+        return load_tokenizer(self.name, self.checkpoint_dir)
 
     def load_block_weights(self, layer_idx: int, *, dtype: torch.dtype | None = None,
                            **kwargs: Any) -> dict[str, torch.Tensor]:
         """The state dict of block ``layer_idx`` (see `distconf.blocks.weights.load_block_weights`)."""
         return load_block_weights(self.checkpoint_dir, self.config, layer_idx, dtype=dtype, **kwargs)
 
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer (any of `TOKENIZER_FILES`)."""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(name: str, folder: Path) -> Any | None:
+    """The tokenizer in ``folder`` (``AutoTokenizer``, local files only), or None when it has none.
+
+    A broken one is a `ModelSourceError` naming the source ``name``.
+    """
+    if not has_tokenizer(folder):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer
+        raise ModelSourceError(name, f"its tokenizer cannot be loaded ({_brief(exc)})") from None
 
 def _brief(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}"
