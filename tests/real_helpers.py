@@ -27,7 +27,8 @@ def real_cache_dir(config: pytest.Config) -> Path:
     """Where the real model's GGUF is converted to, for this test run."""
     if os.environ.get("DISTCONF_CACHE"):
         return Path(os.environ["DISTCONF_CACHE"]).expanduser() / "gguf"
-    return Path(config.cache.mkdir("distconf-real-model")) / "gguf"
+    # pytest's cache folder, also when its cache plugin is off (``-p no:cacheprovider``)
+    return Path(config.rootpath) / ".pytest_cache" / "d" / "distconf-real-model" / "gguf"
 
 
 def open_real_source(config: pytest.Config) -> ModelSource:

@@ -219,7 +219,7 @@ def test_serve_options_carry_the_balance_settings() -> None:
 def test_a_replaced_handler_refuses_the_steps_of_its_open_sessions() -> None:
     import asyncio
 
-    from distconf.server.block_server import _ranges, _RetiredCompute
+    from distconf.server.span_moves import _ranges, _RetiredCompute
     from distconf.server.validation import RequestError
 
     assert _ranges([5, 0, 1, 3, 4]) == [(0, 2), (3, 6)] and _ranges([]) == []
