@@ -30,7 +30,7 @@ test: setup lint
 	$(BIN)/distconf schema --check
 	$(BIN)/distconf validate --resolve
 	$(BIN)/distconf check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not swarm and not slow"
