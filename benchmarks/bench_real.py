@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decode_timing import step_gaps
 
 REPO = Path(__file__).resolve().parents[1]
 SPANS = ("0:15", "15:30")
@@ -46,34 +47,12 @@ VARIANTS = {  # name: (--dtype, --quant, client dtype)
 }
 
 
-class _Clock:
-    """A logits processor that stamps the time of every decode step."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
-def step_gaps(model: Any, ids: torch.Tensor, new_tokens: int) -> list[float]:
-    """Seconds between consecutive decode steps of one greedy generation (no early stop)."""
-    from transformers import LogitsProcessorList
-
-    clock = _Clock()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=2, logits_processor=LogitsProcessorList([clock]))
-    return [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-
-
 def per_token_ms(models: dict[str, Any], ids: torch.Tensor, new_tokens: int, rounds: int) -> dict[str, float]:
     """Median ms per decode step of each model, the models interleaved round by round."""
     gaps: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            gaps[name] += step_gaps(model, ids, new_tokens)
+            gaps[name] += step_gaps(model, ids, new_tokens, pad_token_id=2, full_length=True)
     return {name: 1000 * statistics.median(g) for name, g in gaps.items()}
 
 

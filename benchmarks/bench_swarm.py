@@ -22,11 +22,11 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from decode_timing import step_gaps
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -64,28 +64,6 @@ def make_model(directory: Path, family: str, overrides: dict[str, Any]) -> tuple
     AutoDistributedConfig.from_pretrained(str(directory), dht_prefix=f"bench-{directory.name}").save_pretrained(
         directory)
     return directory, model
-
-
-class _Clock:
-    """A logits processor that stamps the time of every decode step."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
-def step_gaps(model: Any, ids: torch.Tensor, new_tokens: int) -> list[float]:
-    """Seconds between consecutive decode steps of one greedy generation."""
-    from transformers import LogitsProcessorList
-
-    clock = _Clock()
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                       pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
-    return [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
 
 
 def per_token_ms(models: dict[str, Any], ids: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, float]:
