@@ -61,7 +61,9 @@ def serve(argv: list[str] | None = None) -> int:
     server = BlockServer(ServeOptions(
         model_dir=args.model_dir, initial_peers=list(args.initial_peers), memory=args.memory, dtype="fp32",
         host="127.0.0.1", public_name=args.name, update_period=DEMO_UPDATE_PERIOD, compute_threads=1,
-        verify_weights=True))
+        verify_weights=True,
+        # the demo shows a planned layout with a spare for its failover: a balance check would move the spare
+        balance_quality=0))
     try:
         server.join()
         # read stdin only now: the DHT is a forked process whose bootstrap closes stdin, which
