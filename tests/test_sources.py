@@ -231,8 +231,8 @@ def test_gguf_errors(tmp_path: Path) -> None:
     assert not any(cache.glob("*/" + MANIFEST))
 
 
-def test_tiny_gguf_converted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  caplog: pytest.LogCaptureFixture) -> None:
+def _count_conversions(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
+    """The models every GGUF conversion of the test loads, in order (one per conversion)."""
     loads: list[torch.nn.Module] = []
     real = gguf_convert.load_gguf_model
 
@@ -241,6 +241,12 @@ def test_tiny_gguf_converted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         return loads[-1]
 
     monkeypatch.setattr(gguf_convert, "load_gguf_model", counting)
+    return loads
+
+
+def test_tiny_gguf_converted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    loads = _count_conversions(monkeypatch)
     folder = tmp_path / "models"
     folder.mkdir()
     file = write_gguf(folder / "Tiny-Model.F32.gguf")
@@ -303,14 +309,7 @@ def test_cache_publication_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.mark.slow  # about 1-2 minutes here: transformers parses and dequantizes the 94 MB GGUF
 def test_smollm2_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF: converted once, its blocks equal transformers' dequantized model."""
-    loads: list[torch.nn.Module] = []
-    real = gguf_convert.load_gguf_model
-
-    def counting(file: Path, name: str) -> torch.nn.Module:
-        loads.append(real(file, name))
-        return loads[-1]
-
-    monkeypatch.setattr(gguf_convert, "load_gguf_model", counting)
+    loads = _count_conversions(monkeypatch)
     cache = tmp_path / "cache"
     source = open_source(_smollm2(), cache_dir=cache)
     config = source.config
