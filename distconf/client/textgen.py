@@ -1,0 +1,283 @@
+"""Text generation one token at a time through an inference session: the core of the API, chat and generate.
+
+`stream_text(model, tokenizer, input_ids, sampling)` opens one inference session (a
+`distconf.client.cache.RemoteCache` of the model, sized ``len(input_ids) + max_tokens``),
+runs the prompt, then one token per step, and yields a `Piece` per new token. The text of
+each piece is decoded incrementally: a token that ends inside a UTF-8 character gives no
+text until the character is complete, and text that may be the start of a stop string is
+held back until it is known not to be, so the joined pieces are exactly the text up to the
+first stop string. Greedy decoding (``temperature=0``) picks the argmax of the same logits
+the local transformers model computes, so it gives that model's greedy tokens.
+
+The stream is synchronous; `TextStream.close` may be called from another thread (a web
+server whose client went away): it never blocks, and the session on the servers ends at
+once, or right after the step in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Sampling", "Piece", "TextStream", "IncrementalDecoder", "chat_input_ids", "eos_token_ids",
+           "stream_text"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens.
+
+    :param max_tokens: most new tokens (the stream ends with ``finish_reason="length"``).
+    :param temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+    :param top_p: sample within the smallest set of tokens whose probability reaches ``top_p``.
+    :param seed: seed of this stream's own random generator (same seed, same tokens).
+    :param stop: strings that end the text (not included in it; ``finish_reason="stop"``).
+    :param top_logprobs: how many most likely alternatives each `Piece` lists (0: none).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One new token: the text it completes (may be empty), its id, and its log-probability.
+
+    ``logprob`` is the token's log-probability under the model's (untempered) distribution;
+    ``top_logprobs`` holds ``(token_id, logprob)`` of the most likely tokens when asked for.
+    """
+
+    text: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class IncrementalDecoder:
+    """Decodes a growing list of token ids into text pieces that never split a character.
+
+    Keeps a short window of ids (as streaming detokenizers do) so that the text of a
+    token that depends on its neighbours (leading spaces, multi-byte characters) is
+    right, at a cost per token independent of the text's length.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] were decoded into text already given out
+        self.read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the new complete text (empty while a character is incomplete)."""
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever text is still held (an incomplete character at the end decodes as is)."""
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):] if after.startswith(before) else ""
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a generation: the model's generation config's and the tokenizer's eos."""
+    ids: set[int] = set()
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def chat_input_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}, ...]``) through the tokenizer's chat template.
+
+    The template's generation prompt is added (the model answers as the assistant).
+    Raises ValueError when the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template: use a raw prompt (completions) instead")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = out["input_ids"]
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    elif ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+class TextStream:
+    """The new tokens of one generation, as `Piece` objects (iterate once).
+
+    After the iteration: ``finish_reason`` is ``"stop"`` (end of sequence or a stop string),
+    ``"length"`` (``max_tokens`` reached) or None (closed early); ``prompt_tokens`` and
+    ``completion_tokens`` count the prompt and the tokens generated. ``text`` is the text
+    given out so far.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling) -> None:
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.input_ids = [int(i) for i in input_ids]
+        self.prompt_tokens = len(self.input_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self._eos = eos_token_ids(model, tokenizer)
+        self._cache = model.inference_session(max_length=self.prompt_tokens + sampling.max_tokens)
+        self._lock = threading.Lock()  # held while a step runs
+        self._closed = False
+        self._generator: torch.Generator | None = None
+        if sampling.temperature > 0:
+            self._generator = torch.Generator()
+            self._generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator[Piece]:
+        return self._iter
+
+    def __next__(self) -> Piece:
+        return next(self._iter)
+
+    def close(self) -> None:
+        """End the inference session now (or right after the step in flight); safe from any thread."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._cache.close()
+            finally:
+                self._lock.release()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ generation
+    def _logits(self, ids: list[int]) -> torch.Tensor | None:
+        """Next-token logits (float32, ``[vocab]``) after ``ids``; None once closed."""
+        with self._lock:
+            if self._closed:
+                self._cache.close()
+                return None
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([ids]), past_key_values=self._cache, use_cache=True)
+            if self._closed:
+                self._cache.close()
+            return out.logits[0, -1].float()
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        s = self.sampling
+        if s.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / s.temperature, dim=-1)
+        if s.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < s.top_p  # always keeps the most likely token
+            sorted_probs = sorted_probs * keep
+            return int(order[torch.multinomial(sorted_probs, 1, generator=self._generator)])
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def _piece(self, text: str, token: int, logits: torch.Tensor) -> Piece:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if self.sampling.top_logprobs:
+            values, ids = logprobs.topk(self.sampling.top_logprobs)
+            top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+        self.text += text
+        return Piece(text, token, float(logprobs[token]), top)
+
+    def _run(self) -> Iterator[Piece]:
+        decoder = IncrementalDecoder(self.tokenizer)
+        stops = self.sampling.stop
+        pending = ""  # decoded text not given out yet (may begin a stop string)
+        try:
+            logits = self._logits(self.input_ids)
+            while logits is not None:
+                token = self._pick(logits)
+                self.completion_tokens += 1
+                if token in self._eos:
+                    self.finish_reason = "stop"
+                    tail = pending + decoder.flush()
+                    if tail:
+                        yield self._piece(tail, token, logits)
+                    return
+                pending += decoder.add(token)
+                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    self.finish_reason = "stop"
+                    yield self._piece(pending[:cut], token, logits)
+                    return
+                last = self.completion_tokens >= self.sampling.max_tokens
+                if last:
+                    pending += decoder.flush()
+                    out, pending = pending, ""
+                else:
+                    keep = _held_back(pending, stops)
+                    out, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+                yield self._piece(out, token, logits)
+                if last:
+                    self.finish_reason = "length"
+                    return
+                logits = self._logits([token])
+        finally:
+            self.close()
+
+
+def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling) -> TextStream:
+    """Generate from ``input_ids`` through one new inference session of ``model`` (see `TextStream`).
+
+    :param model: a distributed causal LM (`distconf.client.AutoDistributedModelForCausalLM`); any
+        model with ``inference_session(max_length)`` returning a cache its forward accepts.
+    :param tokenizer: the model's tokenizer (decodes the pieces).
+    :param input_ids: the prompt's token ids (e.g. `chat_input_ids`).
+    :param sampling: how tokens are picked and when the stream ends.
+    """
+    return TextStream(model, tokenizer, input_ids, sampling)
