@@ -6,9 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from distconf.cli.helptext import add_command, initial_peers, positive_int
+from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.swarm_args import add_swarm_arguments
 
-__all__ = ["register", "run", "main", "parse_ids"]
+__all__ = ["register", "run", "main", "parse_ids", "empty_answer_notice"]
 
 
 def parse_ids(text: str) -> list[int]:
@@ -27,31 +28,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "generate", summary="generate text through a swarm (blocks on servers, the rest here)",
         description="Load the non-block weights of MODEL (embeddings, final norm, LM head), join the swarm "
-                    "through --initial-peers and generate from PROMPT, printing each new token as it arrives. MODEL "
+                    "through --initial-peers and generate from PROMPT, printing each new token as it arrives. "
+                    "PROMPT may stand anywhere on the line (also right after the addresses of --initial-peers), "
+                    "or be given as --prompt. MODEL "
                     "is a Hugging Face model folder as it is (config.json with or without dht_prefix; without, it "
                     "is derived by the family's rule, as the servers do), a folder written by save_pretrained, a "
                     ".gguf file or a folder holding one (converted once into a cache), or a hub id already in the "
                     "local Hugging Face cache. A model without a tokenizer prints token ids; give the prompt as "
-                    "--ids 1,2,3 then. A MODEL that cannot be used exits with status 2.",
+                    "--ids 1,2,3 then. A MODEL that cannot be used exits with status 2; a swarm that cannot "
+                    "serve it, with status 1."
+                    "\n\n"
+                    "An instruction-tuned model (a chat model) expects its chat template: give --chat, which "
+                    "sends PROMPT as the user's message. Without it such a model often ends its answer at once; "
+                    "the command then says so on stderr. For a conversation, use distconf chat.",
         examples=[("distconf generate ./model --initial-peers ADDR 'A cat sat'", "greedy, 32 new tokens"),
+                  ("distconf generate ./chat-model --initial-peers ADDR --chat 'What is the capital of France?'",
+                   "through the chat template"),
                   ("distconf generate ./model --initial-peers ADDR --ids 1,2,3 --max-new-tokens 8", "token ids in, "
                    "token ids out"),
                   ("distconf generate ./model --initial-peers ADDR 'Once' --sample --temperature 0.8 --seed 1",
                    "sampling")],
     )
-    p.add_argument("model", metavar="MODEL", help="model folder, .gguf file (or a folder holding one), or a cached "
-                                                  "hub id")
-    p.add_argument("prompt", nargs="?", default=None, help="prompt text (needs a tokenizer in MODEL)")
+    add_swarm_arguments(p, prompt=True)
+    p.add_argument("--prompt", dest="prompt_option", default=None, metavar="TEXT",
+                   help="the prompt, as an option (instead of PROMPT)")
     p.add_argument("--ids", type=parse_ids, default=None, help="prompt as comma-separated token ids")
-    p.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", default=None,
-                   help="multiaddrs of swarm peers (default: $DISTCONF_INITIAL_PEERS)")
-    p.add_argument("--dht-prefix", default=None, metavar="PREFIX",
-                   help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
-                        "model's name by the family's rule)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the tokenizer's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first")
+    p.add_argument("--max-new-tokens", "--max-tokens", type=positive_int, default=32,
+                   help="tokens to generate (default 32)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample within top-p probability mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-server-to-server", action="store_true", help="never let servers push to each other")
@@ -59,90 +68,107 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Printer:
-    """A transformers streamer: prints each new token (text, or id when there is no tokenizer)."""
+def _prompt(args: argparse.Namespace) -> str | None:
+    """The prompt text (PROMPT or --prompt); raises CommandFailed when the prompt is given twice or not at all."""
+    from distconf.cli.swarm_model import CommandFailed
 
-    def __init__(self, tokenizer: Any, prompt_length: int, out: Any) -> None:
-        self.tokenizer, self.skip, self.out = tokenizer, prompt_length, out
-        self.ids: list[int] = []
-        self.printed = ""
+    given = [x for x in (args.prompt, args.prompt_option, args.ids) if x is not None]
+    if len(given) != 1:
+        raise CommandFailed("give one prompt: PROMPT, --prompt TEXT or --ids 1,2,3", 2)
+    if args.chat and args.ids is not None:
+        raise CommandFailed("--chat needs a text prompt, not --ids", 2)
+    return args.prompt if args.prompt is not None else args.prompt_option
 
-    def put(self, value: Any) -> None:
-        tokens = value.reshape(-1).tolist()
-        if self.skip:  # the first call carries the prompt
-            self.skip = 0
-            return
-        for token in tokens:
-            self.ids.append(int(token))
-            if self.tokenizer is None:
-                self.out.write(f"{token} ")
-            else:
-                text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-                self.out.write(text[len(self.printed):])
-                self.printed = text
-            self.out.flush()
 
-    def end(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
+def _input_ids(args: argparse.Namespace, text: str | None, tokenizer: Any) -> list[int]:
+    from distconf.cli.swarm_model import CommandFailed
+    from distconf.client.textgen import chat_input_ids
+
+    if text is None:
+        return list(args.ids)
+    if tokenizer is None:
+        raise CommandFailed(f"{args.model} has no tokenizer; give the prompt as --ids 1,2,3", 2)
+    if not args.chat:
+        return [int(i) for i in tokenizer(text)["input_ids"]]
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": text}]
+    try:
+        return chat_input_ids(tokenizer, messages)
+    except ValueError as exc:
+        raise CommandFailed(f"--chat: {exc}", 2) from None
+
+
+def empty_answer_notice(stream: Any, chat: bool, has_template: bool) -> str | None:
+    """Why a finished ``stream`` printed nothing, or None when it printed something (or was not empty)."""
+    if stream.text.strip() or stream.finish_reason != "stop":
+        return None
+    if stream.completion_tokens <= 1:
+        why = "the model ended its answer at once (end of sequence as the first token)"
+    else:
+        why = f"the answer has no printable text ({stream.completion_tokens} tokens, then end of sequence)"
+    if not chat and has_template:
+        why += "; an instruction-tuned model expects its chat template: add --chat"
+    return why
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve the model."""
+    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
 
-    peers = initial_peers(args, "generate")
-    if peers is None:
-        return 2
-    if (args.prompt is None) == (args.ids is None):
-        print("distconf generate: give either PROMPT or --ids", file=sys.stderr)
-        return 2
-    from distconf.client.model_source import open_client_source
-    from distconf.sources import ModelSourceError
-
-    try:
-        source = open_client_source(args.model, dht_prefix=args.dht_prefix)
-        tokenizer = source.load_tokenizer()
-    except ModelSourceError as exc:
-        print(f"distconf generate: {exc}", file=sys.stderr)
-        return 2
-    if args.prompt is not None and tokenizer is None:
-        print(f"distconf generate: {args.model} has no tokenizer; give the prompt as --ids 1,2,3", file=sys.stderr)
-        return 2
-    import torch
-
-    from distconf.client import AutoDistributedModelForCausalLM
-
-    ids = torch.tensor([args.ids]) if args.ids is not None else tokenizer(args.prompt, return_tensors="pt").input_ids
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    fields: dict[str, Any] = {"initial_peers": peers, "show_route": bool(args.show_route)}
+    fields: dict[str, Any] = {"show_route": bool(args.show_route)}
     if args.no_server_to_server:
         fields["use_server_to_server"] = False
     try:
-        model = AutoDistributedModelForCausalLM.from_pretrained(source, **fields)
-    except ModelSourceError as exc:
+        text = _prompt(args)
+        model, tokenizer = open_swarm_model(args, need_tokenizer=False, **fields)
+    except CommandFailed as exc:
+        print(f"distconf generate: {exc}", file=sys.stderr)
+        return exc.code
+    try:
+        return _generate(args, model, tokenizer, text)
+    except CommandFailed as exc:
+        print(f"distconf generate: {exc}", file=sys.stderr)
+        return exc.code
+    finally:
+        model.shutdown()
+
+
+def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | None) -> int:
+    from distconf.cli.sampling import stream_with_top_k
+    from distconf.client.textgen import Sampling
+
+    ids = _input_ids(args, text, tokenizer)
+    try:
+        sampling = Sampling(max_tokens=args.max_new_tokens, temperature=args.temperature if args.sample else 0.0,
+                            top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
+    except ValueError as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TimeoutError) as exc:
-        print(f"distconf generate: {exc}", file=sys.stderr)
-        return 1
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    out = sys.stdout
+    stream = stream_with_top_k(model, tokenizer, ids, sampling, args.top_k if args.sample else None)
     try:
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                           pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
-                           streamer=_Printer(tokenizer, ids.shape[1], sys.stdout),
-                           **(sampling if args.sample else {"do_sample": False}))
-    except Exception as exc:
+        for piece in stream:
+            out.write(piece.text if tokenizer is not None else f"{piece.token_id} ")
+            out.flush()
+    except Exception as exc:  # the swarm failed mid-way (retries exhausted): one line
         print(f"\ndistconf generate: {exc}", file=sys.stderr)
         return 1
     finally:
-        model.shutdown()
+        stream.close()
+    out.write("\n")
+    out.flush()
+    notice = empty_answer_notice(stream, args.chat, bool(getattr(tokenizer, "chat_template", None)))
+    if notice and tokenizer is not None:
+        print(f"distconf generate: {notice}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m distconf.cli.cmd_generate ...`` (the same as ``distconf generate ...``)."""
+    if argv is None:  # the process's own command line: choose its threads before torch is imported
+        from distconf.threads import apply_thread_policy
+
+        apply_thread_policy("process")
     parser = argparse.ArgumentParser(prog="distconf")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["generate", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,96 @@
+"""``distconf chat``: an interactive terminal chat with a model on a swarm (history, streamed replies)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.swarm_args import add_swarm_arguments
+
+__all__ = ["register", "run", "main"]
+
+CHAT_RETRIES = 3
+"""Retries of a failed step before a reply gives up (unless DISTCONF_MAX_RETRIES says otherwise)."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``chat`` subcommand."""
+    p = add_command(
+        subparsers, "chat", summary="chat with a model on a swarm in the terminal",
+        description="Load the non-block weights of MODEL (an instruction-tuned model with a chat template; "
+                    "any source distconf generate takes), join the swarm through --initial-peers and chat: "
+                    "each line you type is a user message, the whole conversation goes through the model's chat "
+                    "template, and the reply is printed as it is generated."
+                    "\n\n"
+                    "Ctrl-C stops the current reply (its inference session is closed, the servers free its "
+                    "cache) and the chat goes on; /reset starts a new conversation; /exit or Ctrl-D leaves. "
+                    "A MODEL that cannot be used exits with status 2, a swarm that cannot serve it with status 1.",
+        examples=[("distconf chat ./SmolLM2-135M-Instruct --initial-peers ADDR", "chat (temperature 0.7)"),
+                  ("distconf chat ./model.gguf --initial-peers ADDR --temperature 0", "greedy replies"),
+                  ("distconf chat ./model --initial-peers ADDR --system 'Answer in one sentence.'",
+                   "a system message first"),
+                  ("distconf chat ./model --initial-peers ADDR --dht-prefix my-model --max-tokens 100",
+                   "another prefix, shorter replies")],
+    )
+    add_swarm_arguments(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="most tokens per reply (default 512)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="sample within top-p probability mass (default 0.9)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed of every reply's sampling (default: a fresh one)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Chat until /exit or end of input; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve."""
+    from distconf.cli.chat_repl import ChatRepl
+    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
+    from distconf.client.textgen import Sampling
+    from distconf.loader.mixins import MAX_RETRIES_ENV
+
+    try:
+        sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    except ValueError as exc:
+        print(f"distconf chat: {exc}", file=sys.stderr)
+        return 2
+    fields = {} if os.environ.get(MAX_RETRIES_ENV) else {"max_retries": CHAT_RETRIES}
+    try:
+        model, tokenizer = open_swarm_model(args, need_tokenizer=True, **fields)
+    except CommandFailed as exc:
+        print(f"distconf chat: {exc}", file=sys.stderr)
+        return exc.code
+    try:
+        if not getattr(tokenizer, "chat_template", None):
+            print(f"distconf chat: {args.model}'s tokenizer has no chat template (not a chat model?); "
+                  "use distconf generate for raw prompts", file=sys.stderr)
+            return 2
+        _enable_line_editing()
+        print(f"chatting with {model.config.dht_prefix} ({model.config.num_hidden_layers} blocks on the swarm); "
+              "/help for commands, Ctrl-C stops a reply, /exit or Ctrl-D leaves", flush=True)
+        return ChatRepl(model, tokenizer, sampling, system=args.system).run()
+    finally:
+        model.shutdown()
+
+
+def _enable_line_editing() -> None:
+    """Arrow keys and history at the prompt when Python has readline (importing it is enough)."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m distconf.cli.cmd_chat ...`` (the same as ``distconf chat ...``)."""
+    parser = argparse.ArgumentParser(prog="distconf")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Arguments of the commands that talk to a model on a swarm: MODEL, --initial-peers, --dht-prefix, a PROMPT anywhere.
+
+``--initial-peers`` takes one or more multiaddrs, so plain argparse lets it swallow whatever
+follows it: ``distconf generate ./model --initial-peers ADDR 'A cat sat'`` would read the prompt
+as a second address. Here the addresses are the leading values that look like multiaddrs
+(they start with ``/``); the first value that does not ends the list. That value, and any
+positional argparse could not place because it came after other options, fill the command's
+positionals still empty, in order (`PositionalsAnywhere`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["InitialPeersAction", "PositionalsAnywhere", "add_swarm_arguments"]
+
+_SPILLED = "_positional_words"
+"""Namespace attribute collecting the words that are not multiaddrs, for `PositionalsAnywhere`."""
+
+
+class InitialPeersAction(argparse.Action):
+    """``--initial-peers ADDR [ADDR ...]``: the leading multiaddrs; the values after them are kept as positionals."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        """Store the leading multiaddrs in ``dest``; keep the rest for `PositionalsAnywhere`."""
+        values = list(values)
+        count = next((i for i, value in enumerate(values) if not value.startswith("/")), len(values))
+        if count == 0:
+            parser.error(f"{option_string}: expected a multiaddr such as /ip4/127.0.0.1/tcp/31337/p2p/<id>, "
+                         f"got {values[0]!r}")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values[:count]])
+        setattr(namespace, _SPILLED, [*getattr(namespace, _SPILLED, []), *values[count:]])
+
+
+class PositionalsAnywhere(argparse.ArgumentParser):
+    """A subcommand parser whose optional positionals (``nargs="?"``) may stand anywhere among the options.
+
+    Argparse places positionals at the first run of non-option words (filling later ones with
+    their default when that run is short), so a PROMPT after ``--max-new-tokens 8`` would be
+    "unrecognized". This parser gives such leftover words, and those `InitialPeersAction` kept,
+    to the positionals still unset, in order; the ``required_positionals`` (by dest) must be set
+    in the end, else it reports the usage error argparse would.
+    """
+
+    required_positionals: tuple[str, ...] = ()
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """Parse as argparse does, then place the leftover words (see the class docstring)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        words = [*getattr(namespace, _SPILLED, []), *(e for e in extras if not e.startswith("-"))]
+        extras = [e for e in extras if e.startswith("-")]
+        if hasattr(namespace, _SPILLED):
+            delattr(namespace, _SPILLED)
+        for action in self._positionals._group_actions:
+            if words and action.nargs == "?" and getattr(namespace, action.dest, None) is None:
+                setattr(namespace, action.dest, words.pop(0))
+        missing = [a.metavar or a.dest for a in self._positionals._group_actions
+                   if a.dest in self.required_positionals and getattr(namespace, a.dest, None) is None]
+        if missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        return namespace, [*words, *extras]
+
+
+def add_swarm_arguments(parser: argparse.ArgumentParser, *, prompt: bool = False) -> None:
+    """Add MODEL (and PROMPT when ``prompt``), ``--initial-peers`` and ``--dht-prefix`` to a subcommand ``parser``.
+
+    The parser becomes a `PositionalsAnywhere` (MODEL required), so the positionals may come
+    before, between or after the options.
+    """
+    parser.__class__ = PositionalsAnywhere  # same state, one method more: argparse builds subparsers itself
+    parser.required_positionals = ("model",)  # type: ignore[attr-defined]
+    parser.usage = "%(prog)s MODEL" + (" [PROMPT]" if prompt else "") + " [options]"
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="model folder, .gguf file (or a folder holding one), or a cached hub id")
+    if prompt:
+        parser.add_argument("prompt", metavar="PROMPT", nargs="?", default=None,
+                            help="prompt text (needs a tokenizer in MODEL); may stand anywhere on the line")
+    parser.add_argument("--initial-peers", nargs="+", metavar="MULTIADDR", default=None, action=InitialPeersAction,
+                        help="multiaddrs of swarm peers, each starting with / (default: $DISTCONF_INITIAL_PEERS)")
+    parser.add_argument("--dht-prefix", default=None, metavar="PREFIX",
+                        help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
+                             "model's name by the family's rule)")

@@ -1,0 +1,71 @@
+"""The distributed model (and its tokenizer) of a command that talks to a swarm, each failure one line.
+
+`open_swarm_model` is what ``distconf generate`` and ``distconf chat`` share: read MODEL
+(exit 2 when it cannot be used), join the swarm through the initial peers, and check that a
+route through every block exists before the first token is asked for (a swarm without one is
+said in one line, exit 1, instead of retrying forever).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["CommandFailed", "open_swarm_model", "check_route"]
+
+
+class CommandFailed(Exception):
+    """A command cannot go on: ``str(exc)`` is the line to print, ``code`` the exit status."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def open_swarm_model(args: argparse.Namespace, *, need_tokenizer: bool, **fields: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of ``args.model`` on the swarm of ``args.initial_peers`` (or the environment's).
+
+    ``fields`` are client config fields (``show_route``, ``max_retries``, ...). The tokenizer
+    is None for a model without one, unless ``need_tokenizer`` (then that is a failure).
+    Raises `CommandFailed`: code 2 for a missing address or an unusable MODEL, 1 when the
+    swarm cannot be joined or has no route. The caller shuts the model down.
+    """
+    from distconf.loader.mixins import default_initial_peers
+
+    peers = list(args.initial_peers or default_initial_peers())
+    if not peers:
+        raise CommandFailed("give --initial-peers (or set DISTCONF_INITIAL_PEERS); there is no default swarm", 2)
+    from distconf.client.model_source import open_client_source
+    from distconf.sources import ModelSourceError
+
+    try:
+        source = open_client_source(args.model, dht_prefix=args.dht_prefix)
+        tokenizer = source.load_tokenizer()
+    except ModelSourceError as exc:
+        raise CommandFailed(str(exc), 2) from None
+    if need_tokenizer and tokenizer is None:
+        raise CommandFailed(f"{args.model} has no tokenizer", 2)
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    try:
+        model = AutoDistributedModelForCausalLM.from_pretrained(source, initial_peers=peers, **fields)
+    except ModelSourceError as exc:
+        raise CommandFailed(str(exc), 2) from None
+    except (OSError, ValueError, TimeoutError) as exc:
+        raise CommandFailed(f"cannot join the swarm through {' '.join(peers)}: {exc}") from None
+    try:
+        check_route(model)
+    except CommandFailed:
+        model.shutdown()
+        raise
+    return model, tokenizer
+
+
+def check_route(model: Any) -> None:
+    """Raise `CommandFailed` (one line) unless the swarm has a chain of servers through all of ``model``'s blocks."""
+    from distconf.dht.routing import NoRouteError
+
+    try:
+        model.remote.manager.plan_route(inference=True)
+    except NoRouteError as exc:
+        raise CommandFailed(f"the swarm cannot serve {model.config.dht_prefix!r} now: {exc}") from None
