@@ -39,9 +39,9 @@ LAYERS: dict[str, int] = {
     "distconf.blocks": 1,
     "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2, "distconf.sources": 2,
     "distconf.server": 3, "distconf.client": 3,
-    "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.__main__": 4,
+    "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.api": 4, "distconf.__main__": 4,
 }
-LAYER_NAMES = {0: "errors/loader", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor"}
+LAYER_NAMES = {0: "errors/loader", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor/api"}
 
 
 LATE_BINDINGS: dict[tuple[str, str], str] = {

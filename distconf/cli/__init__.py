@@ -25,8 +25,8 @@ __all__ = ["main", "build_parser", "COMMANDS"]
 logger = logging.getLogger(__name__)
 
 COMMANDS: tuple[str, ...] = (
-    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "chat", "swarm", "monitor", "demo",
-    "schema",
+    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "chat", "api", "swarm", "monitor",
+    "demo", "schema",
 )
 """Subcommands, in help order; command ``x`` is the module ``distconf.cli.cmd_x``."""
 
@@ -53,6 +53,7 @@ examples:
   distconf serve ./model --initial-peers ADDR --memory 8GiB   serve blocks to a swarm
   distconf generate ./model --initial-peers ADDR 'A cat sat'  generate text through a swarm
   distconf chat ./model --initial-peers ADDR  chat with a model on a swarm in the terminal
+  distconf api ./model --initial-peers ADDR   an OpenAI-compatible API and a chat page (127.0.0.1:8000)
   distconf swarm --initial-peers ADDR --model PREFIX   coverage of a running swarm
   distconf monitor --initial-peers ADDR        a live web page of the swarm (127.0.0.1:8000)
   distconf demo                               built-in families, presets and a local swarm

@@ -208,7 +208,7 @@ class TextStream:
                 self._cache.close()
                 return None
             with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([ids]), past_key_values=self._cache, use_cache=True)
+                out = self.model(input_ids=torch.tensor([ids]), cache=self._cache, use_cache=True)
             if self._closed:
                 self._cache.close()
             return out.logits[0, -1].float()

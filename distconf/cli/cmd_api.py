@@ -1,0 +1,95 @@
+"""``distconf api``: serve a model of a swarm through an OpenAI-compatible HTTP API, with a chat page at ``/``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.swarm_args import add_swarm_arguments
+
+__all__ = ["API_KEY_ENV", "register", "run"]
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "DISTCONF_API_KEY"
+"""Environment variable holding the API key when ``--api-key`` is not given."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``api`` subcommand."""
+    p = add_command(
+        subparsers, "api", summary="an OpenAI-compatible API (and a chat page) for a model on a swarm",
+        description="Load the non-block weights and the tokenizer of MODEL, join the swarm through --initial-peers "
+                    "and serve OpenAI's API on http://HOST:PORT/v1: GET /v1/models, POST /v1/chat/completions "
+                    "(messages through the tokenizer's chat template) and POST /v1/completions (a raw prompt), "
+                    "streamed as server-sent events with \"stream\": true. Supported: max_tokens "
+                    "(max_completion_tokens), temperature (0 is greedy), top_p, stop, seed, n, logprobs "
+                    "(chat: logprobs and top_logprobs; completions: logprobs 0..5), stream_options.include_usage; "
+                    "penalties, logit_bias, tools and echo are refused (400).\n\n"
+                    "A chat page is at http://HOST:PORT/. Each request runs its own inference session; "
+                    "--max-concurrent requests generate at once, later ones wait. With --api-key (or $"
+                    f"{API_KEY_ENV}) every /v1 request must send 'Authorization: Bearer KEY'. Listens on "
+                    "127.0.0.1 unless --host says otherwise.",
+        examples=[
+            ("distconf api ./model --initial-peers ADDR", "serve on http://127.0.0.1:8000/v1"),
+            ("distconf api ./model --initial-peers ADDR --port 8080 --api-key s3cret", "another port, a key"),
+            ("curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
+             "-d '{\"model\": \"ID\", \"stream\": true, \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+             "a streamed chat (ID: GET /v1/models)"),
+        ],
+    )
+    add_swarm_arguments(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; another address exposes the API to the network)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}; none if unset)")
+    p.add_argument("--model-id", default=None, metavar="ID",
+                   help="the model's id in the API (default: its DHT prefix)")
+    p.add_argument("--max-concurrent", type=positive_int, default=8,
+                   help="requests generating at once (default 8; later ones wait)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
+                   help="largest request body in bytes (default 1048576)")
+    p.add_argument("--max-retries", type=int, default=3,
+                   help="retries of a failed swarm request before answering 503 (default 3)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, then serve the API until interrupted; 2 for bad arguments or MODEL, 1 if the swarm fails."""
+    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
+
+    if not 0 <= args.port <= 65535:
+        print("distconf api: --port must be in 0..65535", file=sys.stderr)
+        return 2
+    if args.max_retries < 0:
+        print("distconf api: --max-retries must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = open_swarm_model(args, need_tokenizer=True, max_retries=args.max_retries)
+    except CommandFailed as exc:
+        print(f"distconf api: {exc}", file=sys.stderr)
+        return exc.code
+    from distconf.api import Backend, build_app
+    from distconf.api.protocol import now
+    from distconf.monitor.app import LOOPBACK_HOSTS
+    from distconf.monitor.serve import is_loopback, serve_forever
+
+    model_id = args.model_id or model.config.dht_prefix
+    backend = Backend(model, tokenizer, model_id, max_concurrent=args.max_concurrent, created=now())
+    try:
+        loopback = is_loopback(args.host)
+        if not loopback:
+            logger.warning("listening on %s: the API is reachable from the network", args.host)
+        app = build_app(backend, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        allowed_hosts=LOOPBACK_HOSTS if loopback else None, max_body_bytes=args.max_body_bytes)
+        print(f"distconf api: serving {model_id!r} at http://{args.host}:{args.port}/v1 and a chat page at "
+              f"http://{args.host}:{args.port}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        serve_forever(app, args.host, args.port, log_level="warning")
+    finally:
+        backend.shutdown()
+        model.shutdown()
+    return 0
