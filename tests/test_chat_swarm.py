@@ -1,0 +1,196 @@
+"""``distconf chat`` and ``distconf generate`` on a real swarm serving the real model (SmolLM2-135M-Instruct).
+
+One swarm for the module: a bootstrap DHT node and two ``distconf serve`` processes of the GGUF
+in fp32 (blocks 0:15 and 15:30). The commands run as a user runs them:
+
+- ``distconf generate GGUF --initial-peers ADDR 'A cat sat'`` (the prompt after the addresses)
+  prints the local transformers model's greedy text; ``--chat`` prints the known answer; the raw
+  question, which the instruction-tuned model ends at once, prints a notice suggesting ``--chat``;
+- ``distconf chat`` in a real tmux session: the typed question gets the known answer, Ctrl-C during
+  a long reply stops it and the chat goes on, ``/reset`` and the question again give the answer
+  again, ``/exit`` leaves with status 0;
+- a prefix no server holds: one line, exit 1, no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from real_helpers import open_real_source, real_cache_dir
+
+from distconf.tools import real_model as rm
+from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+
+pytestmark = pytest.mark.swarm
+
+REPO = Path(__file__).resolve().parents[1]
+SPANS = ("0:15", "15:30")
+START_DEADLINE = 300.0  # two real servers loading at once on a shared 2-core machine
+COMMAND_TIMEOUT = 240.0  # one CLI run: load the model, join, generate
+
+
+class Swarm:
+    """The running swarm: its addresses and the environment its commands run with."""
+
+    def __init__(self, peers: list[str], env: dict[str, str]) -> None:
+        self.peers, self.env = peers, env
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``distconf ARGS`` to its end."""
+        return subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT, cwd=REPO, env=self.env)
+
+
+@pytest.fixture(scope="module")
+def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    from distconf.client.swarm import release_dht
+    from distconf.dht import start_local_dht, visible_maddrs
+
+    open_real_source(request.config)  # converted once, before the servers need it
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
+    env.pop("DISTCONF_INITIAL_PEERS", None)
+    dht = start_local_dht()
+    servers: list[ServerProcess] = []
+    try:
+        peers = visible_maddrs(dht)
+        logs = tmp_path_factory.mktemp("chat-swarm")
+        servers = [ServerProcess(serve_command(rm.gguf_path(), "--initial-peers", *peers, "--blocks", span,
+                                               "--host", "127.0.0.1", "--dtype", "float32"),
+                                 logs / f"server-{i}.log", name=f"chat-{i}", env=env)
+                   for i, span in enumerate(SPANS)]
+        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
+        yield Swarm(peers, env)
+    finally:
+        stop_all(servers)
+        release_dht(dht)
+
+
+@pytest.fixture(scope="module")
+def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    source = open_real_source(request.config)
+    return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+
+
+# ------------------------------------------------------------------ distconf generate
+
+
+def test_generate_prompt_after_the_addresses(swarm: Swarm, local: tuple[Any, Any]) -> None:
+    import torch
+
+    model, tokenizer = local
+    ids = tokenizer("A cat sat", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    want = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    result = swarm.cli("generate", str(rm.gguf_path()), "--initial-peers", *swarm.peers, "A cat sat",
+                       "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == want + "\n" and want.strip()
+
+
+def test_generate_chat_and_the_empty_answer_notice(swarm: Swarm) -> None:
+    chat = swarm.cli("generate", str(rm.gguf_path()), "--initial-peers", *swarm.peers, "--chat", rm.QUESTION)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert chat.stdout.strip() == rm.ANSWER
+    raw = swarm.cli("generate", str(rm.gguf_path()), "--initial-peers", *swarm.peers, "--prompt", rm.QUESTION)
+    assert raw.returncode == 0, raw.stderr[-2000:]
+    assert raw.stdout == "\n"  # end of sequence at once ...
+    assert "ended its answer at once" in raw.stderr and "add --chat" in raw.stderr  # ... and why
+
+
+def test_chat_without_a_route_is_one_line(swarm: Swarm) -> None:
+    result = swarm.cli("chat", str(rm.gguf_path()), "--initial-peers", *swarm.peers, "--dht-prefix", "nobody-serves")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("distconf chat: the swarm cannot serve 'nobody-serves' now: "), result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ distconf chat in tmux
+
+
+class Tmux:
+    """One tmux session on a private server socket (no other tmux is touched); every wait is bounded."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.socket = f"distconf-test-{uuid.uuid4().hex[:8]}"
+        self.name = "chat"
+        line = " ".join(_quote(part) for part in command)
+        self.tmux("new-session", "-d", "-s", self.name, "-x", "220", "-y", "60", line, env=env)
+        self.tmux("set-option", "-t", self.name, "remain-on-exit", "on")
+
+    def tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
+        """Run one tmux command on this server; its stdout."""
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=True,
+                              timeout=30, env=env).stdout
+
+    def screen(self) -> str:
+        """The pane's text with its scrollback, wrapped lines joined."""
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-2000", "-t", self.name)
+
+    def keys(self, *keys: str) -> None:
+        """Type ``keys`` (tmux key names such as Enter and C-c, or literal text)."""
+        self.tmux("send-keys", "-t", self.name, *keys)
+
+    def wait_for(self, done: Any, timeout: float, what: str) -> str:
+        """Poll the screen until ``done(screen)`` is true; fail (with the screen) after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if done(screen):
+                return screen
+            if time.monotonic() > deadline:
+                pytest.fail(f"tmux: no {what} after {timeout:.0f} s; the screen:\n{screen[-3000:]}")
+            time.sleep(0.2)
+
+    def pane(self, field: str) -> str:
+        """A pane format field (``pane_dead``, ``pane_dead_status``)."""
+        return self.tmux("display-message", "-p", "-t", self.name, f"#{{{field}}}").strip()
+
+    def kill(self) -> None:
+        """Stop this tmux server and what runs in it."""
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+
+
+def _quote(part: str) -> str:
+    return "'" + part.replace("'", "'\\''") + "'"
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_chat_in_tmux(swarm: Swarm) -> None:
+    command = [sys.executable, "-m", "distconf", "chat", str(rm.gguf_path()), "--initial-peers", *swarm.peers,
+               "--temperature", "0", "--max-tokens", "400"]
+    term = Tmux(command, {**swarm.env, "TERM": "xterm"})
+    try:
+        term.wait_for(lambda s: "chatting with" in s, COMMAND_TIMEOUT, "banner")
+        term.keys(rm.QUESTION, "Enter")
+        term.wait_for(lambda s: s.count(rm.ANSWER) == 1 and s.rstrip().endswith(">"), 120, "answer")
+
+        story = "Write a very long story about a dragon who learns to cook."
+        term.keys(story, "Enter")
+        term.wait_for(lambda s: len(s.split(story, 1)[-1].strip()) >= 40, 120, "start of the story")
+        term.keys("C-c")
+        screen = term.wait_for(lambda s: "[stopped]" in s and s.rstrip().endswith(">"), 60, "stopped reply")
+        assert term.pane("pane_dead") == "0"  # still chatting
+        assert "Traceback" not in screen and "KeyboardInterrupt" not in screen
+
+        term.keys("/reset", "Enter")
+        term.wait_for(lambda s: "(a new conversation)" in s, 30, "reset")
+        term.keys(rm.QUESTION, "Enter")
+        term.wait_for(lambda s: s.count(rm.ANSWER) == 2 and s.rstrip().endswith(">"), 120, "answer again")
+
+        term.keys("/exit", "Enter")
+        term.wait_for(lambda s: term.pane("pane_dead") == "1", 60, "exit")
+        assert term.pane("pane_dead_status") == "0"
+    finally:
+        term.kill()
