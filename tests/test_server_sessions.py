@@ -8,82 +8,29 @@ is full again afterwards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from blockhelpers import family_config
+from handlerhelpers import CONTEXT, Caller, make_handler, output, step, tiny_served
 
-from distconf.blocks import build_block, kv_geometry
-from distconf.rpc import chain_uid, deserialize_tensors, inference_step_request
 from distconf.rpc.protocol import KEY_ALLOC_TIMEOUT, KEY_MAX_LENGTH, KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID
 from distconf.server.compute import ServedBlock, SessionCache, forward_chain
-from distconf.server.handler import BlockHandler, HandlerSettings
-from distconf.server.memory import CacheBudget
 from distconf.server.validation import RequestError
 
-PREFIX = "sessions-test"
-CONTEXT: Any = SimpleNamespace(remote_id="peer-abcdef")
 H = 64  # hidden size of the tiny blocks
 
 
 @pytest.fixture(scope="module")
 def served() -> list[ServedBlock]:
-    """Two real tiny llama blocks (random weights), as the server holds them."""
-    config, _, _ = family_config("llama", num_hidden_layers=2, hidden_size=H)
-    torch.manual_seed(0)
-    modules = [build_block(config, i, device="cpu", dtype=torch.float32).requires_grad_(False) for i in range(2)]
-    geometry = kv_geometry(config)
-    per_token = geometry.values_per_token * 4
-    uids = [chain_uid(PREFIX, i, i + 1) for i in range(2)]
-    return [ServedBlock(uid, i, m, torch.float32, geometry, per_token) for i, (uid, m) in enumerate(zip(uids, modules))]
+    """Two real tiny blocks (random weights), as the server holds them."""
+    return tiny_served(2, H)
 
 
 @pytest.fixture
 def executor():
     with ThreadPoolExecutor(1) as pool:
         yield pool
-
-
-def make_handler(served: list[ServedBlock], executor: ThreadPoolExecutor, budget_bytes: int) -> BlockHandler:
-    settings = HandlerSettings(dht_prefix=PREFIX, hidden_size=H, dtype=torch.float32,
-                               inference_max_length=64, step_timeout=20, session_timeout=60)
-    return BlockHandler(served, CacheBudget(budget_bytes), settings, executor)
-
-
-class Caller:
-    """One ``rpc_inference`` stream: messages put by the test, replies read from the handler."""
-
-    def __init__(self, handler: BlockHandler) -> None:
-        self.messages: asyncio.Queue[Any] = asyncio.Queue()
-        self.replies = handler.rpc_inference(self._requests(), CONTEXT)
-
-    async def _requests(self) -> AsyncIterator[Any]:
-        while (message := await self.messages.get()) is not None:
-            yield message
-
-    def send(self, message: Any) -> asyncio.Future[Any]:
-        """Put ``message`` on the stream; the future is the next reply."""
-        self.messages.put_nowait(message)
-        return asyncio.ensure_future(self.replies.__anext__())
-
-    async def close(self) -> None:
-        """End the stream; the session must end with it."""
-        self.messages.put_nowait(None)
-        with pytest.raises(StopAsyncIteration):
-            await asyncio.wait_for(self.replies.__anext__(), 20)
-
-
-def step(hidden: torch.Tensor, **metadata: Any) -> Any:
-    return inference_step_request(chain_uid(PREFIX, 0, 2), hidden, metadata=metadata)
-
-
-def output(reply: Any) -> torch.Tensor:
-    (tensor,) = deserialize_tensors(reply.tensors)
-    return tensor
 
 
 def test_two_opens_with_one_session_id_race(served: list[ServedBlock], executor: ThreadPoolExecutor) -> None:

@@ -32,7 +32,20 @@ from distconf.loader.synthesis import resolve_object
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BlockAdapter", "LayerSettings", "layer_settings", "prepare_config"]
+__all__ = ["BlockAdapter", "LayerSettings", "RowLayout", "layer_settings", "prepare_config"]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Rows of one block call that have different lengths (sessions computed together).
+
+    Rows are padded on the left, so every row's new tokens start at the same index:
+    ``padding_mask`` ``[batch, past + seq]`` is True where a key is a real token, and
+    ``position_ids`` ``[batch, seq]`` holds each row's own positions (rotary, chunks).
+    """
+
+    padding_mask: torch.Tensor
+    position_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -188,7 +201,7 @@ class BlockAdapter:
             return rotary(hidden_states, position_ids, settings.rotary_layer_type)
         return rotary(hidden_states, position_ids)
 
-    def _mask(self, hidden_states: torch.Tensor, past: int) -> Any:
+    def _mask(self, hidden_states: torch.Tensor, past: int, padding_mask: torch.Tensor | None = None) -> Any:
         settings = self._distconf
         batch, seq = hidden_states.shape[:2]
         boolean = settings.spec.mask.boolean
@@ -199,7 +212,7 @@ class BlockAdapter:
             window=settings.sliding_window if settings.mask_kind == "sliding_window" else None,
             chunk=settings.chunk_size if settings.mask_kind == "chunked" else None,
             allow_skip=settings.spec.mask.allow_skip and not settings.alibi_in_mask and not boolean,
-            dtype=hidden_states.dtype, config=settings.config, device=hidden_states.device,
+            dtype=hidden_states.dtype, config=settings.config, device=hidden_states.device, padding_mask=padding_mask,
         )
         if boolean is not None and mask is not None:
             mask = mask != 0 if boolean == "masked" else mask == 0
@@ -217,7 +230,8 @@ class BlockAdapter:
             kwargs["device"] = hidden_states.device
         return settings.alibi_function(**kwargs)
 
-    def _alibi(self, hidden_states: torch.Tensor, past: int, mask: Any) -> tuple[Any, Any]:
+    def _alibi(self, hidden_states: torch.Tensor, past: int, mask: Any,
+               padding_mask: torch.Tensor | None = None) -> tuple[Any, Any]:
         """The ALiBi bias for the layer's alibi argument, and the mask with the bias folded in when asked."""
         import torch
 
@@ -225,8 +239,11 @@ class BlockAdapter:
         if settings.spec.position.alibi_arguments is not None:
             return self._alibi_by_arguments(hidden_states, past), mask
         batch, seq = hidden_states.shape[:2]
-        ones = torch.ones((batch, past + seq), device=hidden_states.device, dtype=torch.long)
-        alibi = settings.alibi_function(ones, settings.config.num_attention_heads, hidden_states.dtype)
+        if padding_mask is None:
+            keys = torch.ones((batch, past + seq), device=hidden_states.device, dtype=torch.long)
+        else:
+            keys = padding_mask.to(device=hidden_states.device, dtype=torch.long)
+        alibi = settings.alibi_function(keys, settings.config.num_attention_heads, hidden_states.dtype)
         if settings.alibi_in_mask and mask is not None:
             min_value = torch.finfo(hidden_states.dtype).min
             if mask.dtype == torch.bool:
@@ -235,11 +252,13 @@ class BlockAdapter:
             mask = torch.masked_fill(bias, mask < -1, min_value)
         return alibi, mask
 
-    def layer_kwargs(self, hidden_states: torch.Tensor, past: int = 0, cache: Any = None) -> dict[str, Any]:
+    def layer_kwargs(self, hidden_states: torch.Tensor, past: int = 0, cache: Any = None,
+                     rows: RowLayout | None = None) -> dict[str, Any]:
         """Keyword arguments the decoder layer gets for ``hidden_states`` after ``past`` cached tokens.
 
         Exactly what a transformers model passes to the layer: positions, rotary
-        embeddings or ALiBi, the mask, and ``cache`` under the family's keyword.
+        embeddings or ALiBi, the mask, and ``cache`` under the family's keyword. ``rows``
+        gives rows of different lengths their own positions and padding (a batch of sessions).
         """
         import torch
 
@@ -247,15 +266,20 @@ class BlockAdapter:
         call = settings.spec.call
         kwargs: dict[str, Any] = dict(call.extra)
         kwargs[call.cache_argument] = cache
-        position_ids = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        if rows is None:
+            position_ids = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+            padding_mask = None
+        else:
+            position_ids = rows.position_ids.to(hidden_states.device)
+            padding_mask = rows.padding_mask.to(hidden_states.device)
         if call.position_ids_argument:
             kwargs[call.position_ids_argument] = position_ids
         if settings.rotary_class is not None and call.position_embeddings_argument:
             kwargs[call.position_embeddings_argument] = self._rotary(hidden_states, position_ids)
-        mask = self._mask(hidden_states, past) if call.mask_argument else None
+        mask = self._mask(hidden_states, past, padding_mask) if call.mask_argument else None
         alibi = None
         if settings.alibi_function is not None:
-            alibi, mask = self._alibi(hidden_states, past, mask)
+            alibi, mask = self._alibi(hidden_states, past, mask, padding_mask)
         if call.alibi_argument:
             kwargs[call.alibi_argument] = alibi
         if call.mask_argument:
@@ -263,17 +287,20 @@ class BlockAdapter:
         return kwargs
 
     def forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                use_cache: bool = False, rows: RowLayout | None = None,
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Run the block on ``[batch, seq, hidden]`` hidden states.
 
         ``layer_past`` is the ``(key, value)`` cache of earlier tokens (or None). Returns
         the new hidden states and, if ``use_cache``, the cache including these tokens.
+        ``rows``: each row's positions and padding, when rows of one call have different lengths.
         """
         settings = self._distconf
         past = int(layer_past[0].shape[-2]) if layer_past is not None else 0
         cache = (BlockKVCache(layer_past, settings.geometry.num_kv_heads, settings.layer_writes)
                  if (use_cache or layer_past) else None)
-        output = super().forward(hidden_states, **self.layer_kwargs(hidden_states, past, cache))  # type: ignore[misc]
+        kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
+        output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]
         if isinstance(output, (tuple, list)):
             output = output[0]
         present = cache.present if (use_cache and cache is not None) else None

@@ -16,22 +16,28 @@ __all__ = [
 ]
 
 
-def chunked_mask_function(chunk_size: int, batch_size: int, device: Any) -> Any:
-    """transformers' chunked causal mask function: causal within blocks of ``chunk_size`` tokens (no padding)."""
+def chunked_mask_function(chunk_size: int, batch_size: int, device: Any, left_padding: Any = None) -> Any:
+    """transformers' chunked causal mask function: causal within blocks of ``chunk_size`` tokens.
+
+    ``left_padding``: ``[batch]`` padding positions before each row's first token (default none).
+    """
     import torch
     from transformers.masking_utils import chunked_causal_mask_function
 
-    return chunked_causal_mask_function(chunk_size, torch.zeros(batch_size, device=device, dtype=torch.long))
+    if left_padding is None:
+        left_padding = torch.zeros(batch_size, device=device, dtype=torch.long)
+    return chunked_causal_mask_function(chunk_size, left_padding)
 
 
 def build_attention_mask(implementation: str, *, batch_size: int, q_length: int, past: int,
                          window: int | None, allow_skip: bool, dtype: Any, config: Any, device: Any,
-                         chunk: int | None = None) -> Any:
+                         chunk: int | None = None, padding_mask: Any = None) -> Any:
     """The 4D mask a transformers model would give a layer (None when the implementation needs none).
 
     Causal, causal limited to ``window`` tokens back, or causal within blocks of ``chunk``
     tokens; built by transformers' own mask functions for ``implementation`` (``sdpa``,
-    ``eager``, ...).
+    ``eager``, ...). ``padding_mask``: ``[batch, past + q_length]``, True where a key is a
+    real token (rows of a batch padded on the left, as transformers pads for generation).
     """
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
@@ -41,15 +47,18 @@ def build_attention_mask(implementation: str, *, batch_size: int, q_length: int,
 
     if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         return None  # implementations that need no mask (e.g. paged kernels)
+    left_padding = None
+    if padding_mask is not None:
+        left_padding = padding_mask.long().argmax(dim=-1)  # the first real key of each row
     if chunk is not None:
-        mask_function, local_size = chunked_mask_function(chunk, batch_size, device), chunk
+        mask_function, local_size = chunked_mask_function(chunk, batch_size, device, left_padding), chunk
     elif window is not None:
         mask_function, local_size = sliding_window_causal_mask_function(window), window
     else:
         mask_function, local_size = causal_mask_function, None
     return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
         batch_size=batch_size, q_length=q_length, kv_length=past + q_length, q_offset=past, kv_offset=0,
-        mask_function=mask_function, attention_mask=None, allow_is_causal_skip=allow_skip,
+        mask_function=mask_function, attention_mask=padding_mask, allow_is_causal_skip=allow_skip,
         local_size=local_size, dtype=dtype, config=config, use_vmap=False, device=device,
     )
 

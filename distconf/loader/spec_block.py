@@ -113,6 +113,13 @@ class PositionSpec(StrictModel):
         description="Also fold alibi / sqrt(key_head_dim) into a float attention mask, as models do that "
                     "pass the mask to scaled_dot_product_attention.",
     )
+    from_cache_length: bool = Field(
+        default=False,
+        description="Some layer of the family reads token positions from its cache's length rather than "
+                    "from position ids (e.g. a no-rotary layer's attention-temperature scaling). Rows of one "
+                    "block call then need equal cached lengths: a server computes sessions together only "
+                    "when they stand at the same position.",
+    )
 
     @model_validator(mode="after")
     def _alibi_when_needed(self) -> PositionSpec:

@@ -66,6 +66,9 @@ class ServeOptions:
     attn_cache_tokens: int | None = None
     repository: str | None = None
     compute_threads: int | None = None
+    max_batch_size: int = 16  # rows of several sessions' inference steps computed together; 1 = no batching
+    max_batch_tokens: int | None = None  # rows x padded new tokens per batch (default: the planner's max length)
+    prefill_chunk: int = 64  # a longer step is computed in chunks of this many tokens per row
     verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
     balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
@@ -272,6 +275,7 @@ class BlockServer(SpanMoves):
         from distconf.server.compute import ServedBlock
         from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.memory import CacheBudget
+        from distconf.server.scheduler import BatchLimits
 
         o, config = self.options, self.config
         uids = block_uids(config.dht_prefix, start, start + len(modules))
@@ -284,7 +288,10 @@ class BlockServer(SpanMoves):
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
             weights_sha256=self.weights_sha256)
-        return BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings, self.executor)
+        limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,
+                             max_batch_tokens=o.max_batch_tokens or default_max_length(config))
+        return BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings, self.executor,
+                            limits)
 
     def verify_weights(self) -> bool | None:
         """Hash the served weights again and log whether they equal the digest taken at load.

@@ -4,36 +4,22 @@ Blocks follow the adapter's calling convention (``hidden, present = block(hidden
 layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``).
 Requests arrive and replies leave on the CPU; inputs move to the blocks' device (where the
 caches live too) and results come back, so a GPU server needs nothing else here.
-These functions are synchronous and run in the server's one compute thread
-(`ComputeThread`); inputs are already validated (see `distconf.server.validation`).
+These functions are synchronous and run in the server's one compute thread, in the order
+`distconf.server.scheduler` chooses (it batches inference steps of several sessions with
+`distconf.server.batch_step`); inputs are already validated (see `distconf.server.validation`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from distconf.blocks.kvcache import KVGeometry
 
-__all__ = ["ComputeThread", "ServedBlock", "SessionCache", "backward_chain", "forward_chain"]
-
-T = TypeVar("T")
-
-
-class ComputeThread:
-    """Runs the server's synchronous compute on ``executor`` (one thread), awaited from the event loop."""
-
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the compute thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+__all__ = ["ServedBlock", "SessionCache", "add_prompt", "backward_chain", "forward_chain", "on_device"]
 
 
 @dataclass
@@ -53,13 +39,13 @@ class ServedBlock:
         self.device = torch.device("cpu") if weight is None else weight.device
 
 
-def _on(blocks: Sequence[ServedBlock], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+def on_device(blocks: Sequence[ServedBlock], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """``tensors`` moved to the device of ``blocks`` (no copy when they are there already)."""
     device = blocks[0].device if blocks else torch.device("cpu")
     return [None if t is None else t.to(device) for t in tensors]
 
 
-def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int = 0) -> torch.Tensor:
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int = 0) -> torch.Tensor:
     """``hidden`` with ``prompt[:, p]`` added at absolute positions ``p`` (``hidden`` starts at ``position``)."""
     if prompt is None:
         return hidden
@@ -74,10 +60,10 @@ def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int
 def forward_chain(blocks: Sequence[ServedBlock], hidden: torch.Tensor,
                   prompts: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Run ``hidden`` through ``blocks`` (no cache); deep prompts added to each block's input."""
-    hidden, *prompts = _on(blocks, hidden, *prompts)
+    hidden, *prompts = on_device(blocks, hidden, *prompts)
     with torch.inference_mode():
         for block, prompt in zip(blocks, prompts):
-            hidden, _ = block.module(_add_prompt(hidden, prompt))
+            hidden, _ = block.module(add_prompt(hidden, prompt))
     return hidden.cpu()
 
 
@@ -87,7 +73,7 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
 
     ``prompts``: ``[num_blocks, batch or 1, pre_seq_len, hidden]``. Weights get no gradient.
     """
-    inputs, grad_outputs, prompts = _on(blocks, inputs, grad_outputs, prompts)
+    inputs, grad_outputs, prompts = on_device(blocks, inputs, grad_outputs, prompts)
     with torch.enable_grad():
         inputs = inputs.detach().requires_grad_(True)
         leaves = [inputs]
@@ -96,7 +82,7 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
             leaves.append(prompts)
         hidden = inputs
         for i, block in enumerate(blocks):
-            hidden, _ = block.module(_add_prompt(hidden, None if prompts is None else prompts[i]))
+            hidden, _ = block.module(add_prompt(hidden, None if prompts is None else prompts[i]))
         grads = torch.autograd.grad(hidden, leaves, grad_outputs, allow_unused=True)
     return [(torch.zeros_like(leaf) if g is None else g).cpu() for g, leaf in zip(grads, leaves)]
 
@@ -127,25 +113,32 @@ class SessionCache:
                                            dtype=b.dtype, device=b.device))
 
     def release(self) -> None:
-        """Drop the cache tensors."""
-        self.keys.clear()
-        self.values.clear()
+        """Drop the cache tensors (a step computing at this moment keeps the lists it started with)."""
+        self.keys, self.values = [], []
+
+    def reorder(self, hypo_ids: torch.Tensor | None) -> None:
+        """Reorder the cached rows (beam search's ``hypo_ids``: row ``i`` becomes old row ``hypo_ids[i]``)."""
+        pos = self.position
+        if hypo_ids is None or pos == 0:
+            return
+        (hypo_ids,) = on_device(self.blocks, hypo_ids)
+        with torch.inference_mode():
+            for k, v in zip(self.keys, self.values):
+                k[:, :, :pos] = k[hypo_ids, :, :pos]
+                v[:, :, :pos] = v[hypo_ids, :, :pos]
 
     def step(self, hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None],
              hypo_ids: torch.Tensor | None) -> torch.Tensor:
         """Process ``hidden`` ``[batch, n, hidden]`` at the current position; advance it by ``n``."""
+        self.reorder(hypo_ids)
         pos, n = self.position, hidden.shape[1]
-        hidden, hypo_ids, *prompts = _on(self.blocks, hidden, hypo_ids, *prompts)
+        hidden, *prompts = on_device(self.blocks, hidden, *prompts)
         with torch.inference_mode():
-            if hypo_ids is not None and pos > 0:
-                for k, v in zip(self.keys, self.values):
-                    k[:, :, :pos] = k[hypo_ids, :, :pos]
-                    v[:, :, :pos] = v[hypo_ids, :, :pos]
             if n == 0:
                 return hidden.cpu()
             for block, k, v, prompt in zip(self.blocks, self.keys, self.values, prompts):
                 past = (k[:, :, :pos], v[:, :, :pos]) if pos > 0 else None
-                hidden, present = block.module(_add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
+                hidden, present = block.module(add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
                 k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
                 v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
         self.position = pos + n

@@ -32,8 +32,9 @@ from distconf.rpc.protocol import (
     serialize_tensors,
 )
 from distconf.rpc.servicer import BlockServicer
-from distconf.server.compute import ComputeThread, ServedBlock, backward_chain, forward_chain
+from distconf.server.compute import ServedBlock, backward_chain, forward_chain
 from distconf.server.memory import CacheBudget
+from distconf.server.scheduler import BatchLimits, ComputeScheduler
 from distconf.server.sessions import Sessions
 from distconf.server.settings import HandlerSettings
 from distconf.server.validation import (
@@ -54,11 +55,12 @@ class BlockHandler(BlockServicer):
     """Serves ``blocks`` (consecutive, loaded) with one shared KV-cache ``budget``."""
 
     def __init__(self, blocks: Sequence[ServedBlock], budget: CacheBudget, settings: HandlerSettings,
-                 executor: Executor) -> None:
+                 executor: Executor, limits: BatchLimits | None = None) -> None:
+        """``limits``: how inference steps of several sessions are batched (default `BatchLimits()`)."""
         self.blocks = {b.uid: b for b in blocks}
         self.ordered = list(blocks)
         self.budget, self.settings, self.executor = budget, settings, executor
-        self.compute = ComputeThread(executor)
+        self.compute = ComputeScheduler(executor, limits)
         self.p2p: P2P | None = None
         self.stats: Counter[str] = Counter()
         self.sessions = Sessions(self.blocks, budget, self.compute, settings, self.stats)
@@ -113,7 +115,7 @@ class BlockHandler(BlockServicer):
             CACHE_TOKENS_AVAILABLE: self.cache_tokens_available(), "inference_max_length": s.inference_max_length,
             "torch_dtype": str(s.dtype).removeprefix("torch."), "hidden_size": s.hidden_size,
             "start_block": self.ordered[0].index, "end_block": self.ordered[-1].index + 1,
-            "stats": dict(self.stats),
+            "stats": {**self.stats, **self.compute.stats},
         }
         if s.weights_sha256 is not None:
             result["weights_sha256"] = s.weights_sha256
@@ -155,7 +157,7 @@ class BlockHandler(BlockServicer):
         hidden, prompts = unpack_tensors(tensors, metadata, ("hidden_states", "prompts"))
         hidden = check_hidden("hidden_states", hidden, s.hidden_size, s.dtype)
         per_block = check_prompts(prompts, len(blocks), hidden.shape[0], s.hidden_size, s.dtype, hidden.shape[1])
-        return await self.compute.run(forward_chain, blocks, hidden, per_block)
+        return await self.compute.run(forward_chain, blocks, hidden, per_block, cost=hidden.shape[0] * hidden.shape[1])
 
     async def _backward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]
                         ) -> list[torch.Tensor]:
@@ -170,7 +172,8 @@ class BlockHandler(BlockServicer):
         check_prompts(prompts, len(blocks), inputs.shape[0], s.hidden_size, s.dtype, inputs.shape[1])
         has_prompts = prompts is not None and prompts.numel() > 0
         return await self.compute.run(backward_chain, blocks, inputs, grads,
-                                      prompts.to(s.dtype) if has_prompts else None)
+                                      prompts.to(s.dtype) if has_prompts else None,
+                                      cost=2 * inputs.shape[0] * inputs.shape[1])
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:

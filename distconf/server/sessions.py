@@ -33,7 +33,7 @@ from distconf.rpc.protocol import (
     loads_metadata,
     serialize_tensors,
 )
-from distconf.server.compute import ComputeThread, ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock, SessionCache
 from distconf.server.inference import (
     PUSH_QUEUE_SIZE,
     SessionInputs,
@@ -44,6 +44,7 @@ from distconf.server.inference import (
     push_request,
 )
 from distconf.server.memory import CacheBudget
+from distconf.server.scheduler import ComputeScheduler
 from distconf.server.settings import HandlerSettings
 from distconf.server.validation import RequestError, check_prompts, metadata_int, metadata_number, served_chain
 
@@ -70,7 +71,7 @@ class Sessions:
     to the next server of a caller's chain.
     """
 
-    def __init__(self, blocks: Mapping[str, ServedBlock], budget: CacheBudget, compute: ComputeThread,
+    def __init__(self, blocks: Mapping[str, ServedBlock], budget: CacheBudget, compute: ComputeScheduler,
                  settings: HandlerSettings, stats: Counter[str]) -> None:
         self.blocks, self.budget, self.compute, self.settings, self.stats = blocks, budget, compute, settings, stats
         self.p2p: P2P | None = None
@@ -208,7 +209,7 @@ class Sessions:
         step.prompts_per_block = check_prompts(step.prompts, len(cache.blocks), cache.batch, s.hidden_size,
                                                s.dtype, None)
         cache.position = position
-        return await self.compute.run(cache.step, step.hidden, step.prompts_per_block, step.hypo_ids)
+        return await self.compute.step(cache, step.hidden, step.prompts_per_block, step.hypo_ids)
 
     # ------------------------------------------------------------------ outgoing pushes
 

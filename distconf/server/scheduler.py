@@ -1,0 +1,289 @@
+"""`ComputeScheduler`: what a server's one compute thread runs next.
+
+Everything a server computes goes through one scheduler, run on the server's compute
+executor (one thread), in this order:
+
+1. control work (allocating a session's cache, reordering it), at once;
+2. inference steps, **batched**: the steps of all sessions that are ready when the thread
+   becomes free are computed together, one block call per block (`step_together`), as many
+   rows as ``max_batch_size`` allows and no more than ``max_batch_tokens`` padded tokens.
+   A step longer than ``prefill_chunk`` tokens per row (a prefill) is split into chunks; each
+   chunk is one batch, so other sessions' decode steps run between the chunks. Short steps go
+   before long ones, and a step passed over gains priority with every batch that passes it;
+3. forward/backward requests (training), shortest first (a request passed over gains priority
+   the same way), when no inference step is ready, or when ``training_patience`` inference
+   batches ran since the last training request: inference never waits behind training, and
+   training is not starved by a steady stream of decode steps.
+
+Sessions join and leave between batches; a session that stalls is simply not in the next
+batch. A step whose caller went away (its future cancelled) is dropped before it runs. If a
+batch fails, its steps are retried one by one, so an error reaches only the step that causes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from distconf.server.batch_step import StepPart, batch_key, step_together
+from distconf.server.compute import SessionCache
+
+__all__ = ["BatchLimits", "ComputeScheduler"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Bounds of one batched inference step, and how long training work waits at most."""
+
+    max_batch_size: int = 16
+    """Rows (sequences) computed together; 1 turns batching off."""
+    max_batch_tokens: int = 2048
+    """Rows x padded new tokens of one batch (the activations a batch may take)."""
+    prefill_chunk: int = 64
+    """New tokens of one row per batch: longer steps are computed in chunks of this many."""
+    training_patience: int = 8
+    """Inference batches that may run between two forward/backward requests while one waits."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_batch_tokens", "prefill_chunk", "training_patience"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Work:
+    """Something queued for the compute thread, with the future its caller awaits."""
+
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    order: int
+    waited: int = 0
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Hand ``result`` (or ``error``) to the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future, result, error)
+        except RuntimeError:  # the caller's loop is closed: nobody waits any more
+            pass
+
+
+@dataclass(eq=False, kw_only=True)
+class _Task(_Work):
+    """A call run as it is: control work or a forward/backward request of ``cost`` tokens."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    cost: int = 0
+
+    def run(self) -> None:
+        try:
+            self.finish(self.fn(*self.args))
+        except Exception as exc:
+            self.finish(error=exc)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Step(_Work):
+    """An inference step of one session, computed in chunks of at most ``chunk`` tokens per row."""
+
+    cache: SessionCache
+    hidden: torch.Tensor
+    prompts: Sequence[torch.Tensor | None]
+    chunk: int
+    done: int = 0
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def next_part(self) -> StepPart:
+        """The next chunk of this step, at the cache's current position."""
+        n = min(self.chunk, int(self.hidden.shape[1]) - self.done)
+        return StepPart(self.cache, self.hidden[:, self.done:self.done + n], self.prompts)
+
+    def rank(self) -> tuple[int, int]:
+        """Short before long; every batch that passed this step over halves its length for the ranking."""
+        n = min(self.chunk, int(self.hidden.shape[1]) - self.done)
+        return (n >> min(self.waited, 62), self.order)
+
+    def advance(self, output: torch.Tensor) -> bool:
+        """Take one chunk's output; True when the whole step is done (the caller got its result)."""
+        self.outputs.append(output)
+        self.done += int(output.shape[1])
+        if self.done < int(self.hidden.shape[1]):
+            return False
+        self.finish(self.outputs[0] if len(self.outputs) == 1 else torch.cat(self.outputs, dim=1))
+        return True
+
+
+class ComputeScheduler:
+    """Runs a server's compute on ``executor`` in priority order (see the module docstring).
+
+    Awaited from the server's event loop; ``stats`` counts ``batches``, ``batched_rows``
+    (rows computed in batches of more than one session), ``max_batch_rows`` and ``training``.
+    """
+
+    def __init__(self, executor: Executor, limits: BatchLimits | None = None) -> None:
+        self.executor = executor
+        self.limits = limits or BatchLimits()
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._control: list[_Task] = []
+        self._training: list[_Task] = []
+        self._steps: list[_Step] = []
+        self._pumping = False
+        self._order = itertools.count()
+        self._batches_since_training = 0
+
+    @property
+    def queued_steps(self) -> int:
+        """Inference steps waiting for (or in) the compute thread."""
+        with self._lock:
+            return len(self._steps)
+
+    # ------------------------------------------------------------------ submitting
+
+    def _submit(self, work: _Work, queue: list[Any]) -> None:
+        with self._lock:
+            queue.append(work)
+            if self._pumping:
+                return
+            self._pumping = True
+        try:
+            self.executor.submit(self._drain)
+        except RuntimeError:  # the executor is shut down: the server is stopping
+            with self._lock:
+                self._pumping = False
+                queue.remove(work)
+            raise
+
+    def _work(self, cls: type[_Work], **fields: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return cls(future=loop.create_future(), loop=loop, order=next(self._order), **fields)
+
+    async def run(self, fn: Callable[..., T], *args: Any, cost: int | None = None) -> T:
+        """``fn(*args)`` in the compute thread: control work (``cost=None``, at once) or a
+        forward/backward request of ``cost`` tokens (after inference steps)."""
+        task = self._work(_Task, fn=fn, args=args, cost=cost or 0)
+        self._submit(task, self._control if cost is None else self._training)
+        return await task.future
+
+    async def step(self, cache: SessionCache, hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None],
+                   hypo_ids: torch.Tensor | None) -> torch.Tensor:
+        """One inference step of a session (as ``cache.step``), computed together with other sessions' steps."""
+        if hidden.shape[1] == 0:
+            return await self.run(cache.step, hidden, prompts, hypo_ids)
+        if hypo_ids is not None:
+            await self.run(cache.reorder, hypo_ids)
+        chunk = max(1, min(self.limits.prefill_chunk, self.limits.max_batch_tokens // max(1, hidden.shape[0])))
+        step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk)
+        self._submit(step, self._steps)
+        return await step.future
+
+    # ------------------------------------------------------------------ the compute thread
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                run = self._next()
+                if run is None:
+                    self._pumping = False
+                    return
+            run()
+
+    def _next(self) -> Callable[[], None] | None:
+        """What to run next (called with the lock held); None when nothing is queued."""
+        for queue in (self._control, self._training, self._steps):
+            queue[:] = [w for w in queue if not w.future.cancelled()]
+        if self._control:
+            return self._control.pop(0).run
+        patience = self.limits.training_patience
+        if self._training and (not self._steps or self._batches_since_training >= patience):
+            task = min(self._training, key=lambda t: (t.cost >> min(t.waited, 62), t.order))
+            self._training.remove(task)
+            for t in self._training:
+                t.waited += 1
+            self._batches_since_training = 0
+            self.stats["training"] += 1
+            return task.run
+        if not self._steps:
+            return None
+        batch = self._form_batch()
+        if self._training:
+            self._batches_since_training += 1
+        for s in self._steps:
+            if s not in batch:
+                s.waited += 1
+        return lambda: self._run_batch(batch)
+
+    def _form_batch(self) -> list[_Step]:
+        """The next batch: the best-ranked step, and the steps that may join it."""
+        limits = self.limits
+        ranked = sorted(self._steps, key=_Step.rank)
+        anchor = ranked[0]
+        key = batch_key(anchor.next_part())
+        batch, rows, width = [anchor], anchor.rows, anchor.next_part().length
+        real = rows * width
+        for s in ranked[1:]:
+            if rows + s.rows > limits.max_batch_size:
+                continue
+            part = s.next_part()
+            if batch_key(part) != key:
+                continue
+            new_width = max(width, part.length)
+            new_real = real + s.rows * part.length
+            # a row joins within the token bound and if at least half of the padded batch is real tokens
+            if new_width * (rows + s.rows) > limits.max_batch_tokens or 2 * new_real < new_width * (rows + s.rows):
+                continue
+            batch.append(s)
+            rows, width, real = rows + s.rows, new_width, new_real
+        return batch
+
+    def _run_batch(self, batch: list[_Step]) -> None:
+        parts = [s.next_part() for s in batch]
+        try:
+            outputs = step_together(parts)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._forget(batch)
+                batch[0].finish(error=exc)
+                return
+            logger.warning("a batch of %d steps failed (%r); computing them one by one", len(batch), exc)
+            for step in batch:
+                self._run_batch([step])
+            return
+        self.stats["batches"] += 1
+        if len(batch) > 1:
+            self.stats["batched_rows"] += sum(s.rows for s in batch)
+        self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], sum(s.rows for s in batch))
+        finished = [s for s, out in zip(batch, outputs) if s.advance(out)]
+        for s in batch:
+            s.waited = 0
+        self._forget(finished)
+
+    def _forget(self, steps: list[_Step]) -> None:
+        with self._lock:
+            self._steps[:] = [s for s in self._steps if s not in steps]
