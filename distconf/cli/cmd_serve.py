@@ -123,6 +123,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--balance_quality; 0 never moves; a span given with --blocks never moves)")
     p.add_argument("--mean-balance-check-period", type=float, default=60.0, metavar="S",
                    help="mean seconds between balance checks (each wait is random in 0..2S, as Petals)")
+    batching = p.add_argument_group("batching (inference steps of several sessions computed together)")
+    batching.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=positive_int,
+                          default=16, metavar="N", help="rows (sequences) of one batched step (default 16)")
+    batching.add_argument("--max-batch-tokens", type=positive_int, default=None, metavar="T",
+                          help="rows x padded new tokens of one batched step (default: 8192 for grouped-query "
+                               "models, else 2048, as Petals' max_batch_size)")
+    batching.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="T",
+                          help="compute longer steps (prefills) in chunks of T tokens per row, so other "
+                               "sessions' decode steps run between chunks (default 64)")
+    batching.add_argument("--no-batching", action="store_true",
+                          help="compute each session's step alone (as --max-batch-size 1)")
     p.set_defaults(func=run)
 
 
@@ -138,7 +149,9 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
         attn_cache_tokens=args.attn_cache_tokens, repository=args.repository,
         verify_weights=args.verify_weights, balance_quality=args.balance_quality,
-        mean_balance_check_period=args.mean_balance_check_period)
+        mean_balance_check_period=args.mean_balance_check_period,
+        max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+        prefill_chunk=args.prefill_chunk)
 
 
 def _open(args: argparse.Namespace) -> Any:
