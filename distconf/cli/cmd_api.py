@@ -32,13 +32,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "A chat page is at http://HOST:PORT/. Each request runs its own inference session; "
                     "--max-concurrent requests generate at once, later ones wait. With --api-key (or $"
                     f"{API_KEY_ENV}) every /v1 request must send 'Authorization: Bearer KEY'. Listens on "
-                    "127.0.0.1 unless --host says otherwise.",
+                    "127.0.0.1 unless --host says otherwise.\n\n"
+                    "A streamed chat: curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: "
+                    "application/json' -d '{\"model\": \"ID\", \"stream\": true, \"messages\": [{\"role\": "
+                    "\"user\", \"content\": \"Hi\"}]}' (ID: from GET /v1/models).",
         examples=[
             ("distconf api ./model --initial-peers ADDR", "serve on http://127.0.0.1:8000/v1"),
             ("distconf api ./model --initial-peers ADDR --port 8080 --api-key s3cret", "another port, a key"),
-            ("curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
-             "-d '{\"model\": \"ID\", \"stream\": true, \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
-             "a streamed chat (ID: GET /v1/models)"),
+            ("DISTCONF_API_KEY=s3cret distconf api model.gguf --initial-peers ADDR", "the key from the environment"),
+            ("curl http://127.0.0.1:8000/v1/models", "the model's id (for the requests' \"model\")"),
         ],
     )
     add_swarm_arguments(p)
