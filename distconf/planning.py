@@ -32,6 +32,7 @@ __all__ = [
     "GIB",
     "ServerPlan",
     "autograd_reserve_bytes",
+    "batch_activation_bytes",
     "choose_blocks",
     "default_attn_cache_tokens",
     "default_max_length",
@@ -105,6 +106,24 @@ def default_max_length(config: DistributedConfig) -> int:
 def autograd_reserve_bytes(config: DistributedConfig, num_devices: int = 1) -> float:
     """Memory kept free for backward passes: 2 GiB x hidden_size / 14336 per device."""
     return 2 * GIB * num_devices * config.hidden_size / 14336
+
+
+def batch_activation_bytes(config: DistributedConfig, rows: int, new_tokens: int, past: int, dtype: Any,
+                           kv_bytes_per_token: int) -> int:
+    """Peak working memory of one block call on ``rows x new_tokens`` tokens after ``past`` cached ones.
+
+    The attention scores (``rows x heads x new x (past + new)``, float32), the MLP's
+    activations (``4 x hidden + 3 x intermediate`` values per token) and the block's padded
+    cache for the call (``rows x (past + new)`` tokens). A server keeps a batch of several
+    sessions within the memory the plan reserves (`autograd_reserve_bytes`).
+    """
+    hidden = int(config.hidden_size)
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    heads = int(config.num_attention_heads)
+    tokens = rows * new_tokens
+    scores = rows * heads * new_tokens * (past + new_tokens) * 4
+    mlp = tokens * (4 * hidden + 3 * intermediate) * dtype_bytes(dtype)
+    return scores + mlp + rows * (past + new_tokens) * kv_bytes_per_token
 
 
 def petals_kv_groups(config: DistributedConfig) -> int:

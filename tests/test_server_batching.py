@@ -200,3 +200,31 @@ def test_training_waits_for_inference_but_not_forever(served, executor) -> None:
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="max_batch_size must be at least 1"):
         BatchLimits(max_batch_size=0)
+
+
+def test_a_batch_stays_within_its_working_memory(served, executor) -> None:
+    from distconf.planning import batch_activation_bytes
+
+    config = served[0].module._distconf.config
+
+    def activation(rows: int, new: int, past: int) -> int:
+        return batch_activation_bytes(config, rows, new, past, torch.float32, served[0].kv_bytes_per_token)
+
+    async def scenario() -> None:
+        limit = activation(2, 1, 8)  # two decode rows after 8 tokens fit; a third row does not
+        scheduler = ComputeScheduler(executor, BatchLimits(max_batch_bytes=limit), activation)
+        caches = []
+        for _ in range(3):
+            cache = SessionCache(served, 1, MAX_LENGTH)
+            await scheduler.run(cache.allocate)
+            await scheduler.step(cache, torch.randn(1, 8, H), [None, None], None)
+            caches.append(cache)
+        assert activation(3, 1, 8) > limit
+        held = HeldThread(scheduler)
+        steps = [asyncio.ensure_future(scheduler.step(c, torch.randn(1, 1, H), [None, None], None)) for c in caches]
+        await until(lambda: scheduler.queued_steps == 3, "three steps are queued")
+        await held.release()
+        await asyncio.wait_for(asyncio.gather(*steps), 30)
+        assert scheduler.stats["max_batch_rows"] == 2
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -13,6 +13,7 @@ A server placed by the swarm (no ``blocks``) checks every ``mean_balance_check_p
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -271,7 +272,7 @@ class BlockServer(SpanMoves):
         """A `BlockHandler` (not registered yet) serving ``modules`` as blocks ``start..``, with a fresh budget."""
         from distconf.blocks.kvcache import kv_geometry
         from distconf.loader.naming import block_uids
-        from distconf.planning import default_max_length
+        from distconf.planning import autograd_reserve_bytes, batch_activation_bytes, default_max_length
         from distconf.server.compute import ServedBlock
         from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.memory import CacheBudget
@@ -289,9 +290,12 @@ class BlockServer(SpanMoves):
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
             weights_sha256=self.weights_sha256)
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,
-                             max_batch_tokens=o.max_batch_tokens or default_max_length(config))
+                             max_batch_tokens=o.max_batch_tokens or default_max_length(config),
+                             max_batch_bytes=int(autograd_reserve_bytes(config)))
+        activation = functools.partial(batch_activation_bytes, config, dtype=self.dtype,
+                                       kv_bytes_per_token=self.kv_bytes_per_token)
         return BlockHandler(served, CacheBudget(self.budget_bytes, o.max_alloc_timeout), settings, self.executor,
-                            limits)
+                            limits, activation)
 
     def verify_weights(self) -> bool | None:
         """Hash the served weights again and log whether they equal the digest taken at load.

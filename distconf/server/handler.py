@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing.AsyncIterator hints)
 
@@ -55,12 +55,14 @@ class BlockHandler(BlockServicer):
     """Serves ``blocks`` (consecutive, loaded) with one shared KV-cache ``budget``."""
 
     def __init__(self, blocks: Sequence[ServedBlock], budget: CacheBudget, settings: HandlerSettings,
-                 executor: Executor, limits: BatchLimits | None = None) -> None:
-        """``limits``: how inference steps of several sessions are batched (default `BatchLimits()`)."""
+                 executor: Executor, limits: BatchLimits | None = None,
+                 activation_bytes: Callable[[int, int, int], int] | None = None) -> None:
+        """``limits``, ``activation_bytes``: how inference steps of several sessions are batched
+        (see `ComputeScheduler`; default `BatchLimits()`, no memory estimate)."""
         self.blocks = {b.uid: b for b in blocks}
         self.ordered = list(blocks)
         self.budget, self.settings, self.executor = budget, settings, executor
-        self.compute = ComputeScheduler(executor, limits)
+        self.compute = ComputeScheduler(executor, limits, activation_bytes)
         self.p2p: P2P | None = None
         self.stats: Counter[str] = Counter()
         self.sessions = Sessions(self.blocks, budget, self.compute, settings, self.stats)

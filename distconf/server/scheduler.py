@@ -7,6 +7,7 @@ executor (one thread), in this order:
 2. inference steps, **batched**: the steps of all sessions that are ready when the thread
    becomes free are computed together, one block call per block (`step_together`), as many
    rows as ``max_batch_size`` allows and no more than ``max_batch_tokens`` padded tokens.
+   A batch also stays within ``max_batch_bytes`` of working memory (the plan's reserve).
    A step longer than ``prefill_chunk`` tokens per row (a prefill) is split into chunks; each
    chunk is one batch, so other sessions' decode steps run between the chunks. Short steps go
    before long ones, and a step passed over gains priority with every batch that passes it;
@@ -56,6 +57,8 @@ class BatchLimits:
     """New tokens of one row per batch: longer steps are computed in chunks of this many."""
     training_patience: int = 8
     """Inference batches that may run between two forward/backward requests while one waits."""
+    max_batch_bytes: int | None = None
+    """Working memory of one batched block call (see ``activation_bytes``); None: unbounded."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "prefill_chunk", "training_patience"):
@@ -146,9 +149,14 @@ class ComputeScheduler:
     (rows computed in batches of more than one session), ``max_batch_rows`` and ``training``.
     """
 
-    def __init__(self, executor: Executor, limits: BatchLimits | None = None) -> None:
+    def __init__(self, executor: Executor, limits: BatchLimits | None = None,
+                 activation_bytes: Callable[[int, int, int], int] | None = None) -> None:
+        """``activation_bytes(rows, new_tokens, past)``: the working memory of one block call
+        (`distconf.planning.batch_activation_bytes` for the served config), checked against
+        ``limits.max_batch_bytes`` before a session's step joins a batch."""
         self.executor = executor
         self.limits = limits or BatchLimits()
+        self.activation_bytes = activation_bytes
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._control: list[_Task] = []
@@ -245,7 +253,7 @@ class ComputeScheduler:
         ranked = sorted(self._steps, key=_Step.rank)
         anchor = ranked[0]
         key = batch_key(anchor.next_part())
-        batch, rows, width = [anchor], anchor.rows, anchor.next_part().length
+        batch, rows, width, past = [anchor], anchor.rows, anchor.next_part().length, anchor.cache.position
         real = rows * width
         for s in ranked[1:]:
             if rows + s.rows > limits.max_batch_size:
@@ -253,14 +261,21 @@ class ComputeScheduler:
             part = s.next_part()
             if batch_key(part) != key:
                 continue
-            new_width = max(width, part.length)
+            new_rows, new_width, new_past = rows + s.rows, max(width, part.length), max(past, s.cache.position)
             new_real = real + s.rows * part.length
             # a row joins within the token bound and if at least half of the padded batch is real tokens
-            if new_width * (rows + s.rows) > limits.max_batch_tokens or 2 * new_real < new_width * (rows + s.rows):
+            if new_width * new_rows > limits.max_batch_tokens or 2 * new_real < new_width * new_rows:
+                continue
+            if not self._fits(new_rows, new_width, new_past):
                 continue
             batch.append(s)
-            rows, width, real = rows + s.rows, new_width, new_real
+            rows, width, past, real = new_rows, new_width, new_past, new_real
         return batch
+
+    def _fits(self, rows: int, width: int, past: int) -> bool:
+        """Whether a batch of ``rows x width`` new tokens after ``past`` stays within ``max_batch_bytes``."""
+        limit = self.limits.max_batch_bytes
+        return limit is None or self.activation_bytes is None or self.activation_bytes(rows, width, past) <= limit
 
     def _run_batch(self, batch: list[_Step]) -> None:
         parts = [s.next_part() for s in batch]
