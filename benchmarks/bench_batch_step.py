@@ -2,7 +2,7 @@
 
 Blocks of a random model whose blocks dominate the cost (hidden 1024, 16 heads, 8 KV heads,
 8 layers, float32: the batching issue's 386 MB model; ``--family`` picks the family file,
-by default the demo's), held as a server holds them. ``k`` sessions, each with its own
+by default the first with a plain config), held as a server holds them. ``k`` sessions, each with its own
 cache of a different length, take one decode step: side by side in one run (rounds
 interleaved, medians),
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +34,9 @@ from distconf.loader import list_families, load_family
 from distconf.server.batch_step import StepPart, batch_key, step_together
 from distconf.server.compute import ServedBlock, SessionCache
 from distconf.tools.checker import tiny_variants
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_swarm import plain_family  # noqa: E402
 
 BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
        "head_dim": 64, "num_hidden_layers": 8, "vocab_size": 1000}
@@ -146,14 +151,14 @@ def exactness() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="llama")
+    parser.add_argument("--family", default=None, help="family file (default: the first with a plain config)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="fewer sessions and rounds, no exactness table")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; torch threads {torch.get_num_threads()}")
-    speed(args.family, 2 if args.quick else args.rounds, args.chunk, [1, 4] if args.quick else [1, 2, 4, 8, 16])
+    speed(args.family or plain_family(), 2 if args.quick else args.rounds, args.chunk, [1, 4] if args.quick else [1, 2, 4, 8, 16])
     if not args.quick:
         exactness()
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
