@@ -36,7 +36,7 @@ from distconf.server.compute import ServedBlock, SessionCache
 from distconf.tools.checker import tiny_variants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_swarm import plain_family  # noqa: E402
+from bench_swarm import plain_family
 
 BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
        "head_dim": 64, "num_hidden_layers": 8, "vocab_size": 1000}
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; torch threads {torch.get_num_threads()}")
-    speed(args.family or plain_family(), 2 if args.quick else args.rounds, args.chunk, [1, 4] if args.quick else [1, 2, 4, 8, 16])
+    ks = [1, 4] if args.quick else [1, 2, 4, 8, 16]
+    speed(args.family or plain_family(), 2 if args.quick else args.rounds, args.chunk, ks)
     if not args.quick:
         exactness()
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
