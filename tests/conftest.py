@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
-# One compute thread per process (here and in every server the tests start), set before torch is
-# imported: on a shared 2-core machine OpenMP threads spin against each other and a tiny MoE block's
-# test takes 12 s instead of 0.06 s.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from distconf.threads import SWITCH, apply_thread_policy
+
+# One compute thread and passive OpenMP waits per process (here and in every process the tests start),
+# set before torch is imported: tests run several processes per core (xdist workers, swarms), whose
+# spinning OpenMP threads starve each other (a tiny MoE block's test took 12 s instead of 0.06 s).
+# The user's own variables win (see distconf.threads).
+os.environ.setdefault(SWITCH, "1")
+apply_thread_policy("process")
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = REPO / "families"

@@ -35,7 +35,7 @@ PACKAGE = "distconf"
 # Layer of each top-level part of the package (a later layer may import an earlier one, never the reverse).
 # ``distconf`` itself (the package __init__) re-exports the core only, so it is in the bottom layer.
 LAYERS: dict[str, int] = {
-    "distconf": 0, "distconf.errors": 0, "distconf.versions": 0, "distconf.loader": 0,
+    "distconf": 0, "distconf.errors": 0, "distconf.versions": 0, "distconf.threads": 0, "distconf.loader": 0,
     "distconf.blocks": 1,
     "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2, "distconf.sources": 2,
     "distconf.server": 3, "distconf.client": 3,

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError
+from distconf.threads import apply_thread_policy
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -64,6 +65,7 @@ environment:
   DISTCONF_FAMILIES_PATH    extra folders of family files (os.pathsep-separated)
   DISTCONF_TRUSTED_MODULES  extra module prefixes class paths may use
   DISTCONF_INITIAL_PEERS    default initial peers (multiaddrs); none otherwise
+  DISTCONF_THREADS          compute threads: auto (servers half the cores, PASSIVE waits), N, or off
 """
 
 
@@ -96,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distconf`` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:  # this process's own command line (in-process callers keep their environment)
+        apply_thread_policy("server" if args.command == "serve" else "process")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

@@ -165,6 +165,10 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m distconf.cli.cmd_generate ...`` (the same as ``distconf generate ...``)."""
+    if argv is None:  # the process's own command line: choose its threads before torch is imported
+        from distconf.threads import apply_thread_policy
+
+        apply_thread_policy("process")
     parser = argparse.ArgumentParser(prog="distconf")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["generate", *(sys.argv[1:] if argv is None else argv)])

@@ -219,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m distconf.cli.cmd_serve ...`` (the same as ``distconf serve ...``)."""
+    if argv is None:  # the process's own command line: choose its threads before torch is imported
+        from distconf.threads import apply_thread_policy
+
+        apply_thread_policy("server")
     parser = argparse.ArgumentParser(prog="distconf")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

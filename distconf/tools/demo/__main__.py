@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from distconf.threads import apply_thread_policy
 from distconf.tools.demo.orchestrator import run_swarm_demo
 from distconf.tools.demo.server import serve
 
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ``serve ...`` runs one tiny-model server of it instead.
     """
+    if argv is None:  # the process's own command line: choose its threads before torch is imported
+        apply_thread_policy("server" if sys.argv[1:2] == ["serve"] else "process")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
