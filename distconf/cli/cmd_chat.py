@@ -86,6 +86,10 @@ def _enable_line_editing() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m distconf.cli.cmd_chat ...`` (the same as ``distconf chat ...``)."""
+    if argv is None:  # the process's own command line: choose its threads before torch is imported
+        from distconf.threads import apply_thread_policy
+
+        apply_thread_policy("process")
     parser = argparse.ArgumentParser(prog="distconf")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
