@@ -332,3 +332,55 @@ def test_start_local_dht_gives_p2pd_its_own_process_group(nodes):
     assert os.getpgid(isolated) == isolated != os.getpgid(nodes.local.pid)
     plain = _p2p_daemon_of(nodes.plain)  # hivemind as it is: p2pd in the group of the DHT process
     assert os.getpgid(plain) == os.getpgid(nodes.plain.pid)
+
+
+# ----------------------------------------------------------------------------- 13. one write per message
+class _RecordingWriter:
+    """Collects what is written (the stream writer ``send_protobuf`` is given)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_coalesced_writes_send_hiveminds_bytes_in_one_write(restore):
+    from hivemind.p2p import P2P
+    from hivemind.proto import runtime_pb2
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    messages = [runtime_pb2.ExpertRequest(uid="a.0", metadata=b"m" * 100), RPCError(message="refused"),
+                P2P.END_OF_STREAM, runtime_pb2.ExpertRequest(uid="big", metadata=b"b" * 5000)]
+
+    def written() -> list[list[bytes]]:
+        out = []
+        for message in messages:
+            writer = _RecordingWriter()
+            asyncio.run(P2P.send_protobuf(message, writer))
+            out.append(writer.writes)
+        return out
+
+    restore(P2P, "send_protobuf")
+    unpatched = written()
+    compat.coalesce_p2p_writes(limit=1000)
+    compat.coalesce_p2p_writes(limit=10)  # idempotent: the first limit stays
+    patched = written()
+    assert [b"".join(w) for w in patched] == [b"".join(w) for w in unpatched]
+    assert [len(w) for w in patched[:3]] == [1, 1, 1] and len(patched[3]) == len(unpatched[3]) > 1
+
+    async def round_trip() -> tuple[object, object]:  # hivemind's reader parses what the patch wrote
+        reader = asyncio.StreamReader()
+        for message in messages[:2]:
+            writer = _RecordingWriter()
+            await P2P.send_protobuf(message, writer)
+            reader.feed_data(b"".join(writer.writes))
+        first, _ = await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader)
+        _, error = await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader)
+        return first, error
+
+    first, error = asyncio.run(round_trip())
+    assert first == messages[0] and error.message == "refused"

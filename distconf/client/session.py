@@ -49,13 +49,39 @@ class SpanSession:
         self.session_id = str(uuid.uuid4())
         self.max_length = max_length
         self.dtype = dtype
-        self.history: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # inputs sent so far in [:, :_length]; grows by doubling
+        self._length = 0
         self.position = 0
         self.stepped = False
         self.pending_start: int | None = None
         self.closed = False
         self.wire_dtype: torch.dtype | None = None
         self._stream: InferenceStream | None = None
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """The inputs sent so far (all positions), as the server's cache holds them."""
+        return None if self._buffer is None else self._buffer[:, :self._length]
+
+    @history.setter
+    def history(self, value: torch.Tensor | None) -> None:
+        self._buffer, self._length = value, 0 if value is None else int(value.shape[1])
+
+    def _appended(self, sent: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(buffer, length) with ``sent`` written after the history; the history itself is unchanged.
+
+        Amortized: the buffer doubles (up to ``max_length``) instead of being copied every step.
+        """
+        length, need = self._length, self._length + sent.shape[1]
+        buffer = self._buffer
+        if buffer is None or buffer.shape[1] < need or buffer.shape[0] != sent.shape[0] or buffer.dtype != sent.dtype:
+            capacity = max(need, min(self.max_length, 2 * need))
+            grown = sent.new_empty((sent.shape[0], capacity, *sent.shape[2:]))
+            if buffer is not None and length:
+                grown[:, :length] = buffer[:, :length]
+            buffer = grown
+        buffer[:, length:need] = sent
+        return buffer, need
 
     @property
     def peer_id(self) -> str:
@@ -89,16 +115,33 @@ class SpanSession:
         ``inputs`` holds either the ``n_new`` new positions or all ``position + n_new``.
         ``prompts``: the session's deep prompts for all blocks (sliced to this span here).
         """
+        request, commit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
+        timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
+        return commit(self.swarm.run(self._exchange(request), timeout=timeout))
+
+    async def astep(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
+                    step_id: str, next_servers: list[tuple[str, str, int, int]],
+                    prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """`step` on the event loop (for a span that has stepped already: nothing here blocks)."""
+        request, commit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
+        return commit(await self._exchange(request))
+
+    def _prepare(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
+                 step_id: str, next_servers: list[tuple[str, str, int, int]], prompts: torch.Tensor | None
+                 ) -> tuple[Any, Any]:
+        """The step's request and the function that checks its reply and commits the step."""
         if self.closed:
             raise RuntimeError("span session is closed")
         if self.stepped:
             if self.position != position:
                 raise RuntimeError(f"span at position {self.position}, session at {position}")
             sent = inputs[:, -n_new:]
-            history = self.history if self.history is not None else sent[:, :0]
-            if hypo_ids is not None:
-                history = history[hypo_ids]
-            new_history = torch.cat([history, sent], dim=1)
+            if hypo_ids is None:
+                buffer, length = self._appended(sent)
+            else:
+                history = self.history if self.history is not None else sent[:, :0]
+                buffer = torch.cat([history[hypo_ids], sent], dim=1)
+                length = buffer.shape[1]
             step_hypo = hypo_ids
         else:
             if inputs.shape[1] == position + n_new:
@@ -110,7 +153,7 @@ class SpanSession:
                 if hypo_ids is not None:
                     history = history[hypo_ids]
                 sent = torch.cat([history, inputs[:, -n_new:]], dim=1)
-            new_history = sent
+            buffer, length = sent, sent.shape[1]
             step_hypo = None  # a fresh cache is filled with the already reordered history
         metadata = self._step_metadata(step_id, next_servers)
         if self.wire_dtype is None:
@@ -121,17 +164,19 @@ class SpanSession:
             span_prompts = prompts[self.span.start:self.span.end]
         request = inference_step_request(self.uid, sent, span_prompts, hypo_ids=step_hypo, metadata=metadata,
                                          dtype=self.wire_dtype)
-        timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
-        response = self.swarm.run(self._exchange(request), timeout=timeout)
-        outputs = deserialize_tensors(response.tensors)
-        if not outputs or tuple(outputs[0].shape) != tuple(sent.shape):
-            got = tuple(outputs[0].shape) if outputs else "nothing"
-            raise ConnectionError(f"server …{self.peer_id[-6:]} returned {got} for inputs {tuple(sent.shape)}")
-        self.history = new_history
-        self.position = position + n_new
-        self.stepped = True
-        self.pending_start = None
-        return outputs[0].to(inputs.dtype)
+
+        def commit(response: Any) -> torch.Tensor:
+            outputs = deserialize_tensors(response.tensors[:1])
+            if not outputs or tuple(outputs[0].shape) != tuple(sent.shape):
+                got = tuple(outputs[0].shape) if outputs else "nothing"
+                raise ConnectionError(f"server …{self.peer_id[-6:]} returned {got} for inputs {tuple(sent.shape)}")
+            self._buffer, self._length = buffer, length
+            self.position = position + n_new
+            self.stepped = True
+            self.pending_start = None
+            return outputs[0].to(inputs.dtype)
+
+        return request, commit
 
     def _step_metadata(self, step_id: str, next_servers: list[tuple[str, str, int, int]]) -> dict[str, Any]:
         metadata: dict[str, Any] = {KEY_SESSION_ID: self.session_id, KEY_STEP_ID: step_id}
@@ -149,8 +194,7 @@ class SpanSession:
 
     def rewind(self, position: int) -> None:
         """Forget positions from ``position`` on (sent as ``start_from_position`` on the next step)."""
-        if self.history is not None:
-            self.history = self.history[:, :position]
+        self._length = min(self._length, position)
         if self.stepped and position < self.position:
             self.position = position
             self.pending_start = position
@@ -220,18 +264,57 @@ class InferenceSession:
                 raise ValueError(f"hypo_ids must have shape ({hidden_states.shape[0]},), got {tuple(hypo_ids.shape)}")
         step_id = str(uuid.uuid4())
         x = hidden_states.detach().cpu().to(self.dtype)
-        index, block = 0, 0
+        index, block, x, failed = self._step_route(x, n_new, hypo_ids, step_id)
         num_blocks = self.manager.num_blocks
         while block < num_blocks:
-            index, block, x = self._step_span(index, block, x, n_new, hypo_ids, step_id)
+            index, block, x = self._step_span(index, block, x, n_new, hypo_ids, step_id, failed)
+            failed = None
         self.position += n_new
         return x[:, -n_new:].to(hidden_states.device, hidden_states.dtype)
 
+    def _step_route(self, x: torch.Tensor, n_new: int, hypo_ids: torch.Tensor | None, step_id: str
+                    ) -> tuple[int, int, torch.Tensor, Exception | None]:
+        """Run the step through the current route in one call on the event loop (the common case).
+
+        One hand-off to the loop thread per step instead of one per span. Returns the span
+        index and block reached, the hidden states there and, if that span failed, its error
+        (the caller retries from there as `_step_span` does). Does nothing for a route that is
+        not set up yet.
+        """
+        sessions = list(self.sessions)
+        if not sessions or sessions[-1].span.end != self.manager.num_blocks or \
+                not all(s.stepped and not s.closed for s in sessions):
+            return 0, 0, x, None
+        position, prompts = self.position, self.prompts
+
+        async def run_all() -> tuple[int, torch.Tensor, Exception | None]:
+            y = x
+            for i, session in enumerate(sessions):
+                try:
+                    y = await session.astep(y, n_new, position, hypo_ids, step_id, self._next_servers(i), prompts)
+                except Exception as exc:
+                    return i, y, exc
+            return len(sessions), y, None
+
+        bound = len(sessions) * (float(self.config.request_timeout) + 1.0) + float(self.config.connect_timeout)
+        done, y, error = self.manager.swarm.run(run_all(), timeout=bound)
+        for session in sessions[:done]:
+            self.manager.on_success(session.peer_id)
+        if error is None:
+            return done, sessions[-1].span.end, y, None
+        self.manager.on_failure(sessions[done].peer_id, error)
+        return done, sessions[done].span.start, y, error
+
     def _step_span(self, index: int, block: int, x: torch.Tensor, n_new: int, hypo_ids: torch.Tensor | None,
-                   step_id: str) -> tuple[int, int, torch.Tensor]:
-        """Run span ``index`` (starting at ``block``), replacing its server as often as retries allow."""
+                   step_id: str, failed: Exception | None = None) -> tuple[int, int, torch.Tensor]:
+        """Run span ``index`` (starting at ``block``), replacing its server as often as retries allow.
+
+        ``failed``: the error of a first attempt already made (by `_step_route`): retries go on from it.
+        """
 
         def attempt(n: int) -> tuple[int, int, torch.Tensor]:
+            if n == 0 and failed is not None:
+                raise failed
             if index >= len(self.sessions) or n > 0:
                 self._reroute(index, block, failed=n > 0)
             session = self.sessions[index]

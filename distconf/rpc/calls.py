@@ -15,15 +15,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 from hivemind.compression.serialization import deserialize_tensor_stream
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, anext, iter_as_aiter
+from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
 
+from distconf.dht.hivemind_compat import coalesce_p2p_writes
 from distconf.rpc.protocol import (
     DUMMY,
     DUMMY_INT64,
@@ -110,12 +111,19 @@ async def call_push(p2p: P2P, peer: PeerID | str, request: runtime_pb2.ExpertReq
     await get_stub(p2p, peer).rpc_push(request, timeout=timeout)
 
 
+_STEP_STRUCTURE = pack_args_kwargs(torch.empty(0), torch.empty(0), torch.empty(0))[1]
+"""``args_structure`` of a step of three distinct tensors (hidden states, prompts, hypo_ids)."""
+
+
 def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch.Tensor | None = None,
                            hypo_ids: torch.Tensor | None = None, metadata: dict[str, Any] | None = None, *,
                            dtype: torch.dtype | None = None) -> runtime_pb2.ExpertRequest:
     """One ``rpc_inference`` step message: tensors ``(hidden, prompts or DUMMY, hypo_ids or DUMMY_INT64)``."""
-    flat, structure = pack_args_kwargs(hidden_states, DUMMY if prompts is None else prompts,
-                                       DUMMY_INT64 if hypo_ids is None else hypo_ids)
+    flat = [hidden_states, DUMMY if prompts is None else prompts, DUMMY_INT64 if hypo_ids is None else hypo_ids]
+    if len({id(t) for t in flat}) == len(flat):  # the usual case: the structure is always the same
+        structure = _STEP_STRUCTURE
+    else:
+        flat, structure = pack_args_kwargs(*flat)
     meta = {**(metadata or {}), KEY_ARGS_STRUCTURE: structure}
     return make_request(uid, serialize_tensors(flat, dtype), meta)
 
@@ -123,74 +131,88 @@ def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch
 class InferenceStream:
     """The client end of one ``rpc_inference`` stream: send a step, wait (bounded) for its reply.
 
+    Messages are written to and read from the p2p daemon's stream directly, framed as hivemind's
+    stubs frame them (`hivemind.P2P.send_protobuf` / ``receive_protobuf``), so a step costs no
+    queue, writer task or extra task per reply on the event loop.
+
     >>> stream = await InferenceStream.open(p2p, peer, timeout=5)         # doctest: +SKIP
     >>> reply = await stream.step(inference_step_request(...), timeout=5)  # doctest: +SKIP
     >>> await stream.close(timeout=5)                                     # doctest: +SKIP
     """
 
-    def __init__(self, queue: asyncio.Queue[runtime_pb2.ExpertRequest | None],
-                 outputs: AsyncIterator[runtime_pb2.ExpertResponse]) -> None:
-        self._queue = queue
-        self._outputs = outputs
+    HANDLE_NAME = BlockServicer._get_handle_name(None, "rpc_inference")
+    """The p2p handler name of ``rpc_inference`` (what hivemind's stub calls)."""
+
+    def __init__(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.peer = peer
+        self._reader, self._writer = reader, writer
+        self._input_done = False  # our side of the stream has ended (after an empty request)
         self.closed = False
 
     @classmethod
     async def open(cls, p2p: P2P, peer: PeerID | str, *, timeout: float) -> InferenceStream:
         """Open a stream to ``peer`` (nothing is sent until the first `step`)."""
-        queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        peer_id = as_peer_id(peer)
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer_id, cls.HANDLE_NAME),
+                                                   timeout)
+        return cls(peer_id, reader, writer)
 
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-                if not item.uid and not item.tensors:
-                    return
-
-        outputs = await asyncio.wait_for(get_stub(p2p, peer).rpc_inference(requests()), timeout)
-        return cls(queue, outputs)
+    async def _write(self, message: Any) -> None:
+        try:
+            await P2P.send_protobuf(message, self._writer)
+        except (ConnectionError, OSError, RuntimeError):
+            # the server ended the stream (its error or EOF is what `receive` reports)
+            self._input_done = True
 
     async def send(self, request: runtime_pb2.ExpertRequest) -> None:
-        """Queue a message without waiting for a reply (e.g. a step the server will not answer)."""
+        """Send a message without waiting for a reply (e.g. a step the server will not answer).
+
+        An empty request ends the session: the input stream ends after it, as with hivemind's stub.
+        """
         if self.closed:
             raise RuntimeError("the inference stream is closed")
-        await self._queue.put(request)
+        if self._input_done:
+            return
+        await self._write(request)
+        if not request.uid and not request.tensors:
+            await self._write(P2P.END_OF_STREAM)
+            self._input_done = True
 
     async def receive(self, *, timeout: float) -> runtime_pb2.ExpertResponse:
-        """The next reply; `EOFError` if the server ended the stream."""
+        """The next reply; `EOFError` if the server ended the stream, ``P2PHandlerError`` for its error."""
+        async with asyncio.timeout(timeout):
+            return await self._read()
+
+    async def _read(self) -> runtime_pb2.ExpertResponse:
         try:
-            return await asyncio.wait_for(anext(self._outputs), timeout)
-        except StopAsyncIteration:
+            response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, self._reader)
+        except asyncio.IncompleteReadError:
             raise EOFError("the server ended the inference stream") from None
+        if error is not None:
+            raise P2PHandlerError(f"Failed to call handler `{self.HANDLE_NAME}` at {self.peer}: {error.message}")
+        return response
 
     async def step(self, request: runtime_pb2.ExpertRequest, *, timeout: float) -> runtime_pb2.ExpertResponse:
-        """Send one step message and wait up to ``timeout`` seconds for its reply."""
-        await self.send(request)
-        return await self.receive(timeout=timeout)
+        """Send one step message and wait for its reply, both within ``timeout`` seconds."""
+        async with asyncio.timeout(timeout):
+            await self.send(request)
+            return await self._read()
 
     async def close(self, *, timeout: float = 5.0) -> None:
         """Send the end-of-stream message (empty request) and wait, bounded, for the server to finish.
 
-        Then close the reply stream (at most 1 s more), so a server that did not end its
-        side in time does not keep the stream open.
+        Then close the stream, so a server that did not end its side in time does not keep it open.
         """
         if self.closed:
             return
-        self.closed = True
-        await self._queue.put(runtime_pb2.ExpertRequest())
         try:
-            await asyncio.wait_for(anext(self._outputs), timeout)
-        except (StopAsyncIteration, Exception):  # the stream is over either way
+            await self.send(runtime_pb2.ExpertRequest())
+            await self.receive(timeout=timeout)
+        except Exception:  # the stream is over either way
             pass
         finally:
-            self._queue.put_nowait(None)
-            closer = getattr(self._outputs, "aclose", None)
-            if closer is not None:
-                try:
-                    await asyncio.wait_for(closer(), 1.0)
-                except Exception:  # best effort: the stream is finished for us regardless
-                    pass
+            self.closed = True
+            self._writer.close()
 
 
 class BackgroundLoop:
@@ -206,6 +228,7 @@ class BackgroundLoop:
     _shared_lock = threading.Lock()
 
     def __init__(self, name: str = "distconf-rpc-loop") -> None:
+        coalesce_p2p_writes()  # every process that runs RPCs has a loop like this one
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
