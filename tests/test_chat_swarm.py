@@ -7,8 +7,8 @@ in fp32 (blocks 0:15 and 15:30). The commands run as a user runs them:
   prints the local transformers model's greedy text; ``--chat`` prints the known answer; the raw
   question, which the instruction-tuned model ends at once, prints a notice suggesting ``--chat``;
 - ``distconf chat`` in a real tmux session: the typed question gets the known answer, Ctrl-C during
-  a long reply stops it and the chat goes on, ``/reset`` and the question again give the answer
-  again, ``/exit`` leaves with status 0;
+  a long reply stops it and the chat goes on (the servers' cache is full again: the reply's session
+  was closed), ``/reset`` and the question again give the answer again, ``/exit`` leaves with status 0;
 - a prefix no server holds: one line, exit 1, no traceback.
 """
 
@@ -41,8 +41,8 @@ COMMAND_TIMEOUT = 240.0  # one CLI run: load the model, join, generate
 class Swarm:
     """The running swarm: its addresses and the environment its commands run with."""
 
-    def __init__(self, peers: list[str], env: dict[str, str]) -> None:
-        self.peers, self.env = peers, env
+    def __init__(self, peers: list[str], env: dict[str, str], servers: list[ServerProcess], dht: Any) -> None:
+        self.peers, self.env, self.servers, self.dht = peers, env, servers, dht
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run ``distconf ARGS`` to its end."""
@@ -68,7 +68,7 @@ def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                                  logs / f"server-{i}.log", name=f"chat-{i}", env=env)
                    for i, span in enumerate(SPANS)]
         wait_all_ready(servers, time.monotonic() + START_DEADLINE)
-        yield Swarm(peers, env)
+        yield Swarm(peers, env, servers, dht)
     finally:
         stop_all(servers)
         release_dht(dht)
@@ -78,6 +78,38 @@ def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     source = open_real_source(request.config)
     return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def observer(swarm: Swarm, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """An in-process client of the swarm, to ask the servers how much cache they have left."""
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(rm.gguf_path(), dht=swarm.dht, max_retries=0,
+                                                            gguf_cache_dir=real_cache_dir(request.config))
+    try:
+        yield model
+    finally:
+        model.shutdown()
+
+
+def _cache_left(swarm: Swarm, model: Any) -> dict[str, int]:
+    from distconf.rpc import CACHE_TOKENS_AVAILABLE
+    from distconf.rpc.calls import call_info
+
+    client = model.remote.swarm
+    return {s.peer_id: client.run(call_info(client.p2p, s.peer_id, timeout=10.0), timeout=15.0)[CACHE_TOKENS_AVAILABLE]
+            for s in swarm.servers}
+
+
+def _wait_cache(swarm: Swarm, model: Any, done: Any, timeout: float) -> dict[str, int]:
+    """Poll the servers' cache left until ``done(left)``; the last reading."""
+    deadline = time.monotonic() + timeout
+    left = _cache_left(swarm, model)
+    while not done(left) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        left = _cache_left(swarm, model)
+    return left
 
 
 # ------------------------------------------------------------------ distconf generate
@@ -162,12 +194,18 @@ class Tmux:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
 
 
+def _reply_text(screen: str, question: str) -> str:
+    """What the screen shows after the last ``question``, log lines left out."""
+    after = screen.rsplit(question, 1)[-1]
+    return "\n".join(line for line in after.splitlines() if not line.startswith(("INFO ", "WARNING "))).strip()
+
+
 def _quote(part: str) -> str:
     return "'" + part.replace("'", "'\\''") + "'"
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_chat_in_tmux(swarm: Swarm) -> None:
+def test_chat_in_tmux(swarm: Swarm, observer: Any) -> None:
     command = [sys.executable, "-m", "distconf", "chat", str(rm.gguf_path()), "--initial-peers", *swarm.peers,
                "--temperature", "0", "--max-tokens", "400"]
     term = Tmux(command, {**swarm.env, "TERM": "xterm"})
@@ -175,13 +213,17 @@ def test_chat_in_tmux(swarm: Swarm) -> None:
         term.wait_for(lambda s: "chatting with" in s, COMMAND_TIMEOUT, "banner")
         term.keys(rm.QUESTION, "Enter")
         term.wait_for(lambda s: s.count(rm.ANSWER) == 1 and s.rstrip().endswith(">"), 120, "answer")
+        full = _wait_cache(swarm, observer, lambda left: False, 0)  # no session open between replies
 
         story = "Write a very long story about a dragon who learns to cook."
         term.keys(story, "Enter")
-        term.wait_for(lambda s: len(s.split(story, 1)[-1].strip()) >= 40, 120, "start of the story")
+        term.wait_for(lambda s: len(_reply_text(s, story)) >= 40, 120, "start of the story")
+        during = _cache_left(swarm, observer)
+        assert all(during[p] < full[p] for p in full), (during, full)  # the reply's session holds cache
         term.keys("C-c")
         screen = term.wait_for(lambda s: "[stopped]" in s and s.rstrip().endswith(">"), 60, "stopped reply")
         assert term.pane("pane_dead") == "0"  # still chatting
+        assert _wait_cache(swarm, observer, lambda left: left == full, 30) == full  # its session was closed
         assert "Traceback" not in screen and "KeyboardInterrupt" not in screen
 
         term.keys("/reset", "Enter")

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"distconf chat: {exc}", file=sys.stderr)
         return 2
-    fields = {} if os.environ.get(MAX_RETRIES_ENV) else {"max_retries": CHAT_RETRIES}
+    fields: dict[str, object] = {"show_route": False}  # a log line per reply would break into the conversation
+    if not os.environ.get(MAX_RETRIES_ENV):
+        fields["max_retries"] = CHAT_RETRIES
     try:
         model, tokenizer = open_swarm_model(args, need_tokenizer=True, **fields)
     except CommandFailed as exc:
