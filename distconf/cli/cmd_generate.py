@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens to generate (default 32)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the K most likely tokens")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=None, help="sample within top-p probability mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-server-to-server", action="store_true", help="never let servers push to each other")
@@ -145,7 +145,8 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | 
         print(f"distconf generate: {exc}", file=sys.stderr)
         return 2
     out = sys.stdout
-    stream = stream_with_top_k(model, tokenizer, ids, sampling, args.top_k if args.sample else None)
+    top_k = args.top_k if args.sample and args.top_k and args.top_k > 0 else None
+    stream = stream_with_top_k(model, tokenizer, ids, sampling, top_k)
     try:
         for piece in stream:
             out.write(piece.text if tokenizer is not None else f"{piece.token_id} ")
