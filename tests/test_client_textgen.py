@@ -88,6 +88,14 @@ def test_seeded_sampling_repeats(model: Any, tokenizer: Any) -> None:
     assert sample(7) == sample(7)
 
 
+def test_top_k_one_is_greedy_and_no_tokenizer_gives_ids(model: Any, tokenizer: Any) -> None:
+    greedy = [p.token_id for p in stream_text(model, tokenizer, _ids(tokenizer), Sampling(max_tokens=6, temperature=0))]
+    top1 = Sampling(max_tokens=6, temperature=1.5, top_k=1, seed=3)
+    assert [p.token_id for p in stream_text(model, tokenizer, _ids(tokenizer), top1)] == greedy
+    pieces = list(stream_text(model, None, _ids(tokenizer), Sampling(max_tokens=6, temperature=0)))
+    assert [p.token_id for p in pieces] == greedy and all(p.text == "" for p in pieces)
+
+
 def test_pieces_never_split_a_character(tokenizer: Any) -> None:
     text = "Ça coûte 5 €, 東京 🙂!"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -99,6 +107,6 @@ def test_pieces_never_split_a_character(tokenizer: Any) -> None:
 
 
 def test_bad_sampling_is_refused() -> None:
-    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"stop": ("",)}):
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"stop": ("",)}, {"top_k": 0}):
         with pytest.raises(ValueError):
             Sampling(**bad)

@@ -134,19 +134,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | None) -> int:
-    from distconf.cli.sampling import stream_with_top_k
-    from distconf.client.textgen import Sampling
+    from distconf.client.textgen import Sampling, stream_text
 
     ids = _input_ids(args, text, tokenizer)
     try:
         sampling = Sampling(max_tokens=args.max_new_tokens, temperature=args.temperature if args.sample else 0.0,
-                            top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
+                            top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+                            top_k=args.top_k if args.sample and args.top_k and args.top_k > 0 else None)
     except ValueError as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return 2
     out = sys.stdout
-    top_k = args.top_k if args.sample and args.top_k and args.top_k > 0 else None
-    stream = stream_with_top_k(model, tokenizer, ids, sampling, top_k)
+    stream = stream_text(model, tokenizer, ids, sampling)
     try:
         for piece in stream:
             out.write(piece.text if tokenizer is not None else f"{piece.token_id} ")

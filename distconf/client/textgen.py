@@ -40,6 +40,7 @@ class Sampling:
     :param seed: seed of this stream's own random generator (same seed, same tokens).
     :param stop: strings that end the text (not included in it; ``finish_reason="stop"``).
     :param top_logprobs: how many most likely alternatives each `Piece` lists (0: none).
+    :param top_k: sample among the ``top_k`` most likely tokens only (None: all).
     """
 
     max_tokens: int = 256
@@ -48,8 +49,11 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -91,6 +95,8 @@ class IncrementalDecoder:
         self.read = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:  # a model without a tokenizer: pieces carry ids, no text
+            return ""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def add(self, token_id: int) -> str:
@@ -217,6 +223,8 @@ class TextStream:
         s = self.sampling
         if s.temperature == 0:
             return int(logits.argmax())
+        if s.top_k is not None and s.top_k < logits.shape[-1]:
+            logits = logits.masked_fill(logits < logits.topk(s.top_k).values[-1], float("-inf"))
         probs = torch.softmax(logits / s.temperature, dim=-1)
         if s.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
@@ -276,7 +284,7 @@ def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Samp
 
     :param model: a distributed causal LM (`distconf.client.AutoDistributedModelForCausalLM`); any
         model with ``inference_session(max_length)`` returning a cache its forward accepts.
-    :param tokenizer: the model's tokenizer (decodes the pieces).
+    :param tokenizer: the model's tokenizer (decodes the pieces); None: pieces have ids and no text.
     :param input_ids: the prompt's token ids (e.g. `chat_input_ids`).
     :param sampling: how tokens are picked and when the stream ends.
     """
