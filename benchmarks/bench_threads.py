@@ -17,21 +17,22 @@ it; ``NAME=...;VAR=VALUE`` after ``;`` for its client only), to try other choice
 The variables `distconf.threads` manages are removed from this process's environment first.
 Prints only; no assertions.
 
-Measured here (2 cores shared with other users' jobs, load average 6-12; 6 rounds; ms per token,
-ratio to default; ``one``: 1 thread everywhere; ``spin10k``: ``GOMP_SPINCOUNT=10000`` instead of
-PASSIVE, same thread counts as the policy)::
+Measured here (2 cores shared with other users' jobs, load average 6-12; 5 rounds; ms per token,
+ratio to default; ``passiveall``: PASSIVE with every process on both cores; ``spinall``: both cores
+and ``GOMP_SPINCOUNT=10000``, a short spin, instead of PASSIVE)::
 
                  tiny swarm     tiny local      386 MB swarm    386 MB local
-    default      12.78 1.00x   111.44 1.00x     48.05 1.00x     66.36 1.00x
-    policy       15.25 1.19x     2.05 0.02x     61.18 1.27x     47.12 0.71x
-    one          17.56 1.37x    14.55 0.13x     56.41 1.17x     46.57 0.70x
-    spin10k      20.31 1.59x    31.30 0.28x     50.18 1.04x     40.54 0.61x
+    default       9.45 1.00x    57.12 1.00x     38.70 1.00x     79.91 1.00x
+    policy        8.42 0.89x     1.72 0.03x     38.66 1.00x     29.92 0.37x
+    passiveall    7.15 0.76x     4.91 0.09x     44.07 1.14x     32.93 0.41x
+    spinall       7.13 0.76x     8.01 0.14x     42.93 1.11x     51.02 0.64x
 
-Two earlier runs gave the policy 1.30x / 0.92x (tiny swarm), 0.07x / 0.06x (tiny local), 1.46x / 0.90x
-(386 MB swarm) and 0.39x / 1.09x (386 MB local): the swarm figures move by +-30 % with the other load,
-the local model beside idle servers gains every time (torch's default spin, 3 ms after every parallel
-region, lets one descheduled thread stall each barrier when the cores are oversubscribed). The p2p
-daemons used 16-50 % of the servers' CPU time in the rounds, the DHT node processes 3-7 %.
+Over five such runs the policy's ratios were 0.89-1.30x (tiny swarm), 0.02-0.07x (tiny local),
+0.90-1.57x (386 MB swarm) and 0.30-1.09x (386 MB local): the swarm figures move with the other
+load, the local model beside idle servers gains almost every time (torch's default spin, about
+3 ms after every parallel region, lets a descheduled thread stall each barrier when the cores are
+oversubscribed). The p2p daemons used 12-50 % of the servers' CPU time in the rounds, the DHT node
+processes 0-7 %.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ The rule, applied by `apply_thread_policy` at each entry point (``distconf``,
   ``DISTCONF_THREADS_SET`` so that a child process (a server the demo starts) can tell
   inherited defaults from the user's own variables and choose for its own role.
 
-Measured (``benchmarks/bench_threads.py``, 2 loaded cores): beside idle servers a local tiny model
-ran 14-54x faster and a 386 MB one 1.4-2.6x faster in two runs of three; the swarm's own ms per token moved
-within the noise of the machine's other load (0.9-1.5x). A lone server on a big machine keeps half
-its cores; ``DISTCONF_THREADS=N`` or ``OMP_NUM_THREADS`` gives it more, and ``GOMP_SPINCOUNT`` (which
-libgomp lets win over the wait policy) a short spin instead. The hivemind children (the DHT node,
+Measured (``benchmarks/bench_threads.py``, 2 cores, other load 6-12, five runs): beside idle
+servers a local tiny model ran 14-50x faster, a 386 MB one 2.6x faster (median; 0.9x to 3.3x); the
+swarm's own ms per token moved within the noise of the other load (0.9-1.6x; 1.0x in the run quoted
+there). A lone server on a big machine keeps half its cores; ``DISTCONF_THREADS=N`` or
+``OMP_NUM_THREADS`` gives it more, and ``GOMP_SPINCOUNT`` (which libgomp lets win over the wait
+policy) a short spin instead. The hivemind children (the DHT node,
 the Go p2p daemon) run no torch kernels: they inherit the variables, which do not concern them.
 Intel/LLVM OpenMP's ``KMP_*`` variables do not apply either: torch 2.13's CPU wheel loads only libgomp.
 
