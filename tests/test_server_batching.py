@@ -228,3 +228,28 @@ def test_a_batch_stays_within_its_working_memory(served, executor) -> None:
         assert scheduler.stats["max_batch_rows"] == 2
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_step_waits_for_steady_sessions_that_are_due_but_not_for_a_stalled_one(served, executor) -> None:
+    async def scenario() -> None:
+        limits = BatchLimits(max_batch_wait=5.0)
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, MAX_LENGTH), limits)
+        stats = handler.compute.stats
+        a, b = Client(handler, served, 1, [3] + [1] * 8), Client(handler, served, 2, [5] + [1] * 8)
+        for _ in range(4):  # both step in lockstep, 50 ms apart: each is steady
+            await asyncio.gather(a.run(1), b.run(1))
+            await asyncio.sleep(0.05)
+        before = stats["batched_rows"]
+        reply_a, expected_a = a.send_next()
+        await asyncio.sleep(0.01)  # b is due: a's step waits for it
+        reply_b, expected_b = b.send_next()
+        assert close(output(await asyncio.wait_for(reply_a, 30)), expected_a)
+        assert close(output(await asyncio.wait_for(reply_b, 30)), expected_b)
+        assert stats["batched_rows"] - before == 2  # computed together
+        await asyncio.sleep(0.5)  # b stalls for more than twice its gap: nobody waits for it any more
+        await asyncio.wait_for(a.run(2), 2.0)  # waiting for b would take max_batch_wait = 5 s per step
+        await b.run(1)
+        for c in (a, b):
+            await c.caller.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -13,7 +13,7 @@ from typing import Any
 
 from distconf.blocks.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from distconf.blocks.quant import QUANT_TYPES
-from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.helptext import add_command, positive_int, seconds
 
 __all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record", "ready_line", "parse_ready_line"]
 
@@ -132,6 +132,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     batching.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="T",
                           help="compute longer steps (prefills) in chunks of T tokens per row, so other "
                                "sessions' decode steps run between chunks (default 64)")
+    batching.add_argument("--max-batch-wait", type=seconds, default=0.01, metavar="S",
+                          help="seconds a batch's first step may wait for the steps of steady sessions that are "
+                               "due, so a group of sessions stays one batch from server to server (default 0.01; "
+                               "0 never waits)")
     batching.add_argument("--no-batching", action="store_true",
                           help="compute each session's step alone (as --max-batch-size 1)")
     p.set_defaults(func=run)
@@ -151,7 +155,7 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         verify_weights=args.verify_weights, balance_quality=args.balance_quality,
         mean_balance_check_period=args.mean_balance_check_period,
         max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-        prefill_chunk=args.prefill_chunk)
+        prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait)
 
 
 def _open(args: argparse.Namespace) -> Any:

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_command", "positive_int"]
+__all__ = ["add_command", "positive_int", "seconds"]
 
 _WIDTH = 88
 
@@ -33,6 +33,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """Argparse type: a number of seconds from 0 to 10 (argparse reports the message and exits 2 otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 10 seconds, got {value:g}")
     return value
 
 

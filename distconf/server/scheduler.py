@@ -16,6 +16,11 @@ executor (one thread), in this order:
    batches ran since the last training request: inference never waits behind training, and
    training is not starved by a steady stream of decode steps.
 
+Before a batch starts, its first step may wait up to ``max_batch_wait`` for the steps of
+steady sessions that are due (`distconf.server.arrivals`): in a pipeline the steps of a
+group of sessions arrive one message at a time, and a batch started with the first would
+split the group at every hop.
+
 Sessions join and leave between batches; a session that stalls is simply not in the next
 batch. A step whose caller went away (its future cancelled) is dropped before it runs. If a
 batch fails, its steps are retried one by one, so an error reaches only the step that causes it.
@@ -27,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -35,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from distconf.server.arrivals import Arrivals
 from distconf.server.batch_step import StepPart, batch_key, step_together
 from distconf.server.compute import SessionCache
 
@@ -59,11 +66,16 @@ class BatchLimits:
     """Inference batches that may run between two forward/backward requests while one waits."""
     max_batch_bytes: int | None = None
     """Working memory of one batched block call (see ``activation_bytes``); None: unbounded."""
+    max_batch_wait: float = 0.01
+    """Seconds the first step of a batch may wait for the steps of steady sessions that are due
+    (`distconf.server.arrivals`), so a group of sessions stays one batch from hop to hop; 0: never."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "prefill_chunk", "training_patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.max_batch_wait <= 10:
+            raise ValueError(f"max_batch_wait must be between 0 and 10 seconds, got {self.max_batch_wait}")
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -115,6 +127,7 @@ class _Step(_Work):
     hidden: torch.Tensor
     prompts: Sequence[torch.Tensor | None]
     chunk: int
+    arrived: float
     done: int = 0
     outputs: list[torch.Tensor] = field(default_factory=list)
 
@@ -159,6 +172,8 @@ class ComputeScheduler:
         self.activation_bytes = activation_bytes
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._arrivals = Arrivals()
         self._control: list[_Task] = []
         self._training: list[_Task] = []
         self._steps: list[_Step] = []
@@ -177,6 +192,9 @@ class ComputeScheduler:
     def _submit(self, work: _Work, queue: list[Any]) -> None:
         with self._lock:
             queue.append(work)
+            if isinstance(work, _Step):
+                self._arrivals.arrived(work.cache, work.arrived)
+            self._wake.notify()
             if self._pumping:
                 return
             self._pumping = True
@@ -207,7 +225,7 @@ class ComputeScheduler:
         if hypo_ids is not None:
             await self.run(cache.reorder, hypo_ids)
         chunk = max(1, min(self.limits.prefill_chunk, self.limits.max_batch_tokens // max(1, hidden.shape[0])))
-        step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk)
+        step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk, arrived=time.monotonic())
         self._submit(step, self._steps)
         return await step.future
 
@@ -216,18 +234,23 @@ class ComputeScheduler:
     def _drain(self) -> None:
         while True:
             with self._lock:
-                run = self._next()
+                while True:
+                    run, wait = self._next()
+                    if run is not None or wait is None:
+                        break
+                    self._wake.wait(wait)  # a submission wakes it early
                 if run is None:
                     self._pumping = False
                     return
             run()
 
-    def _next(self) -> Callable[[], None] | None:
-        """What to run next (called with the lock held); None when nothing is queued."""
+    def _next(self) -> tuple[Callable[[], None] | None, float | None]:
+        """What to run next, or how long to wait for more steps (called with the lock held);
+        ``(None, None)`` when nothing is queued."""
         for queue in (self._control, self._training, self._steps):
             queue[:] = [w for w in queue if not w.future.cancelled()]
         if self._control:
-            return self._control.pop(0).run
+            return self._control.pop(0).run, None
         patience = self.limits.training_patience
         if self._training and (not self._steps or self._batches_since_training >= patience):
             task = min(self._training, key=lambda t: (t.cost >> min(t.waited, 62), t.order))
@@ -236,16 +259,32 @@ class ComputeScheduler:
                 t.waited += 1
             self._batches_since_training = 0
             self.stats["training"] += 1
-            return task.run
+            return task.run, None
         if not self._steps:
-            return None
+            return None, None
+        wait = self._gather_wait()
+        if wait > 0:
+            return None, wait
         batch = self._form_batch()
         if self._training:
             self._batches_since_training += 1
         for s in self._steps:
             if s not in batch:
                 s.waited += 1
-        return lambda: self._run_batch(batch)
+        return (lambda: self._run_batch(batch)), None
+
+    def _gather_wait(self) -> float:
+        """Seconds to wait before the next batch: while a steady session is due (see
+        `distconf.server.arrivals`), up to ``max_batch_wait`` after the oldest queued step arrived."""
+        limit = self.limits.max_batch_wait
+        if limit <= 0 or sum(s.rows for s in self._steps) >= self.limits.max_batch_size:
+            return 0.0
+        now = time.monotonic()
+        remaining = min(s.arrived for s in self._steps) + limit - now
+        if remaining <= 0:
+            return 0.0
+        chain = tuple(b.uid for b in self._steps[0].cache.blocks)
+        return remaining if self._arrivals.due(now, (s.cache for s in self._steps), chain) else 0.0
 
     def _form_batch(self) -> list[_Step]:
         """The next batch: the best-ranked step, and the steps that may join it."""

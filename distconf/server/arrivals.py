@@ -1,0 +1,63 @@
+"""`Arrivals`: which sessions' next steps a server expects soon (to gather them into one batch).
+
+A server in a pipeline sees the steps of a group of sessions arrive one message at a time
+(the previous server pushes each session's outputs separately, clients answer at their
+own pace). Starting a batch with the first arrival would split the group at every hop:
+the rest arrive while it computes and form the next, smaller batch, and the weights are
+read once per fragment. So the scheduler waits a little (``BatchLimits.max_batch_wait``)
+while a session that steps steadily is due: one whose time since its last step is below
+twice its usual gap between steps. A session that stalls, or that has ended (its cache
+released), is not waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from distconf.server.compute import SessionCache
+
+__all__ = ["Arrivals"]
+
+DUE_FACTOR = 2.0
+"""A steady session is due while less than this many of its usual gaps passed since its last step."""
+FORGET_AFTER = 600.0
+"""Seconds after which a silent session is forgotten."""
+
+
+@dataclass
+class _Pace:
+    cache: SessionCache
+    last: float
+    gap: float | None = None
+
+
+class Arrivals:
+    """The pace of every session that sends steps (used under the scheduler's lock)."""
+
+    def __init__(self) -> None:
+        self._paces: dict[int, _Pace] = {}
+
+    def arrived(self, cache: SessionCache, now: float) -> None:
+        """A step of ``cache``'s session arrived at ``now`` (monotonic seconds)."""
+        pace = self._paces.get(id(cache))
+        if pace is None or pace.cache is not cache:
+            self._paces[id(cache)] = _Pace(cache, now)
+            return
+        gap = now - pace.last
+        pace.gap = gap if pace.gap is None else 0.5 * pace.gap + 0.5 * gap
+        pace.last = now
+
+    def due(self, now: float, queued: Iterable[SessionCache], chain: tuple[str, ...]) -> bool:
+        """Whether a steady session over ``chain`` that is not in ``queued`` is due to send its step."""
+        waiting = {id(c) for c in queued}
+        due = False
+        for key, pace in list(self._paces.items()):
+            if not pace.cache.keys or now - pace.last > FORGET_AFTER:  # ended (cache released) or long silent
+                del self._paces[key]
+                continue
+            if key in waiting or pace.gap is None or tuple(b.uid for b in pace.cache.blocks) != chain:
+                continue
+            if now - pace.last < DUE_FACTOR * pace.gap:
+                due = True
+        return due
