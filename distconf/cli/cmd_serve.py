@@ -132,9 +132,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     batching.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="T",
                           help="compute longer steps (prefills) in chunks of T tokens per row, so other "
                                "sessions' decode steps run between chunks (default 64)")
-    batching.add_argument("--max-batch-wait", type=seconds, default=0.01, metavar="S",
+    batching.add_argument("--max-batch-wait", type=seconds, default=0.04, metavar="S",
                           help="seconds a batch's first step may wait for the steps of steady sessions that are "
-                               "due, so a group of sessions stays one batch from server to server (default 0.01; "
+                               "due, so a group of sessions stays one batch from server to server (default 0.04; "
                                "0 never waits)")
     batching.add_argument("--no-batching", action="store_true",
                           help="compute each session's step alone (as --max-batch-size 1)")

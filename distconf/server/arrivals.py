@@ -5,9 +5,11 @@ A server in a pipeline sees the steps of a group of sessions arrive one message 
 own pace). Starting a batch with the first arrival would split the group at every hop:
 the rest arrive while it computes and form the next, smaller batch, and the weights are
 read once per fragment. So the scheduler waits a little (``BatchLimits.max_batch_wait``)
-while a session that steps steadily is due: one whose time since its last step is below
-twice its usual gap between steps. A session that stalls, or that has ended (its cache
-released), is not waited for.
+for a session that steps steadily and is due within that wait: its last step plus its
+usual gap between steps falls before the deadline, and it is not late (less than twice its
+gap since its last step). Sessions due later (another group, half a cycle away, which keeps
+the next server busy meanwhile) are not waited for, nor is a session that stalls or has
+ended (its cache released).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class Arrivals:
         pace.gap = gap if pace.gap is None else 0.5 * pace.gap + 0.5 * gap
         pace.last = now
 
-    def due(self, now: float, queued: Iterable[SessionCache], chain: tuple[str, ...]) -> bool:
-        """Whether a steady session over ``chain`` that is not in ``queued`` is due to send its step."""
+    def due(self, now: float, deadline: float, queued: Iterable[SessionCache], chain: tuple[str, ...]) -> bool:
+        """Whether a steady session over ``chain`` that is not in ``queued`` is due to send its step by
+        ``deadline`` (its last step plus its usual gap), and is not late (see `DUE_FACTOR`)."""
         waiting = {id(c) for c in queued}
         due = False
         for key, pace in list(self._paces.items()):
@@ -58,6 +61,6 @@ class Arrivals:
                 continue
             if key in waiting or pace.gap is None or tuple(b.uid for b in pace.cache.blocks) != chain:
                 continue
-            if now - pace.last < DUE_FACTOR * pace.gap:
+            if pace.last + pace.gap <= deadline and now - pace.last < DUE_FACTOR * pace.gap:
                 due = True
         return due

@@ -70,7 +70,7 @@ class ServeOptions:
     max_batch_size: int = 16  # rows of several sessions' inference steps computed together; 1 = no batching
     max_batch_tokens: int | None = None  # rows x padded new tokens per batch (default: the planner's max length)
     prefill_chunk: int = 64  # a longer step is computed in chunks of this many tokens per row
-    max_batch_wait: float = 0.01  # seconds a batch may wait for steady sessions' steps that are due
+    max_batch_wait: float = 0.04  # seconds a batch may wait for steady sessions' steps that are due
     verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
     balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)

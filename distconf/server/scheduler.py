@@ -66,7 +66,7 @@ class BatchLimits:
     """Inference batches that may run between two forward/backward requests while one waits."""
     max_batch_bytes: int | None = None
     """Working memory of one batched block call (see ``activation_bytes``); None: unbounded."""
-    max_batch_wait: float = 0.01
+    max_batch_wait: float = 0.04
     """Seconds the first step of a batch may wait for the steps of steady sessions that are due
     (`distconf.server.arrivals`), so a group of sessions stays one batch from hop to hop; 0: never."""
 
@@ -280,11 +280,11 @@ class ComputeScheduler:
         if limit <= 0 or sum(s.rows for s in self._steps) >= self.limits.max_batch_size:
             return 0.0
         now = time.monotonic()
-        remaining = min(s.arrived for s in self._steps) + limit - now
-        if remaining <= 0:
+        deadline = min(s.arrived for s in self._steps) + limit
+        if deadline <= now:
             return 0.0
         chain = tuple(b.uid for b in self._steps[0].cache.blocks)
-        return remaining if self._arrivals.due(now, (s.cache for s in self._steps), chain) else 0.0
+        return deadline - now if self._arrivals.due(now, deadline, (s.cache for s in self._steps), chain) else 0.0
 
     def _form_batch(self) -> list[_Step]:
         """The next batch: the best-ranked step, and the steps that may join it."""
