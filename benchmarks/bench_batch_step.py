@@ -80,16 +80,17 @@ def timed(fn: Any) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def speed(family: str, rounds: int, chunk: int, ks: list[int]) -> None:
-    blocks = served_blocks(family, BIG, torch.float32)
+def speed(family: str, rounds: int, chunk: int, ks: list[int], dtype: torch.dtype = torch.float32) -> None:
+    blocks = served_blocks(family, BIG, dtype)
     hidden = BIG["hidden_size"]
     mib = sum(p.numel() * p.element_size() for b in blocks for p in b.module.parameters()) / 2**20
-    print(f"\n{family}: {len(blocks)} blocks, hidden {hidden}, float32, {mib:.0f} MiB of weights; "
+    name = str(dtype).removeprefix("torch.")
+    print(f"\n{family}: {len(blocks)} blocks, hidden {hidden}, {name}, {mib:.0f} MiB of weights; "
           f"ms per decode step of k sessions (median of {rounds} rounds)")
     print(f"{'k':>3} {'alone (k calls)':>16} {'together (1 call)':>18} {'speedup':>8} {'ms/session together':>20}")
     for k in ks:
-        caches = sessions(blocks, k, torch.float32, hidden)
-        x = [torch.randn(1, 1, hidden) for _ in range(k)]
+        caches = sessions(blocks, k, dtype, hidden)
+        x = [torch.randn(1, 1, hidden, dtype=dtype) for _ in range(k)]
         def one_by_one(caches: list[SessionCache] = caches, x: list[torch.Tensor] = x) -> None:
             for c, xi in zip(caches, x):
                 c.step(xi, [None] * len(c.blocks), None)
@@ -103,10 +104,11 @@ def speed(family: str, rounds: int, chunk: int, ks: list[int]) -> None:
             together.append(timed(together_once))
         a, t = statistics.median(alone), statistics.median(together)
         print(f"{k:>3} {a:>16.1f} {t:>18.1f} {a / t:>7.2f}x {t / k:>20.2f}")
-    caches = sessions(blocks, 1, torch.float32, hidden, max_length=64 + rounds * (chunk + 1))
-    one = statistics.median(timed(lambda: caches[0].step(torch.randn(1, 1, hidden), [None] * len(blocks), None))
+    caches = sessions(blocks, 1, dtype, hidden, max_length=64 + rounds * (chunk + 1))
+    none = [None] * len(blocks)
+    one = statistics.median(timed(lambda: caches[0].step(torch.randn(1, 1, hidden, dtype=dtype), none, None))
                             for _ in range(rounds))
-    long = statistics.median(timed(lambda: caches[0].step(torch.randn(1, chunk, hidden), [None] * len(blocks), None))
+    long = statistics.median(timed(lambda: caches[0].step(torch.randn(1, chunk, hidden, dtype=dtype), none, None))
                              for _ in range(rounds))
     print(f"a prefill chunk of {chunk} tokens: {long:.1f} ms = {long / one:.1f}x one decode step ({one:.1f} ms): "
           "the longest a decode step waits behind a prefill")
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="fewer sessions and rounds, no exactness table")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the timed blocks")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; torch threads {torch.get_num_threads()}")
     ks = [1, 4] if args.quick else [1, 2, 4, 8, 16]
-    speed(args.family or plain_family(), 2 if args.quick else args.rounds, args.chunk, ks)
+    speed(args.family or plain_family(), 2 if args.quick else args.rounds, args.chunk, ks, getattr(torch, args.dtype))
     if not args.quick:
         exactness()
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
