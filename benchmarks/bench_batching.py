@@ -219,7 +219,7 @@ def run_model(name: str, title: str, source: Path, client_source: str, spans: tu
     return print_table(title, cells, floors, final, targets=targets)
 
 
-def llama_phase(args: argparse.Namespace, root: Path, mismatches: list[str]) -> dict[str, Any]:
+def random_model_phase(args: argparse.Namespace, root: Path, mismatches: list[str]) -> dict[str, Any]:
     """The random 1024-hidden model: build, reference tokens, serve, measure."""
     family = plain_family()
     folder, local = make_model(root / "hidden1024", family, LARGE)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     mismatches: list[str] = []
     report: dict[str, Any] = {"load_start": start_load, "args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="bench-batching-") as tmp:
-        report["hidden1024"] = llama_phase(args, Path(tmp), mismatches)
+        report["hidden1024"] = random_model_phase(args, Path(tmp), mismatches)
         if not args.skip_real:
             report["smollm2"] = real_phase(args, Path(tmp), mismatches)
     report["load_end"] = uptime()
