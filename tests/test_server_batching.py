@@ -230,15 +230,22 @@ def test_a_batch_stays_within_its_working_memory(served, executor) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-def test_a_step_waits_for_steady_sessions_that_are_due_but_not_for_a_stalled_one(served, executor) -> None:
+def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(served, executor) -> None:
     async def scenario() -> None:
         limits = BatchLimits(max_batch_wait=5.0)
         handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, MAX_LENGTH), limits)
         stats = handler.compute.stats
-        a, b = Client(handler, served, 1, [3] + [1] * 8), Client(handler, served, 2, [5] + [1] * 8)
-        for _ in range(4):  # both step in lockstep, 50 ms apart: each is steady
-            await asyncio.gather(a.run(1), b.run(1))
+        a, b = Client(handler, served, 1, [3] + [1] * 9), Client(handler, served, 2, [5] + [1] * 9)
+        await asyncio.gather(a.run(1), b.run(1))
+        held = HeldThread(handler.compute)  # their steps are computed together once: they are one group
+        pending = [a.send_next(), b.send_next()]
+        await until(lambda: handler.compute.queued_steps == 2, "both steps are queued")
+        await held.release()
+        for reply, expected in pending:
+            assert close(output(await asyncio.wait_for(reply, 30)), expected)
+        for _ in range(3):  # both step in lockstep, 50 ms apart: each is steady, and they stay one group
             await asyncio.sleep(0.05)
+            await asyncio.gather(a.run(1), b.run(1))
         before = stats["batched_rows"]
         reply_a, expected_a = a.send_next()
         await asyncio.sleep(0.01)  # b is due: a's step waits for it

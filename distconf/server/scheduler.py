@@ -330,6 +330,8 @@ class ComputeScheduler:
                 self._run_batch([step])
             return
         self.stats["batches"] += 1
+        with self._lock:
+            self._arrivals.computed((s.cache for s in batch), self.stats["batches"])
         if len(batch) > 1:
             self.stats["batched_rows"] += sum(s.rows for s in batch)
         self.stats["max_batch_rows"] = max(self.stats["max_batch_rows"], sum(s.rows for s in batch))
