@@ -272,11 +272,11 @@ def test_errors(api: Api, nowhere: Any) -> None:
 def test_chat_page_in_chromium(api: Api, request: pytest.FixtureRequest) -> None:
     tools = request.getfixturevalue("browser")
     tools.call("Page.navigate", url=api.url + "/")
-    status = "document.getElementById('status').textContent"
+    status = "(document.getElementById('status') || {}).textContent || ''"  # '' until the page has loaded
     assert wait_for(lambda: "Incorrect API key" in tools.evaluate(status), timeout=30)  # the key is asked for
     tools.evaluate(f"document.getElementById('api-key').value = {json.dumps(KEY)};"
                    "document.getElementById('api-key').dispatchEvent(new Event('change'))")
-    assert wait_for(lambda: tools.evaluate("document.getElementById('model').textContent") == api.model_id,
+    assert wait_for(lambda: tools.evaluate("(document.getElementById('model') || {}).textContent") == api.model_id,
                     timeout=30)
     tools.evaluate(f"document.getElementById('input').value = {json.dumps(rm.QUESTION)};"
                    "document.getElementById('form').requestSubmit()")

@@ -44,6 +44,9 @@ KNOWN_DIFFERENCES = {
     ("bigscience--bloom", "block.prefix"): "the family writes the prefix under the base model ('h')",
     ("mosaicml--mpt-7b", "block.prefix"): "the family writes the prefix under the base model ('blocks')",
     ("meta-llama--Llama-4-Scout-17B-16E", "block.base_model_prefix"): "the family states the default",
+    ("meta-llama--Llama-4-Scout-17B-16E", "block.position"):
+        "the family sets from_cache_length (its no-rope layers scale queries by the cache length), which the "
+        "drafter cannot tell from a cache length used only to slice a bias",
     ("tiiuae--falcon-7b", "kv_groups"): "the family also covers falcon-rw (multi-head), which no preset has",
     ("tiiuae--falcon-40b", "kv_groups"): "the family also covers falcon-rw (multi-head), which no preset has",
     ("tiiuae--falcon-7b", "block.position"): "alibi_in_mask is for falcon-rw's ALiBi, which no preset has",

@@ -25,7 +25,7 @@ from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 
-STOP_LIMIT = 10.0
+STOP_LIMIT = 20.0
 """Seconds a signalled server may take to exit."""
 LEFT_LIMIT = 3.0
 """Seconds the processes of an exited server's (or client's) session may take to be gone."""
