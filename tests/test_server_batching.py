@@ -243,8 +243,8 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
         await held.release()
         for reply, expected in pending:
             assert close(output(await asyncio.wait_for(reply, 30)), expected)
-        for _ in range(3):  # both step in lockstep, 50 ms apart: each is steady, and they stay one group
-            await asyncio.sleep(0.05)
+        for _ in range(3):  # both step in lockstep, 0.5 s apart: each is steady (a slow round under load
+            await asyncio.sleep(0.5)  # stays well within twice the gap), and they stay one group
             await asyncio.gather(a.run(1), b.run(1))
         before = stats["batched_rows"]
         reply_a, expected_a = a.send_next()
@@ -253,7 +253,7 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
         assert close(output(await asyncio.wait_for(reply_a, 30)), expected_a)
         assert close(output(await asyncio.wait_for(reply_b, 30)), expected_b)
         assert stats["batched_rows"] - before == 2  # computed together
-        await asyncio.sleep(0.5)  # b stalls for more than twice its gap: nobody waits for it any more
+        await asyncio.sleep(1.5)  # b stalls for more than twice its gap: nobody waits for it any more
         await asyncio.wait_for(a.run(2), 2.0)  # waiting for b would take max_batch_wait = 5 s per step
         await b.run(1)
         for c in (a, b):

@@ -31,7 +31,10 @@ LEFT_LIMIT = 3.0
 """Seconds the processes of an exited server's (or client's) session may take to be gone."""
 
 CLIENT = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as a terminal delivers it, whatever the test worker that starts this process ignores or blocks
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 from distconf.dht import start_local_dht
 dht = start_local_dht(sys.argv[1:], client_mode=True)
 print("READY", flush=True)
