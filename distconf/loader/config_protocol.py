@@ -44,6 +44,9 @@ class DistributedConfig(Protocol):
     max_backoff: float
     ban_timeout: float
     active_adapter: str | None
+    verify_fraction: float
+    verify_tolerance: float | None
+    weights_manifest: str | None
     # PTuneConfig
     pre_seq_len: int
     tuning_mode: str | None

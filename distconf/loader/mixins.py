@@ -62,6 +62,8 @@ Seconds = Annotated[float, Field(gt=0, **_FINITE)]
 """A duration in seconds: a finite number > 0."""
 Count = Annotated[int, Field(ge=0, strict=True)]
 """A whole number >= 0."""
+Fraction = Annotated[float, Field(ge=0, le=1, **_FINITE)]
+"""A share between 0 and 1."""
 PeerIds = list[Annotated[str, Field(strict=True)]] | None
 """Base58 peer ids, or None for no restriction."""
 
@@ -149,6 +151,15 @@ class ClientConfig:
         "doc": "Candidate servers pinged per hop when choosing a route (0: no pings)."})
     ping_timeout: Seconds = field(default=2, metadata={
         "doc": "Seconds to wait for a ping; a server that does not answer counts as infinitely slow."})
+    verify_fraction: Fraction = field(default=0.0, metadata={
+        "doc": "Share of steps whose span results an independent server recomputes and compares (0: off); "
+               "a check covers every step since the previous one, and a server's first step is always checked."})
+    verify_tolerance: Annotated[float, Field(gt=0, **_FINITE)] | None = field(default=None, metadata={
+        "doc": "Largest relative difference of a span's update taken as honest floating-point noise "
+               "(None: the measured default for the dtype, see distconf.client.verify_compare)."})
+    weights_manifest: Annotated[str, Field(strict=True, min_length=1)] | None = field(default=None, metadata={
+        "doc": "Path of a `distconf manifest` file: servers whose announced per-block weight digests differ "
+               "from it are refused (None: no commitment check)."})
 
     def block_uids(self, start: int = 0, end: int | None = None) -> list[str]:
         """DHT uids ``"<dht_prefix>.<i>"`` of blocks ``start..end-1`` (default: all); see `config_block_uids`."""
