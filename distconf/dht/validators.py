@@ -14,16 +14,24 @@ returns to a search, so a node with this validator never stores, returns or pass
   record (`ServerInfo`); with ``signed=True`` also a record whose subkey carries no owner
   key, or an owner key whose hash is not the subkey's peer id;
 * under ``_petals.models``: a plain value, a subkey that is not a DHT prefix, or a value
-  that is not a valid listing (`ModelInfo`).
+  that is not a valid listing (`ModelInfo`);
+* under a model's reports key (`distconf.loader.naming.reports_key`): a plain value, a
+  subkey that is not a peer id (the same ownership rules as server records), or a value
+  that is not a valid client report (`distconf.dht.report_records.ClientReport`).
 
 Records written by Petals 2.x servers pass (``next_pings`` may hold ``+inf``).
 
 Which keys are block keys? Keys are hashed before hivemind hands them to a validator, so
 the validator cannot read them. With ``scope="swarm"`` (the default for nodes distconf
 starts) every key other than ``_petals.models`` is a block key: a Petals swarm's DHT
-holds nothing else. With ``scope="listed"`` (for DHTs that may be shared with other
-hivemind applications) only the blocks of models registered with `register_model` are,
-and other keys are only checked for bounded, decodable values.
+holds nothing else but the clients' reports, which are told apart by their value: a server
+record is a tuple, a report a dict (so a dict under a block key must be a valid report,
+and is then skipped by discovery as any record that is not a server's). With
+``scope="listed"`` (for DHTs that may be shared with other hivemind applications) only
+the blocks and reports keys of models registered with `register_model` are, and other
+keys are only checked for bounded, decodable values. On every node the keys of a
+registered model are held to their own kind (a report under a registered block key, or
+a server record under a registered reports key, is refused).
 """
 
 from __future__ import annotations
@@ -45,8 +53,9 @@ from distconf.dht.records import (
     ServerInfo,
     listing_prefix_problem,
 )
+from distconf.dht.report_records import MAX_REPORT_BYTES, report_problem
 from distconf.dht.wire import MAX_VALUE_BYTES, WireError, safe_loads
-from distconf.loader.naming import block_uids
+from distconf.loader.naming import block_uids, reports_key
 
 __all__ = ["MAX_RECORD_LIFETIME", "SCOPES", "SwarmRecordValidator", "key_id"]
 
@@ -91,6 +100,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.max_lifetime = float(max_lifetime)
         self.registry_id = key_id(MODELS_REGISTRY_KEY)
         self.block_ids: set[bytes] = set()
+        self.report_ids: set[bytes] = set()
         self.registered: dict[str, int] = {}
         self.refused = 0
         self.notes: OrderedDict[bytes, list[tuple[bytes, str]]] = OrderedDict()
@@ -104,17 +114,18 @@ class SwarmRecordValidator(RecordValidatorBase):
             return
         start = self.registered.get(dht_prefix, 0)
         self.block_ids.update(map(key_id, block_uids(dht_prefix, start, num_blocks)))
+        self.report_ids.add(key_id(reports_key(dht_prefix)))
         self.registered[dht_prefix] = num_blocks
 
     def is_block_key(self, key: bytes) -> bool:
         """Whether records under the (hashed) ``key`` must be server records."""
-        if key == self.registry_id:
+        if key == self.registry_id or key in self.report_ids:
             return False
         return self.scope == "swarm" or key in self.block_ids
 
     def is_swarm_key(self, key: bytes) -> bool:
-        """Whether ``key`` holds swarm records (server records or model listings)."""
-        return key == self.registry_id or self.is_block_key(key)
+        """Whether ``key`` holds swarm records (server records, model listings or client reports)."""
+        return key == self.registry_id or key in self.report_ids or self.is_block_key(key)
 
     # ------------------------------------------------------------------ validation
     def validate(self, record: DHTRecord) -> bool:
@@ -169,7 +180,7 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def _check(self, record: DHTRecord) -> str | None:
         is_registry = record.key == self.registry_id
-        if not (is_registry or self.is_block_key(record.key)):
+        if not self.is_swarm_key(record.key):
             try:  # someone else's key: only require bytes hivemind can decode safely
                 safe_loads(record.value, other_ext=True)
                 if record.subkey != _PLAIN:
@@ -191,7 +202,15 @@ class SwarmRecordValidator(RecordValidatorBase):
                     return f"model listing subkey {subkey!r:.60}: {problem}"
                 ModelInfo.from_wire(value)
                 return None
-            return self._check_server_subkey(subkey) or _server_record_problem(value)
+            problem = self._check_server_subkey(subkey)
+            if problem is not None:
+                return problem
+            if record.key in self.report_ids or (isinstance(value, dict) and record.key not in self.block_ids):
+                if len(record.value) > MAX_REPORT_BYTES:
+                    return f"a client report of {len(record.value)} bytes (at most {MAX_REPORT_BYTES})"
+                problem = report_problem(value)
+                return None if problem is None else f"client report: {problem}"
+            return _server_record_problem(value)
         except RecordError as e:
             return str(e)
 
@@ -221,6 +240,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         if other.scope == "swarm":
             self.scope = "swarm"
         self.max_lifetime = min(self.max_lifetime, other.max_lifetime)
+        self.report_ids.update(other.report_ids)
         for prefix, n in other.registered.items():
             self.register_model(prefix, n)
         return True

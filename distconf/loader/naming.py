@@ -7,7 +7,9 @@ delimiter nor any whitespace. The family file's ``dht_prefix`` rule, the mixin f
 
 Every layer builds and reads uids through this module: `block_uid` / `block_uids` /
 `config_block_uids` build them, `parse_block_uid` reads one, `chain_uid` / `split_chain`
-join and split the chain a request names.
+join and split the chain a request names. `reports_key` names the key under which clients
+publish the servers their spot checks caught (``"org/model-petals.reports"``: never a block
+uid, whose index is digits).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from distconf.errors import ConfigValueError
 __all__ = [
     "UID_DELIMITER", "CHAIN_DELIMITER", "dht_prefix_problem", "check_dht_prefix", "derive_dht_prefix",
     "block_uid", "block_uids", "parse_block_uid", "chain_uid", "split_chain",
-    "config_dht_prefix", "config_num_blocks", "config_block_uids",
+    "config_dht_prefix", "config_num_blocks", "config_block_uids", "REPORTS_SUFFIX", "reports_key",
 ]
 
 UID_DELIMITER = "."
 """Separates the DHT prefix from the block index in a block uid (Petals' UID_DELIMITER)."""
 CHAIN_DELIMITER = " "
 """Separates the uids of a chain of blocks in one request (Petals' CHAIN_DELIMITER)."""
+REPORTS_SUFFIX = "reports"
+"""What follows the prefix and `UID_DELIMITER` in `reports_key` (not digits: no block uid looks like it)."""
 
 
 class PrefixRule(Protocol):
@@ -101,6 +105,11 @@ def chain_uid(dht_prefix: str, start: int, end: int) -> str:
 def split_chain(uids: str) -> list[str]:
     """The block uids of a chain string (no empty entries; nothing is validated)."""
     return [uid for uid in (uids or "").split(CHAIN_DELIMITER) if uid]
+
+
+def reports_key(dht_prefix: str) -> str:
+    """The DHT key of the clients' reports of servers caught computing wrong, for the model ``dht_prefix``."""
+    return f"{check_dht_prefix(dht_prefix)}{UID_DELIMITER}{REPORTS_SUFFIX}"
 
 
 def parse_block_uid(uid: str) -> tuple[str, int]:
