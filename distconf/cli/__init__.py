@@ -26,8 +26,8 @@ __all__ = ["main", "build_parser", "COMMANDS"]
 logger = logging.getLogger(__name__)
 
 COMMANDS: tuple[str, ...] = (
-    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "chat", "api", "swarm", "monitor",
-    "demo", "schema",
+    "list", "validate", "show", "check", "new", "plan", "serve", "manifest", "generate", "chat", "api", "swarm",
+    "monitor", "demo", "schema",
 )
 """Subcommands, in help order; command ``x`` is the module ``distconf.cli.cmd_x``."""
 
@@ -52,6 +52,7 @@ examples:
   distconf show FAMILY --preset ORG/MODEL     a family applied to a shipped real config
   distconf plan ORG/MODEL --memory 24GiB      blocks and cache a server can hold
   distconf serve ./model --initial-peers ADDR --memory 8GiB   serve blocks to a swarm
+  distconf manifest ./model -o model.manifest.json  per-block weight digests clients check servers by
   distconf generate ./model --initial-peers ADDR 'A cat sat'  generate text through a swarm
   distconf chat ./model --initial-peers ADDR  chat with a model on a swarm in the terminal
   distconf api ./model --initial-peers ADDR   an OpenAI-compatible API and a chat page (127.0.0.1:8000)

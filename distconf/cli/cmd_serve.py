@@ -118,6 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-weights", action="store_true",
                    help="hash the served blocks' weights after loading and again at shutdown, and log whether "
                         "they are unchanged (the load-time sha256 is also reported by rpc_info)")
+    p.add_argument("--no-block-digests", dest="block_digests", action="store_false",
+                   help="do not hash each served block's weights at load (by default rpc_info announces them as "
+                        "block_sha256, which clients given a `distconf manifest` check; see README's Security)")
     p.add_argument("--balance-quality", type=float, default=0.75, metavar="Q",
                    help="move to other blocks when that makes the swarm more than 1/Q times faster (Petals' "
                         "--balance_quality; 0 never moves; a span given with --blocks never moves)")
@@ -152,7 +155,7 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
         attn_cache_tokens=args.attn_cache_tokens, repository=args.repository,
-        verify_weights=args.verify_weights, balance_quality=args.balance_quality,
+        verify_weights=args.verify_weights, block_digests=args.block_digests, balance_quality=args.balance_quality,
         mean_balance_check_period=args.mean_balance_check_period,
         max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
         prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait)

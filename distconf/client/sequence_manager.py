@@ -8,7 +8,8 @@ temporary bans (``ban_timeout``) of servers that failed, applies the liveness po
 that did not answer are left out when others can take their place), and plans the chain
 with `distconf.dht.routing.make_route` (`SequenceManager.plan_route`). It also owns the
 client's one retry loop (`SequenceManager.with_retries`: ``max_retries``, ``min_backoff``,
-``max_backoff``) and the route log (``show_route``).
+``max_backoff``) and the route log (``show_route``). With ``weights_manifest``, servers whose
+announced weight digests differ from the manifest are left out (`distconf.client.commitments`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from distconf.client.commitments import Commitments
 from distconf.dht import NoRouteError, RemoteSpan, ServerState, SwarmState, find_block_servers, make_route
 from distconf.dht.liveness import ping_candidates, unreachable_peers
 from distconf.loader.config_protocol import DistributedConfig
@@ -53,6 +55,7 @@ class SequenceManager:
         self._lock = threading.RLock()
         self.allowed = None if config.allowed_servers is None else set(config.allowed_servers)
         self.blocked = set(config.blocked_servers or ())
+        self.commitments = Commitments.for_config(config, self.dht_prefix, self.num_blocks)  # None: no manifest
 
     # ------------------------------------------------------------------ swarm state
     def update(self, force: bool = False) -> SwarmState:
@@ -111,7 +114,8 @@ class SequenceManager:
         if cache_tokens_needed is not None:  # Petals 2.x units: cache_tokens_left counts 2 per token and block
             short = {s.peer_id for s in state.spans if s.info.cache_tokens_left is not None
                      and s.info.cache_tokens_left < cache_tokens_needed * 2 * s.length}
-        return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | self.banned(),
+        refused = self.commitments.left_out(self, state.spans) if self.commitments is not None else set()
+        return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | self.banned() | refused,
                           allowed_peers=self.allowed, start=start, end=end,
                           avoid_if_possible=[unreachable_peers(self.pings), short])
 

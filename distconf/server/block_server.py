@@ -5,7 +5,10 @@ announces JOINING, loads its blocks with progress, measures its throughput, regi
 handlers and announces ONLINE; records are refreshed every ``update_period`` with the cache
 tokens left. `BlockServer.stop()` announces OFFLINE and releases everything. With
 ``verify_weights``, the served weights are hashed (`distconf.server.integrity.weights_digest`)
-after loading and again at stop, and the server logs whether they are unchanged.
+after loading and again at stop, and the server logs whether they are unchanged. With
+``block_digests`` (the default), each block's digest (`distconf.server.integrity.block_digests`)
+and the weights' form are announced in ``rpc_info`` (``block_sha256``, ``weights_form``): a
+client given a ``distconf manifest`` refuses servers whose digests differ.
 A server placed by the swarm (no ``blocks``) checks every ``mean_balance_check_period``
 (randomized) whether moving would raise the swarm's throughput enough
 (`distconf.server.rebalance`, Petals' ``--balance_quality``) and moves (`distconf.server.span_moves`).
@@ -72,6 +75,7 @@ class ServeOptions:
     prefill_chunk: int = 64  # a longer step is computed in chunks of this many tokens per row
     max_batch_wait: float = 0.04  # seconds a batch may wait for steady sessions' steps that are due
     verify_weights: bool = False  # hash the served weights after loading and at stop; log whether they changed
+    block_digests: bool = True  # announce each served block's weights sha256 in rpc_info (``block_sha256``)
     balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
 
@@ -120,6 +124,8 @@ class BlockServer(SpanMoves):
         self.throughput = 0.0
         self.modules: list[Any] = []
         self.weights_sha256: str | None = None  # at load, with ``verify_weights``
+        self.block_sha256: list[str] | None = None  # per served block, with ``block_digests``
+        self.weights_form: str | None = None  # dtype (+ quantization) of the served weights
         self._rebalancer: threading.Thread | None = None
         self._rebalance_stop = threading.Event()
 
@@ -186,6 +192,9 @@ class BlockServer(SpanMoves):
         self.dtype_name, why = resolve_compute_dtype(o.dtype, self.config, self.device)
         self.dtype = getattr(torch, self.dtype_name)
         logger.info("device %s, dtype %s (%s), quant %s", self.device, self.dtype_name, why, self.quant or "none")
+        from distconf.server.integrity import weights_form
+
+        self.weights_form = weights_form(self.dtype_name, self.quant, self.device.type)
         self.dht = start_local_dht([] if o.new_swarm else o.initial_peers,
                                    host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"],
                                    num_workers=max(1, int(self.config.num_hidden_layers)))
@@ -244,6 +253,7 @@ class BlockServer(SpanMoves):
         if o.verify_weights:
             self.weights_sha256 = weights_digest(modules, first_block=span.start)
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
+        self.block_sha256 = self._block_digests(span.start, modules)
         speed = measure_throughput(modules, config.hidden_size, self.dtype)
         self.throughput = speed.throughput
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
@@ -258,6 +268,24 @@ class BlockServer(SpanMoves):
                     "%.0f in forward passes; announced throughput %.1f", span.start, span.end - 1, self.peer_id,
                     speed.inference_rps, speed.forward_rps, speed.throughput)
 
+    def _block_digests(self, start: int, modules: list[Any], known: dict[int, str] | None = None
+                       ) -> list[str] | None:
+        """Per-block digests of ``modules`` (blocks ``start..``), None without ``block_digests``.
+
+        ``known``: digests already taken, by block index (blocks kept through a span move).
+        """
+        from distconf.server.integrity import block_digests
+
+        if not self.options.block_digests:
+            return None
+        known = known or {}
+        t0 = time.perf_counter()
+        digests = [known.get(start + i) or block_digests([m], first_block=start + i)[0] for i, m in enumerate(modules)]
+        logger.info("block sha256 of blocks %d..%d (%s): %d new in %.2f s", start, start + len(modules) - 1,
+                    self.weights_form, sum(1 for i in range(len(modules)) if start + i not in known),
+                    time.perf_counter() - t0)
+        return digests
+
     def _check_stop(self, _block: int) -> None:
         if self.stop_event is not None and self.stop_event.is_set():
             raise InterruptedError(f"stopped while loading blocks {self.start_block}..{self.end_block - 1}")
@@ -269,8 +297,12 @@ class BlockServer(SpanMoves):
         return load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
                            quant=self.quant, device=self.device)
 
-    def _make_handler(self, start: int, modules: list[Any]) -> Any:
-        """A `BlockHandler` (not registered yet) serving ``modules`` as blocks ``start..``, with a fresh budget."""
+    def _make_handler(self, start: int, modules: list[Any], *, weights_sha256: str | None = None,
+                      block_sha256: list[str] | None = None) -> Any:
+        """A `BlockHandler` (not registered yet) serving ``modules`` as blocks ``start..``, with a fresh budget.
+
+        Its ``rpc_info`` reports ``weights_sha256`` and ``block_sha256`` (default: this server's).
+        """
         from distconf.blocks.kvcache import kv_geometry
         from distconf.loader.naming import block_uids
         from distconf.planning import autograd_reserve_bytes, batch_activation_bytes, default_max_length
@@ -289,7 +321,8 @@ class BlockServer(SpanMoves):
             inference_max_length=o.inference_max_length or default_max_length(config),
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
-            weights_sha256=self.weights_sha256)
+            weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
+            weights_form=self.weights_form)
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,
                              max_batch_tokens=o.max_batch_tokens or default_max_length(config),
                              max_batch_bytes=int(autograd_reserve_bytes(config)), max_batch_wait=o.max_batch_wait)

@@ -121,6 +121,10 @@ class BlockHandler(BlockServicer):
         }
         if s.weights_sha256 is not None:
             result["weights_sha256"] = s.weights_sha256
+        if s.block_sha256 is not None:
+            result["block_sha256"] = list(s.block_sha256)
+        if s.weights_form is not None:
+            result["weights_form"] = s.weights_form
         if request.uid:
             (block,) = self.check_uids(request.uid)[:1]
             result.update(self.block_info(block))

@@ -4,6 +4,11 @@ Clients may run ``rpc_backward`` (for prompt tuning), but gradients are taken on
 w.r.t. inputs and deep prompts: a server's blocks must stay exactly as loaded.
 `weights_digest` hashes every parameter and persistent buffer of the served blocks;
 ``distconf serve --verify-weights`` logs it after loading and again at shutdown.
+
+`block_digests` is the same digest taken block by block: servers announce it in ``rpc_info``
+(``block_sha256``, on by default) and ``distconf manifest`` writes it for a model's real weights,
+per `weights_form` (the dtype the blocks are held in, plus their quantization), so a client
+given the manifest can refuse servers that announce other weights (`distconf.client.commitments`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import hashlib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["weights_digest"]
+__all__ = ["block_digests", "weights_digest", "weights_form"]
 
 
 def _field(digest: Any, data: bytes | memoryview) -> None:
@@ -58,3 +63,25 @@ def weights_digest(modules: Iterable[Any], *, first_block: int = 0) -> str:
             _field(digest, repr(tuple(tensor.shape)).encode())
             _field(digest, _tensor_bytes(f"block {index}: {name}", tensor))
     return digest.hexdigest()
+
+
+def block_digests(modules: Iterable[Any], *, first_block: int = 0) -> list[str]:
+    """One `weights_digest` per block: ``weights_digest([module_i], first_block=first_block + i)``, in order."""
+    return [weights_digest([module], first_block=first_block + i) for i, module in enumerate(modules)]
+
+
+def weights_form(dtype: Any, quant: str | None, device_type: str = "cpu") -> str:
+    """The key of the form blocks are held in, which their digests depend on.
+
+    The canonical dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``), then ``+int8`` or
+    ``+nf4`` when quantized (`distconf.blocks.quant`). nf4 weights repacked for bitsandbytes'
+    CPU kernel (`distconf.blocks.quant.nf4_cpu_packed`) hold other bytes: ``+nf4-cpu-packed``.
+    """
+    from distconf.blocks.device import canonical_dtype
+    from distconf.blocks.quant import nf4_cpu_packed, normalize_quant
+
+    form = canonical_dtype(dtype)
+    quant = normalize_quant(quant)
+    if quant == "nf4" and nf4_cpu_packed(device_type):
+        return f"{form}+nf4-cpu-packed"
+    return f"{form}+{quant}" if quant else form

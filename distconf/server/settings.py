@@ -13,10 +13,13 @@ class HandlerSettings:
     def __init__(self, *, dht_prefix: str, hidden_size: int, dtype: torch.dtype, inference_max_length: int,
                  request_timeout: float = 180.0, session_timeout: float = 1800.0, step_timeout: float = 300.0,
                  max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False,
-                 weights_sha256: str | None = None) -> None:
+                 weights_sha256: str | None = None, block_sha256: list[str] | None = None,
+                 weights_form: str | None = None) -> None:
         self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
         self.inference_max_length = inference_max_length
         self.request_timeout, self.session_timeout, self.step_timeout = request_timeout, session_timeout, step_timeout
         self.max_request_bytes = max_request_bytes
         self.version, self.dht_client_mode = version, dht_client_mode
         self.weights_sha256 = weights_sha256  # the served weights' digest at load (``--verify-weights``)
+        self.block_sha256 = block_sha256  # per served block, first block first (``integrity.block_digests``)
+        self.weights_form = weights_form  # dtype (+ quantization) the digests are for (``integrity.weights_form``)

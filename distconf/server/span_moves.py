@@ -81,7 +81,8 @@ class SpanMoves:
 
         Announces the new span JOINING (with this server's throughput, so other servers do not
         move into the same place), loads the blocks it lacks (blocks in both spans are kept),
-        switches the handlers to the new span, announces ONLINE there and OFFLINE on the blocks
+        switches the handlers to the new span (its ``rpc_info`` reports the new span's digests:
+        blocks kept are not hashed again), announces ONLINE there and OFFLINE on the blocks
         it left, and frees them. Sessions open on the old span end with an error at their next
         step (clients fail over). If loading fails, the server stays on its old span.
         """
@@ -107,7 +108,14 @@ class SpanMoves:
                 if self._rebalance_stop.is_set():
                     raise InterruptedError("stopped while moving")
             modules = [kept[i] for i in range(start, end)]
-            handler = self._make_handler(start, modules)
+            weights_sha256 = None
+            if self.options.verify_weights:
+                from distconf.server.integrity import weights_digest
+
+                weights_sha256 = weights_digest(modules, first_block=start)
+            known = dict(zip(range(old_start, old_end), self.block_sha256 or []))
+            block_sha256 = self._block_digests(start, modules, known)
+            handler = self._make_handler(start, modules, weights_sha256=weights_sha256, block_sha256=block_sha256)
             reason = (f"{NOT_SERVED} blocks {old_start}..{old_end - 1} any more: it moved to {start}..{end - 1}; "
                       "open a new session")
             rpc.run(_switch_handlers(old_handler, handler, rpc.p2p, reason), timeout=30)
@@ -117,14 +125,11 @@ class SpanMoves:
             old_announcer.announce()  # the old span's records are the newest again
             raise
         self.handler, self.modules, self.start_block, self.end_block = handler, modules, start, end
+        self.weights_sha256, self.block_sha256 = weights_sha256, block_sha256
         self.announcer = new_announcer
         old_announcer.stop(offline=False)
         self._announce_offline(old_start, old_end, keep=(start, end), info=online)
         new_announcer.announce(online)
-        if self.options.verify_weights:
-            from distconf.server.integrity import weights_digest
-
-            self.weights_sha256 = weights_digest(modules, first_block=start)
         logger.info("ONLINE: moved to blocks %d..%d (from %d..%d), peer %s", start, end - 1, old_start,
                     old_end - 1, self.peer_id)
 
