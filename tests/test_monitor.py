@@ -24,6 +24,7 @@ from dhthelpers import wait_for as _wait_for
 from test_dht_hostile import made_up_peer_id, store_raw
 
 from distconf.cli import cmd_monitor
+from distconf.client.verify_events import VerificationEvent
 from distconf.dht import (
     BlockAnnouncer,
     ServerInfo,
@@ -35,6 +36,8 @@ from distconf.dht import (
     visible_maddrs,
 )
 from distconf.dht.discovery import merge_spans
+from distconf.dht.reports import ReportPublisher
+from distconf.loader.naming import reports_key
 from distconf.monitor import Monitor, Snapshot, SwarmStateV1, build_app, dht_reader, start_in_thread, state_of
 from distconf.monitor.snapshot import model_state
 
@@ -108,7 +111,7 @@ def swarm():
                              ("_petals.models", "evil-model-hf", {"num_blocks": "many"}, 600)])
         monitor, running = start_monitor(client)
         yield SimpleNamespace(a=a, b=b, c=c, client=client, cfg=cfg, url=running.url, monitor=monitor,
-                              ids={n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)})
+                              attacker=attacker, ids={n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)})
     finally:
         if running is not None:
             running.stop()
@@ -168,6 +171,28 @@ def test_route_and_metrics(swarm):
     assert float(samples["distconf_monitor_snapshot_age_seconds"]) >= 0
     for line in text.splitlines():  # every line is a comment or a well-formed sample
         assert line.startswith("# ") or re.fullmatch(r'distconf_monitor_[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+', line)
+
+
+def test_servers_clients_caught_are_shown_as_claims(swarm):
+    """A client's published report of a caught server reaches the JSON and the metrics; garbage is skipped."""
+    liar = swarm.ids["b"]
+    publisher = ReportPublisher(swarm.client, PREFIX, 8)
+    publisher(VerificationEvent(peer_id=liar, start=3, end=8, step=5, position=9, difference=0.25,
+                                tolerance=0.01, checkers=(swarm.ids["c"],)))
+    assert publisher.flush(30.0)
+    store_raw(swarm.attacker, [(reports_key(PREFIX), made_up_peer_id("bad-reporter"),
+                                {"caught": [{"peer_id": "junk", "start": 0, "end": 1}]}, 600)])
+    shown = wait_for(lambda: (m := find(state(swarm.url), PREFIX)) and m["caught"] and m)
+    assert shown, "the report never reached the monitor"
+    row = shown["caught"][0]
+    assert (row["peer_id"], row["start"], row["end"], row["reports"], row["detections"]) == (liar, 3, 8, 1, 1)
+    assert row["reporters"] == [swarm.client.peer_id.to_base58()] and row["max_difference"] == 0.25
+    assert row["kinds"] == ["inference"] and row["last_seen"] <= time.time() and shown["caught_total"] == 1
+    assert wait_for(lambda: find(state(swarm.url), PREFIX)["skipped_reports"] >= 1)
+    text = get(f"{swarm.url}/metrics")[2].decode()
+    assert f'distconf_monitor_caught_by_clients{{model="{PREFIX}",peer="{liar}",blocks="3..7"}} 1' in text
+    assert f'distconf_monitor_caught_servers{{model="{PREFIX}"}} 1' in text
+    assert "a claim by clients" in text
 
 
 def test_servers_are_paginated(swarm):

@@ -27,7 +27,9 @@ import pytest
 from dhthelpers import wait_for
 from test_monitor import HOSTILE_NAME, model, start_monitor
 
+from distconf.client.verify_events import VerificationEvent
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+from distconf.dht.reports import ReportPublisher
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PREFIX = "monitor-browser-hf"
@@ -141,6 +143,7 @@ def browser(tmp_path):
 
 @pytest.fixture
 def small_swarm():
+    """``(url, announcers, client node, server nodes)``: two servers (blocks 0..7, 6..11), the monitor served."""
     nodes, announcers, running = [], [], None
     try:
         boot = start_local_dht()
@@ -157,7 +160,7 @@ def small_swarm():
             announcer.start()
             announcers.append(announcer)
         running = start_monitor(client)[1]
-        yield running.url, announcers
+        yield running.url, announcers, client, (a, b)
     finally:
         if running is not None:
             running.stop()
@@ -178,7 +181,7 @@ CLASSES = f"(() => {{ const b = {BAR}; return b ? [...b.children].map(s => s.cla
 
 
 def test_page_shows_the_swarm_and_updates_when_a_server_leaves(browser, small_swarm, tmp_path):
-    url, announcers = small_swarm
+    url, announcers, *_ = small_swarm
     browser.call("Page.navigate", url=url + "/")
     full = ["cov-1"] * 6 + ["cov-2"] * 2 + ["cov-1"] * 4
     assert wait_for(lambda: browser.evaluate(CLASSES) == full, timeout=60), browser.evaluate(CLASSES)
@@ -211,4 +214,33 @@ def test_page_shows_the_swarm_and_updates_when_a_server_leaves(browser, small_sw
     assert "no full route" in browser.evaluate("document.querySelector('.route').textContent")
     print(f"screenshot: {browser.screenshot(folder / 'monitor-after-leave.png')}")
     browser.poll(1.0)
+    assert browser.errors() == []
+
+
+CAUGHT = f"document.querySelector('section.model[data-prefix=\"{PREFIX}\"] table.caught')"
+
+
+def test_page_shows_servers_clients_caught_as_claims(browser, small_swarm, tmp_path):
+    """A client's report of a caught server appears in the "Caught by clients" table, labelled as a claim."""
+    url, _, client, servers = small_swarm
+    liar = servers[1].peer_id.to_base58()
+    publisher = ReportPublisher(client, PREFIX, 12)
+    publisher(VerificationEvent(peer_id=liar, start=6, end=12, step=2, position=4, difference=float("inf"),
+                                tolerance=0.01, checkers=(servers[0].peer_id.to_base58(),)))
+    assert publisher.flush(30.0)
+    browser.call("Page.navigate", url=url + "/")
+    rows = f"(() => {{ const t = {CAUGHT}; return t ? [...t.querySelectorAll('tbody tr')].map(r => " \
+           "[...r.children].map(c => c.textContent)) : null; })()"
+    shown = wait_for(lambda: browser.evaluate(rows), timeout=60)
+    assert shown, "the page never showed the caught server"
+    assert shown[0][:3] == [".." + liar[-8:], "6..11", "1"] and shown[0][4] == "non-finite"
+    section = f"document.querySelector('section.model[data-prefix=\"{PREFIX}\"]')"
+    assert browser.evaluate(f"{section}.querySelector('h3').textContent") == "Caught by clients"
+    assert "Client claims" in browser.evaluate(f"{section}.querySelector('p.claim').textContent")
+    # the server table is still the first table of the section
+    assert browser.evaluate(f"{section}.querySelectorAll('table')[0].classList.contains('caught')") is False
+    browser.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=True)
+    assert wait_for(lambda: browser.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"), 10)
+    print(f"screenshot: {browser.screenshot(artifacts_dir(tmp_path) / 'monitor-caught-phone.png')}")
+    browser.call("Emulation.clearDeviceMetricsOverride")
     assert browser.errors() == []

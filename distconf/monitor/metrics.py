@@ -63,6 +63,14 @@ def render_metrics(monitor: Monitor, now: float | None = None) -> str:
                      [({"model": m.dht_prefix}, m.skipped_records) for m in models])
     lines += _family("failed_blocks", "Blocks whose DHT search failed in the last read.",
                      [({"model": m.dht_prefix}, m.failed_blocks) for m in models])
+    lines += _family("caught_by_clients", "Clients claiming their spot checks caught this server computing the "
+                     "span wrong (a claim by clients, not a proof; the latest rows per model).",
+                     [({"model": m.dht_prefix, "peer": c.peer_id, "blocks": f"{c.start}..{c.end - 1}"}, c.reports)
+                      for m in models for c in m.caught])
+    lines += _family("caught_servers", "Distinct servers clients claim to have caught (client claims).",
+                     [({"model": m.dht_prefix}, len({c.peer_id for c in m.caught})) for m in models])
+    lines += _family("skipped_reports", "Malformed client reports ignored in the last read.",
+                     [({"model": m.dht_prefix}, m.skipped_reports) for m in models])
     lines += _family("read_error", "1 when the last read of the model failed (older data is served).",
                      [({"model": m.dht_prefix}, int(m.error is not None)) for m in models])
     return "\n".join(lines) + "\n"

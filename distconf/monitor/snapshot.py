@@ -3,7 +3,9 @@
 `read_models` reads the ``_petals.models`` listing and then each model's blocks with
 `distconf.dht.find_servers_by_prefix` (the same batched read and the same record checks
 as `distconf.dht.find_block_servers`: a malformed record is skipped, and counted, exactly
-as discovery skips it). `model_state` turns one `SwarmState` into a `ModelStateV1`.
+as discovery skips it), then the clients' reports of servers they caught
+(`distconf.dht.reports.read_reports`, summed per server and span by `caught_rows`: claims,
+shown as such). `model_state` turns one `SwarmState` into a `ModelStateV1`.
 Everything here is synchronous and blocking: `distconf.monitor.refresher` runs it in a
 worker thread, never in the web server's event loop.
 """
@@ -26,14 +28,16 @@ from distconf.dht import (
     make_route,
     read_model_listing,
 )
-from distconf.monitor.state_schema import MAX_PINGS, ModelStateV1, RouteV1, ServerRowV1
+from distconf.dht.report_records import ClientReport
+from distconf.dht.reports import read_reports
+from distconf.monitor.state_schema import MAX_CAUGHT_ROWS, MAX_PINGS, CaughtRowV1, ModelStateV1, RouteV1, ServerRowV1
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT
 
 __all__ = [
-    "ListingRead", "ModelWanted", "describe_error", "model_state", "read_listing", "read_model", "route_of",
-    "server_row", "short_peer_id", "with_error",
+    "ListingRead", "ModelWanted", "caught_rows", "describe_error", "model_state", "read_listing", "read_model",
+    "route_of", "server_row", "short_peer_id", "with_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,8 +83,42 @@ def read_model(dht: DHT, model: ModelWanted, *, timeout: float) -> ModelStateV1:
     """Read one model's blocks and build its state (raises what discovery raises)."""
     began = time.time()
     state = find_servers_by_prefix(dht, model.dht_prefix, model.num_blocks, timeout=timeout)
+    caught: list[CaughtRowV1] = []
+    total = skipped = 0
+    try:
+        read = read_reports(dht, model.dht_prefix, num_blocks=model.num_blocks, timeout=timeout)
+        caught, total = caught_rows(read.reports)
+        skipped = len(read.skipped)
+    except Exception as exc:  # the reports are extra: their failure never hides the servers
+        logger.warning("reading the client reports of %r failed: %s", model.dht_prefix, describe_error(exc))
     return model_state(state, repository=model.repository, listed=model.listed, read_at=began,
-                       read_seconds=time.time() - began)
+                       read_seconds=time.time() - began).model_copy(
+        update={"caught": caught, "caught_total": total, "skipped_reports": skipped})
+
+
+_REPORTERS_SHOWN = 8
+
+
+def caught_rows(reports: Mapping[str, ClientReport],
+                limit: int = MAX_CAUGHT_ROWS) -> tuple[list[CaughtRowV1], int]:
+    """One row per (server, span) the ``reports`` ({reporter: report}) name, latest first; and the rows in all."""
+    rows: dict[tuple[str, int, int], dict] = {}
+    for reporter, report in sorted(reports.items()):
+        for c in report.caught:
+            row = rows.setdefault((c.peer_id, c.start, c.end), {"reporters": [], "detections": 0, "last": 0.0,
+                                                               "difference": 0.0, "kinds": set()})
+            row["reporters"].append(reporter)
+            row["detections"] += c.count
+            row["last"] = max(row["last"], c.when)
+            row["difference"] = max(row["difference"], c.difference)
+            row["kinds"].add(c.kind)
+    ordered = sorted(rows.items(), key=lambda kv: (-kv[1]["last"], kv[0]))
+    out = [CaughtRowV1(peer_id=peer, peer_id_short=short_peer_id(peer), start=start, end=end,
+                       reports=len(r["reporters"]), detections=r["detections"], last_seen=r["last"],
+                       max_difference=r["difference"] if math.isfinite(r["difference"]) else None,
+                       kinds=sorted(r["kinds"]), reporters=r["reporters"][:_REPORTERS_SHOWN])
+           for (peer, start, end), r in ordered[:limit]]
+    return out, len(rows)
 
 
 def short_peer_id(peer_id: str) -> str:

@@ -16,12 +16,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["MAX_PINGS", "SCHEMA_VERSION", "ModelStateV1", "RouteV1", "ServerRowV1", "SwarmStateV1"]
+__all__ = ["MAX_CAUGHT_ROWS", "MAX_PINGS", "SCHEMA_VERSION", "CaughtRowV1", "ModelStateV1", "RouteV1", "ServerRowV1",
+           "SwarmStateV1"]
 
 SCHEMA_VERSION = 1
 """Version of the ``/api/v1/state`` schema (see the compatibility rule above)."""
 MAX_PINGS = 8
 """Most ``next_pings`` entries listed per server (the fastest ones)."""
+MAX_CAUGHT_ROWS = 100
+"""Most rows of "caught by clients" listed per model (the most recently reported)."""
 
 _CONFIG = ConfigDict(extra="forbid", frozen=True)
 
@@ -62,6 +65,28 @@ class RouteV1(BaseModel):
     message: str = Field("", description="why no route exists, or a one-line summary of the route")
 
 
+class CaughtRowV1(BaseModel):
+    """A server that clients say their spot checks caught computing a span wrong: a CLAIM, not a proof.
+
+    Any peer can publish a report (in Petals-compatible mode even under another peer's
+    id), so a row says what clients claim; a client that verifies checks every server itself.
+    """
+
+    model_config = _CONFIG
+
+    peer_id: str = Field(description="libp2p peer id of the server the reports name")
+    peer_id_short: str = Field(description="the peer id shortened for display")
+    start: int = Field(description="first block of the span reported")
+    end: int = Field(description="one past the last block of the span reported")
+    reports: int = Field(description="distinct clients (reporter peer ids) claiming it")
+    detections: int = Field(description="detections those clients count in all")
+    last_seen: float = Field(description="unix time of the latest detection reported")
+    max_difference: float | None = Field(
+        description="largest relative difference reported (null: non-finite results)")
+    kinds: list[str] = Field(default_factory=list, description="what was checked: inference, forward, backward")
+    reporters: list[str] = Field(default_factory=list, description="the reporting clients' peer ids (at most 8)")
+
+
 class ModelStateV1(BaseModel):
     """Coverage, servers and route of one model."""
 
@@ -86,6 +111,11 @@ class ModelStateV1(BaseModel):
     read_at: float = Field(description="unix time when the latest successful read of this model started")
     read_seconds: float = Field(description="how long that read took")
     error: str | None = Field(None, description="why the latest read failed (the data shown is older)")
+    caught: list[CaughtRowV1] = Field(
+        default_factory=list,
+        description=f"servers clients CLAIM their spot checks caught (latest first, at most {MAX_CAUGHT_ROWS})")
+    caught_total: int = Field(0, description="rows of caught servers in all (caught lists the latest of them)")
+    skipped_reports: int = Field(0, description="client reports ignored as malformed")
 
 
 class SwarmStateV1(BaseModel):

@@ -101,6 +101,43 @@
     return parts;
   }
 
+  function ago(seconds) {
+    if (seconds < 90) return `${Math.max(0, seconds).toFixed(0)} s ago`;
+    if (seconds < 5400) return `${(seconds / 60).toFixed(0)} min ago`;
+    return `${(seconds / 3600).toFixed(1)} h ago`;
+  }
+
+  // Servers that clients say their spot checks caught: claims by clients (anyone can publish one), shown as such.
+  function caughtTable(model) {
+    const caught = model.caught || [];
+    if (!caught.length) return [];
+    const now = Date.now() / 1000;
+    const rows = caught.map((c) => el("tr", { "data-peer": c.peer_id }, [
+      el("td", { text: c.peer_id_short, title: c.peer_id }),
+      el("td", { text: c.end - c.start === 1 ? `${c.start}` : `${c.start}..${c.end - 1}` }),
+      el("td", { class: "num", text: String(c.reports),
+        title: `${c.detections} detection(s) by ${c.reports} client(s): ` +
+          c.reporters.map((p) => `..${p.slice(-6)}`).join(", ") }),
+      el("td", { text: ago(now - c.last_seen), title: new Date(c.last_seen * 1000).toLocaleString() }),
+      el("td", { class: "num hide-narrow", text: c.max_difference === null ? "non-finite" : fmt(c.max_difference, 3) }),
+      el("td", { class: "hide-narrow", text: c.kinds.join(", ") }),
+    ]));
+    const head = [["peer", ""], ["span", ""], ["reports", "num"], ["last seen", ""],
+      ["difference", "num hide-narrow"], ["checked", "hide-narrow"]];
+    const table = el("table", { class: "caught" }, [
+      el("thead", {}, [el("tr", {}, head.map(([h, cls]) => el("th", { class: cls, text: h })))]),
+      el("tbody", {}, rows),
+    ]);
+    const more = model.caught_total > caught.length ? ` (the latest ${caught.length} of ${model.caught_total})` : "";
+    return [
+      el("h3", { text: "Caught by clients" + more }),
+      el("p", { class: "claim", text: "Client claims: servers whose results clients' spot checks found wrong. " +
+        "Any peer can publish such a report, so it is a hint, not a proof; a client that verifies checks " +
+        "every server itself." }),
+      el("div", { class: "tablewrap caughtwrap" }, [table]),
+    ];
+  }
+
   function modelSection(model) {
     const route = model.route;
     const routeText = route.exists
@@ -124,8 +161,10 @@
     if (model.error) warnings.push(`latest read failed: ${model.error}`);
     if (model.skipped_records) warnings.push(`${model.skipped_records} malformed record(s) skipped`);
     if (model.failed_blocks) warnings.push(`search failed for ${model.failed_blocks} block(s)`);
+    if (model.skipped_reports) warnings.push(`${model.skipped_reports} malformed client report(s) skipped`);
     for (const w of warnings) children.push(el("p", { class: "warn", text: w }));
     children.push(...serverTable(model));
+    children.push(...caughtTable(model));
     return el("section", { class: "model", "data-prefix": model.dht_prefix }, children);
   }
 
