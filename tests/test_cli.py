@@ -179,8 +179,8 @@ def test_commands_are_the_explicit_ordered_list() -> None:
 
 
 @pytest.mark.parametrize("name", [
-    "list", "validate", "show", "check", "new", "plan", "serve", "generate", "chat", "api", "swarm", "monitor",
-    "demo", "schema",
+    "list", "validate", "show", "check", "new", "plan", "serve", "manifest", "generate", "chat", "api", "swarm",
+    "monitor", "demo", "schema",
 ])
 def test_command_help_has_examples(name) -> None:
     text = _subcommands()[name].format_help()
