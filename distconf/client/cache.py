@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from distconf.client.hf_generation import PositionLayer
+from distconf.client.verifier import VerificationRollback
 
 if TYPE_CHECKING:  # pragma: no cover
     from distconf.client.ptune import PromptTuning
@@ -113,9 +114,41 @@ class RemoteCache(Cache):
                 prefix = self.prompts.input_prompts(hidden_states.shape[0], hidden_states.dtype)
                 hidden_states = torch.cat([prefix.to(hidden_states.device), hidden_states], dim=1)
                 deep = self.prompts.deep_prompts(hidden_states.dtype)
-            outputs = self.session.step(hidden_states, hypo_ids=hypo_ids, prompts=deep)
+            try:
+                outputs = self.session.step(hidden_states, hypo_ids=hypo_ids, prompts=deep)
+            except VerificationRollback as rollback:
+                raise self._rolled_back(rollback) from None
         self.position = self.session.position - self.prefix
         return outputs[:, outputs.shape[1] - n_user:]
+
+    # ------------------------------------------------------------------ spot checks
+    @property
+    def verified(self) -> int:
+        """Tokens whose results a spot check covered on every span (all of them without spot checks)."""
+        if self.session is None:
+            return self.position
+        return max(0, min(self.position, self.session.verified - self.prefix))
+
+    def verify(self) -> None:
+        """Check every token not verified yet, now; raises `VerificationRollback` if a server is caught.
+
+        After a rollback the cache is at the first wrong position (``rollback.position``, in
+        tokens): feed the tokens from there on again.
+        """
+        if self.session is not None:
+            try:
+                self.session.verify()
+            except VerificationRollback as rollback:
+                raise self._rolled_back(rollback) from None
+
+    def _rolled_back(self, rollback: VerificationRollback) -> VerificationRollback:
+        """The rollback in this cache's positions (before the trained prompts: back to the start)."""
+        assert self.session is not None
+        if self.session.position < self.prefix:
+            self.session.rewind(0)
+        self.position = max(0, self.session.position - self.prefix)
+        self._hypo_ids = self._rewind = None
+        return VerificationRollback(self.position, rollback.events)
 
     def close(self) -> None:
         """End the session on every server (frees their cache)."""

@@ -20,6 +20,7 @@ folder as it is, a GGUF file, a cached hub id; a source that cannot be used rais
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -36,6 +37,8 @@ from distconf.client.model_source import ClientSource, open_client_source
 from distconf.client.ptune import PromptTuning, prompt_tuning_for
 from distconf.client.sequential import RemoteSequential
 from distconf.client.swarm import SwarmClient
+from distconf.client.verifier import VerificationRollback
+from distconf.client.verify_events import VerificationEvent
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.once import OncePerKey
@@ -48,6 +51,8 @@ __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMP
 PROMPTS_ATTRIBUTE = "ptune"
 
 _classes: OncePerKey[type, type] = OncePerKey()
+_MAX_RESTARTS = 4  # generations started over after a server was caught (each bans one more server)
+logger = logging.getLogger(__name__)
 
 
 class RemoteLayers(torch.nn.Module):
@@ -137,19 +142,41 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
         """
         return RemoteCache(self.remote, max_length, self.config.num_hidden_layers, prompts=self.prompts)
 
+    @property
+    def verification_events(self) -> list[VerificationEvent]:
+        """Servers caught computing wrong by spot checks (``verify_fraction``), oldest first."""
+        return self.remote.verifier.events
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """Hugging Face ``generate`` (greedy, sampling, beam search, ...) through the swarm."""
+        """Hugging Face ``generate`` (greedy, sampling, beam search, ...) through the swarm.
+
+        With spot checks on and no ``cache`` given, the result is checked in full before it
+        is returned; when a server is caught, generation starts over without it (a streamer
+        then sees the tokens again). With a ``cache`` of your own, `VerificationRollback`
+        tells you where it went back to.
+        """
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
             raise ValueError("padding is not supported by the Petals 2.x protocol: give prompts of equal length "
                              "(attention_mask must be all ones)")
-        created_before = len(self._created_caches)
-        try:
-            return super().generate(*args, **kwargs)
-        finally:
-            for cache in self._created_caches[created_before:]:
-                cache.close()
-            del self._created_caches[created_before:]
+        restarts = 0 if kwargs.get("cache") is not None or not self.remote.verifier.enabled else _MAX_RESTARTS
+        for attempt in range(restarts + 1):
+            created_before = len(self._created_caches)
+            try:
+                result = super().generate(*args, **kwargs)
+                for cache in self._created_caches[created_before:]:
+                    cache.verify()
+                return result
+            except VerificationRollback as rollback:
+                if attempt == restarts:
+                    raise
+                logger.warning("generation starts over without the server caught (%d of at most %d): %s",
+                               attempt + 1, restarts, rollback)
+            finally:
+                for cache in self._created_caches[created_before:]:
+                    cache.close()
+                del self._created_caches[created_before:]
+        raise AssertionError("unreachable")
 
     def shutdown(self) -> None:
         """Close the connection to the swarm (the DHT node this model started)."""

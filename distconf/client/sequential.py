@@ -5,7 +5,9 @@ through the route span by span (``rpc_forward``, or ``rpc_forward_stream`` for l
 payloads) and keeps each span's inputs; backward goes through the same spans in reverse
 (``rpc_backward``), collecting the deep prompts' gradients block by block. A failed span is retried on
 another route over its blocks (the failed server is banned), as often as the retry
-policy allows. Inference goes through `InferenceSession` (`inference_session`).
+policy allows. Inference goes through `InferenceSession` (`inference_session`). With
+``verify_fraction`` set, `verifier` spot-checks forward calls and inference sessions
+(`distconf.client.verifier`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 
 from distconf.client.sequence_manager import SequenceManager
 from distconf.client.session import InferenceSession
+from distconf.client.span_calls import backward_span, forward_span, span_prompts
+from distconf.client.verifier import Verifier
 from distconf.dht import RemoteSpan
 from distconf.loader.config_protocol import DistributedConfig
-from distconf.rpc.calls import call_backward, call_forward
 
 __all__ = ["RemoteSequential"]
 
@@ -38,6 +41,7 @@ class RemoteSequential(torch.nn.Module):
         self.config = config
         self.swarm = swarm
         self.manager = SequenceManager(config, swarm)
+        self.verifier = Verifier(self.manager)
 
     def __len__(self) -> int:
         return self.manager.num_blocks
@@ -51,11 +55,11 @@ class RemoteSequential(torch.nn.Module):
         """
         if prompts is not None:
             _check_prompts(prompts, self.manager.num_blocks, hidden_states)
-        return _RemoteBlocks.apply(hidden_states, prompts, self.manager)
+        return _RemoteBlocks.apply(hidden_states, prompts, self.manager, self.verifier)
 
     def inference_session(self, max_length: int) -> InferenceSession:
         """A new inference session holding up to ``max_length`` tokens (close it when done)."""
-        return InferenceSession(self.manager, max_length, dtype=_float_dtype(self.config))
+        return InferenceSession(self.manager, max_length, dtype=_float_dtype(self.config), verifier=self.verifier)
 
 
 def _check_prompts(prompts: torch.Tensor, num_blocks: int, hidden_states: torch.Tensor) -> None:
@@ -75,44 +79,13 @@ def _float_dtype(config: DistributedConfig) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def _timeouts(manager: SequenceManager) -> tuple[float, float]:
-    """The call's own timeout and the (longer) bound on waiting for it from this thread."""
-    timeout = float(manager.config.request_timeout)
-    return timeout, timeout + float(manager.config.connect_timeout) + 1
-
-
-def _span_prompts(prompts: torch.Tensor | None, span: RemoteSpan) -> torch.Tensor | None:
-    return None if prompts is None else prompts[span.start:span.end]
-
-
-def _forward_span(manager: SequenceManager, span: RemoteSpan, x: torch.Tensor, prompts: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """One ``rpc_forward`` call to ``span``'s server (checked: same shape back)."""
-    timeout, wait = _timeouts(manager)
-    coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x, _span_prompts(prompts, span),
-                        timeout=timeout,
-                        dtype=manager.server_dtype(span), metadata=manager.request_metadata())
-    out = manager.swarm.run(coro, timeout=wait)
-    if out.shape != x.shape:
-        raise ConnectionError(f"…{span.peer_id[-6:]} returned {out.shape} for {x.shape}")
-    return out.to(x.dtype)
-
-
-def _backward_hop(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,
-                  prompts: torch.Tensor | None) -> list[torch.Tensor]:
-    """One ``rpc_backward`` call to ``span``'s server."""
-    timeout, wait = _timeouts(manager)
-    coro = call_backward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), inputs, grad,
-                         _span_prompts(prompts, span), timeout=timeout,
-                         dtype=manager.server_dtype(span), metadata=manager.request_metadata())
-    return manager.swarm.run(coro, timeout=wait)
-
-
 def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: int | None = None,
-                prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[RemoteSpan, torch.Tensor]]]:
+                prompts: torch.Tensor | None = None, verifier: Verifier | None = None
+                ) -> tuple[torch.Tensor, list[tuple[RemoteSpan, torch.Tensor]]]:
     """Blocks ``start..end-1`` on ``x``; returns the outputs and each span with its inputs.
 
     ``prompts``: deep prompts of all blocks of the model (indexed by block), or None.
+    ``verifier``: spot-checks each span's result (`Verifier.check_forward`), or None.
     """
     end = manager.num_blocks if end is None else end
     records: list[tuple[RemoteSpan, torch.Tensor]] = []
@@ -121,13 +94,15 @@ def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: 
         def attempt(_: int, block: int = block, x: torch.Tensor = x) -> tuple[RemoteSpan, torch.Tensor]:
             span = manager.plan_route(block, end)[0]
             try:
-                return span, _forward_span(manager, span, x, prompts)
+                return span, forward_span(manager, span, x, prompts)
             except Exception as exc:
                 manager.on_failure(span.peer_id, exc)
                 raise
 
         span, out = manager.with_retries(f"forward of blocks {block}..{end - 1}", attempt)
         manager.on_success(span.peer_id)
+        if verifier is not None and verifier.enabled:
+            out = verifier.check_forward(span, x, out, prompts)
         records.append((span, x))
         x, block = out, span.end
     return x, records
@@ -153,11 +128,11 @@ def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Ten
         hop_prompt_grads = []
         for hop, hop_inputs in reversed(chain):
             try:
-                out = _backward_hop(manager, hop, hop_inputs, g, prompts)
+                out = backward_span(manager, hop, hop_inputs, g, prompts)
             except Exception as exc:
                 manager.on_failure(hop.peer_id, exc)
                 raise
-            hop_prompt_grad = _check_backward_reply(hop, out, hop_inputs, _span_prompts(prompts, hop))
+            hop_prompt_grad = _check_backward_reply(hop, out, hop_inputs, span_prompts(prompts, hop))
             g = out[0].to(grad.dtype)
             if hop_prompt_grad is not None:
                 hop_prompt_grads.append((hop, hop_prompt_grad))
@@ -197,10 +172,10 @@ class _RemoteBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden_states: torch.Tensor, prompts: torch.Tensor | None,
-                manager: SequenceManager) -> torch.Tensor:
+                manager: SequenceManager, verifier: Verifier) -> torch.Tensor:
         x = hidden_states.detach().cpu()
         sent_prompts = None if prompts is None else prompts.detach().cpu().to(x.dtype)
-        out, records = run_forward(manager, x, prompts=sent_prompts)
+        out, records = run_forward(manager, x, prompts=sent_prompts, verifier=verifier)
         ctx.manager, ctx.records, ctx.prompts = manager, records, sent_prompts
         ctx.prompts_meta = None if prompts is None else (prompts.device, prompts.dtype)
         return out.to(hidden_states.device, hidden_states.dtype)
@@ -211,4 +186,4 @@ class _RemoteBlocks(torch.autograd.Function):
                                           grad_output.detach().cpu().to(ctx.records[0][1].dtype), ctx.prompts)
         if grad_prompts is not None:
             grad_prompts = grad_prompts.to(*ctx.prompts_meta)
-        return grad.to(grad_output.device, grad_output.dtype), grad_prompts, None
+        return grad.to(grad_output.device, grad_output.dtype), grad_prompts, None, None

@@ -11,7 +11,8 @@ the local transformers model computes, so it gives that model's greedy tokens.
 
 The stream is synchronous; `TextStream.close` may be called from another thread (a web
 server whose client went away): it never blocks, and the session on the servers ends at
-once, or right after the step in flight.
+once, or right after the step in flight. With spot checks on (``verify_fraction``), a
+token is given out only once a check covered the result it came from (`TextStream._tokens`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from typing import Any
 
 import torch
 
+from distconf.client.verifier import VerificationError, VerificationRollback
+
 __all__ = ["Sampling", "Piece", "TextStream", "IncrementalDecoder", "chat_input_ids", "eos_token_ids",
            "stream_text"]
 
 logger = logging.getLogger(__name__)
+_MAX_ROLLBACKS = 8  # servers caught in one generation before it gives up
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,14 @@ class TextStream:
                 self._cache.close()
             return out.logits[0, -1].float()
 
+    def _verify(self) -> bool:
+        """Check the whole session now (may raise `VerificationRollback`); False once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._cache.verify()
+            return True
+
     def _pick(self, logits: torch.Tensor) -> int:
         s = self.sampling
         if s.temperature == 0:
@@ -242,14 +254,58 @@ class TextStream:
         self.text += text
         return Piece(text, token, float(logprobs[token]), top)
 
+    def _tokens(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """The new tokens with their logits, each given out once a spot check covered it.
+
+        Without spot checks a token is given out at once. With them (``verify_fraction``), the
+        tokens after the last check wait, the end of the generation is checked before the last
+        ones go, and when a check catches a server the session goes back to the first wrong
+        position: the tokens chosen from wrong results are dropped (never given out) and
+        generated again without that server.
+        """
+        ids = list(self.input_ids)
+        fed = 0  # tokens the session holds
+        ahead: list[tuple[int, torch.Tensor]] = []  # generated, not given out: the last len(ahead) of ids
+        finished = False
+        rollbacks = 0
+        while True:
+            try:
+                if not finished:
+                    logits = self._logits(ids[fed:])
+                    if logits is None:
+                        return
+                    fed = len(ids)
+                    token = self._pick(logits)
+                    ids.append(token)
+                    ahead.append((token, logits))
+                    finished = token in self._eos or len(ids) - self.prompt_tokens >= self.sampling.max_tokens
+                verified = getattr(self._cache, "verified", None)
+                if finished and verified is not None and verified < fed:
+                    if not self._verify():
+                        return
+                    verified = fed
+            except VerificationRollback as rollback:
+                rollbacks += 1
+                if rollbacks > _MAX_ROLLBACKS:
+                    raise VerificationError(f"servers were caught {rollbacks} times in one generation") from rollback
+                keep = max(rollback.position + 1, self.prompt_tokens)
+                dropped = len(ids) - keep
+                del ids[keep:]
+                del ahead[len(ahead) - min(dropped, len(ahead)):]
+                fed, finished = rollback.position, False
+                continue
+            safe = len(ids) if verified is None else verified + 1  # a token is safe once the result it came from is
+            while ahead and len(ids) - len(ahead) < safe:
+                yield ahead.pop(0)
+            if finished and not ahead:
+                return
+
     def _run(self) -> Iterator[Piece]:
         decoder = IncrementalDecoder(self.tokenizer)
         stops = self.sampling.stop
         pending = ""  # decoded text not given out yet (may begin a stop string)
         try:
-            logits = self._logits(self.input_ids)
-            while logits is not None:
-                token = self._pick(logits)
+            for token, logits in self._tokens():
                 self.completion_tokens += 1
                 if token in self._eos:
                     self.finish_reason = "stop"
@@ -274,7 +330,6 @@ class TextStream:
                 if last:
                     self.finish_reason = "length"
                     return
-                logits = self._logits([token])
         finally:
             self.close()
 

@@ -1,0 +1,273 @@
+"""Spot checks: independent servers recompute a share of a client's span results; liars are caught and banned.
+
+With ``verify_fraction`` f > 0 the client trusts no single server:
+
+* **Inference.** Each span of a session has a *shadow*: an inference session on another
+  server of the same blocks (`SpanCheck`). A checked step makes every shadow catch up on
+  all the inputs its span got since the previous check, in one call, and compares the
+  outputs of all those positions with what the span's server answered
+  (`distconf.client.verify_compare.update_difference` against the tolerance): one check
+  covers every step since the previous one. The first step on a server is always checked,
+  then each step with probability f (drawn from the OS's random source, so a server cannot
+  predict it; steps are sent through the client only, no server-to-server push, so all steps
+  look alike to the server).
+* **Forward calls** (`RemoteSequential` without a session) are recomputed on another
+  server with probability f.
+* **A mismatch** is settled by a third server (`Verifier.arbitrate`): the side it agrees with
+  is honest. The other server is banned (for the rest of the session, then ``ban_timeout``),
+  a `VerificationEvent` is recorded (`Verifier.events`, logged at WARNING, passed to
+  `Verifier.listeners`) and the honest results are used: an inference session goes back to
+  the first wrong position (`VerificationRollback` when that is before the current step).
+  When no independent server exists, or three disagree, `VerificationError` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distconf.client.span_calls import forward_span
+from distconf.client.verify_compare import tolerance_for, update_difference
+from distconf.client.verify_events import VerificationEvent
+from distconf.dht import RemoteSpan, ServerState
+
+__all__ = ["Verifier", "SpanCheck", "VerificationError", "VerificationRollback", "Verdict"]
+
+logger = logging.getLogger(__name__)
+
+
+class VerificationError(RuntimeError):
+    """A span's results cannot be verified: no independent server holds its blocks, or servers disagree
+    with no majority."""
+
+
+class VerificationRollback(RuntimeError):
+    """A check found wrong results at ``position``, before the current step.
+
+    The session has gone back to ``position`` (the liar is banned and replaced): give it the
+    tokens from ``position`` on again. ``events`` are the detections that caused it.
+    """
+
+    def __init__(self, position: int, events: list[VerificationEvent]) -> None:
+        super().__init__(f"wrong results from position {position} on: the session went back to it "
+                         f"({'; '.join(e.describe() for e in events)})")
+        self.position = position
+        self.events = events
+
+
+@dataclasses.dataclass
+class Verdict:
+    """The outcome of a disagreement between a checked server and its checker.
+
+    ``guilty``: the peer whose results the third server does not confirm; ``primary_guilty``
+    whether that is the checked server; ``event`` the evidence.
+    """
+
+    guilty: str
+    primary_guilty: bool
+    event: VerificationEvent
+
+
+class SpanCheck:
+    """The check state of one span of an inference session (owned by its `SpanSession`).
+
+    ``verified``: positions below it were covered by a check. ``outputs``: the server's
+    outputs for the positions from ``verified`` on, as ``(first position, tensor)`` chunks in
+    the session's current row order. ``shadow``: the checker's session (or None), and
+    ``perm``: the row reordering (``hypo_ids``) the shadow has not been sent yet.
+    """
+
+    def __init__(self) -> None:
+        self.verified = 0
+        self.outputs: list[tuple[int, torch.Tensor]] = []
+        self.shadow: Any = None
+        self.perm: torch.Tensor | None = None
+
+    def record(self, first: int, outputs: torch.Tensor, hypo_ids: torch.Tensor | None) -> None:
+        """The server answered ``outputs`` for positions ``first..``, after reordering rows by ``hypo_ids``."""
+        if hypo_ids is not None:
+            self.outputs = [(f, t[hypo_ids]) for f, t in self.outputs]
+            self.perm = hypo_ids if self.perm is None else self.perm[hypo_ids]
+        end = first + outputs.shape[1]
+        kept = [(f, t[:, :max(0, first - f)]) for f, t in self.outputs if f < first]
+        self.outputs = [(f, t) for f, t in kept if t.shape[1]]
+        start = max(first, self.verified)
+        if start < end:
+            self.outputs.append((start, outputs[:, start - first:].detach()))
+
+    def rewind(self, position: int) -> None:
+        """Forget positions from ``position`` on (the shadow too)."""
+        self.verified = min(self.verified, position)
+        self.outputs = [(f, t[:, :position - f]) for f, t in self.outputs if f < position]
+        if self.shadow is not None:
+            self.shadow.rewind(position)
+
+    def unverified(self, start: int, end: int) -> torch.Tensor | None:
+        """The server's outputs for positions ``start..end-1`` (None if not all are held)."""
+        pieces, at = [], start
+        for f, t in self.outputs:
+            if f <= at < f + t.shape[1]:
+                piece = t[:, at - f:min(end, f + t.shape[1]) - f]
+                pieces.append(piece)
+                at += piece.shape[1]
+        return torch.cat(pieces, dim=1) if at >= end and pieces else None
+
+    def passed(self, position: int) -> None:
+        """Positions below ``position`` are verified."""
+        self.verified = max(self.verified, position)
+        self.outputs = [(f, t[:, max(0, position - f):]) for f, t in self.outputs if f + t.shape[1] > position]
+        self.outputs = [(max(f, position), t) for f, t in self.outputs]
+
+    def drop_shadow(self) -> None:
+        """Close the shadow (a new one is opened at the next check)."""
+        if self.shadow is not None:
+            self.shadow.close()
+            self.shadow, self.perm = None, None
+
+
+class Verifier:
+    """The spot checks of one client (all its sessions and calls): policy, checkers, verdicts, events.
+
+    :param manager: the client's `SequenceManager` (swarm state, bans, calls).
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.config = manager.config
+        self.fraction = float(getattr(self.config, "verify_fraction", 0.0) or 0.0)
+        self.configured_tolerance = getattr(self.config, "verify_tolerance", None)
+        self.events: list[VerificationEvent] = []
+        self.listeners: list[Callable[[VerificationEvent], None]] = []
+        self.checks = 0
+        self._random = random.SystemRandom()
+        self._forward_calls = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether spot checks are on (``verify_fraction > 0``)."""
+        return self.fraction > 0
+
+    def draw(self) -> bool:
+        """Whether to check this step or call (true with probability ``verify_fraction``)."""
+        return self.enabled and self._random.random() < self.fraction
+
+    def tolerance(self, *dtypes: torch.dtype | None) -> float:
+        """The tolerance for results computed in ``dtypes`` (the coarsest; ``verify_tolerance`` if set)."""
+        return max(tolerance_for(d, self.configured_tolerance) for d in dtypes or (None,))
+
+    # ------------------------------------------------------------------ servers
+    def candidates(self, start: int, end: int, exclude: set[str]) -> list[RemoteSpan]:
+        """Independent servers of blocks ``start..end-1``: ONLINE, usable, not banned, not in ``exclude``.
+
+        Each is returned as a span over exactly those blocks; servers computing in the same dtype
+        as most come first, in random order within each group.
+        """
+        manager = self.manager
+        state = manager.update()
+        banned = manager.banned() | exclude
+        found: dict[str, RemoteSpan] = {}
+        for span in state.spans:
+            if span.start <= start and span.end >= end and span.peer_id not in banned and \
+                    span.peer_id not in found and manager._usable(span.peer_id, span.state) and \
+                    span.state == ServerState.ONLINE:
+                found[span.peer_id] = dataclasses.replace(span, start=start, end=end)
+        spans = list(found.values())
+        self._random.shuffle(spans)
+        return spans
+
+    def ban(self, peer_id: str, *, until: float = math.inf) -> None:
+        """Leave ``peer_id`` out of this client's routes until ``until`` (monotonic; default: until `release`)."""
+        manager = self.manager
+        with manager._lock:
+            manager.bans[peer_id] = max(manager.bans.get(peer_id, -math.inf), until)
+
+    def release(self, peers: set[str]) -> None:
+        """End the session-long bans of ``peers``: they stay banned for ``ban_timeout`` more seconds."""
+        until = time.monotonic() + float(self.config.ban_timeout)
+        manager = self.manager
+        with manager._lock:
+            for peer in peers:
+                if manager.bans.get(peer) == math.inf:
+                    manager.bans[peer] = until
+
+    def record(self, event: VerificationEvent) -> None:
+        """Keep ``event``, log it at WARNING and pass it to every listener (a failing listener is logged)."""
+        self.events.append(event)
+        logger.warning("verification: %s", event.describe())
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception as exc:  # a listener must not break a generation
+                logger.warning("verification listener %r failed: %r", listener, exc)
+
+    # ------------------------------------------------------------------ settling a disagreement
+    def arbitrate(self, span: RemoteSpan, checker: str, inputs: torch.Tensor, prompts: torch.Tensor | None,
+                  first: int, primary: torch.Tensor, checked: torch.Tensor, *, step: int, kind: str,
+                  tolerance: float) -> Verdict:
+        """Ask a third server which of ``span``'s server and ``checker`` computed positions ``first..`` right.
+
+        ``inputs``: the span's inputs for positions ``0..`` (all of them: the third server
+        computes them from scratch with ``rpc_forward``); ``primary`` and ``checked``: the two
+        results for positions ``first..``. Raises `VerificationError` when no third server can
+        answer or when it agrees with neither.
+        """
+        tried: set[str] = {span.peer_id, checker}
+        x = inputs[:, first:]
+        for third in self.candidates(span.start, span.end, tried)[:3]:
+            tried.add(third.peer_id)
+            try:
+                reference = forward_span(self.manager, third, inputs, prompts)[:, first:]
+            except Exception as exc:
+                self.manager.on_failure(third.peer_id, exc)
+                logger.debug("third server …%s failed: %r", third.peer_id[-6:], exc)
+                continue
+            to_primary = update_difference(x, reference, primary)
+            to_checker = update_difference(x, reference, checked)
+            primary_ok = bool((to_primary <= tolerance).all())
+            checker_ok = bool((to_checker <= tolerance).all())
+            if primary_ok == checker_ok:
+                break
+            wrong = to_checker if primary_ok else to_primary
+            guilty = checker if primary_ok else span.peer_id
+            witness = span.peer_id if primary_ok else checker
+            column = int((wrong > tolerance).any(dim=0).nonzero()[0])
+            event = VerificationEvent(
+                peer_id=guilty, start=span.start, end=span.end, step=step, position=first + column,
+                difference=float(wrong.max()), tolerance=tolerance, checkers=(witness, third.peer_id),
+                kind=kind)  # type: ignore[arg-type]
+            return Verdict(guilty=guilty, primary_guilty=not primary_ok, event=event)
+        raise VerificationError(
+            f"servers …{span.peer_id[-6:]} and …{checker[-6:]} disagree on blocks {span.start}..{span.end - 1} "
+            f"and no third server settles it (asked: {len(tried) - 2})")
+
+    # ------------------------------------------------------------------ forward calls
+    def check_forward(self, span: RemoteSpan, x: torch.Tensor, out: torch.Tensor, prompts: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """``out`` (``span``'s answer to ``x``), or the honest result if a spot check catches the server."""
+        self._forward_calls += 1
+        if not self.draw():
+            return out
+        self.checks += 1
+        for checker in self.candidates(span.start, span.end, {span.peer_id})[:3]:
+            try:
+                checked = forward_span(self.manager, checker, x, prompts)
+            except Exception as exc:
+                self.manager.on_failure(checker.peer_id, exc)
+                continue
+            tolerance = self.tolerance(self.manager.server_dtype(span), self.manager.server_dtype(checker))
+            if bool((update_difference(x, checked, out) <= tolerance).all()):
+                return out
+            verdict = self.arbitrate(span, checker.peer_id, x, prompts, 0, out, checked,
+                                     step=self._forward_calls - 1, kind="forward", tolerance=tolerance)
+            self.ban(verdict.guilty, until=time.monotonic() + float(self.config.ban_timeout))
+            self.record(verdict.event)
+            return checked if verdict.primary_guilty else out
+        raise VerificationError(f"no independent server can check blocks {span.start}..{span.end - 1} "
+                                f"(verify_fraction={self.fraction}; set it to 0 to run unchecked)")
