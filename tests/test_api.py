@@ -19,11 +19,15 @@ from real_helpers import open_real_source
 from transformers import DynamicCache
 
 from distconf.api import ApiError, Backend, build_app, parse_chat, parse_completion
+from distconf.api.app import EVENTS_HEADER
+from distconf.client.verify_events import VerificationEvent
 from distconf.monitor.serve import start_in_thread
 from distconf.tools import real_model as rm
 
 MODEL_ID = "smol-local"
 KEY = "k3y"
+EVENTS: list[VerificationEvent] = []
+"""The served model's verification events (a client model appends to its list as its verifier catches servers)."""
 MESSAGES = [{"role": "user", "content": rm.QUESTION}]
 
 
@@ -99,7 +103,8 @@ def server(request: pytest.FixtureRequest) -> Any:
     source = open_real_source(request.config)
     model = rm.local_model(source.checkpoint_dir)
     model.inference_session = lambda max_length: _CountingCache()
-    backend = Backend(model, source.load_tokenizer(), MODEL_ID, max_concurrent=2)
+    backend = Backend(model, source.load_tokenizer(), MODEL_ID, max_concurrent=2, verification_events=EVENTS,
+                      verify_fraction=0.25)
     running = start_in_thread(build_app(backend, api_key=KEY, max_body_bytes=4096))
     try:
         yield running
@@ -177,6 +182,40 @@ def test_models_and_page(server: Any) -> None:
         assert json.loads(r.read())["data"][0]["id"] == MODEL_ID
     with urllib.request.urlopen(server.url + "/", timeout=10) as r:  # the page needs no key
         assert "default-src 'none'" in r.headers["Content-Security-Policy"] and b"chat.js" in r.read()
+
+
+def _get(server: Any, path: str, key: str | None = KEY) -> tuple[int, Any]:
+    req = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_verification_events_are_listed_and_counted(server: Any) -> None:
+    """GET /distconf/verification lists the model's events; completion answers count them in a header."""
+    EVENTS.clear()
+    assert _get(server, "/distconf/verification") == (200, {"object": "list", "enabled": True,
+                                                           "verify_fraction": 0.25, "total": 0, "data": []})
+    liar = "12D3KooWGGcsZBGHa9Yej7S1Yn8dx3J55ESVKZGmXn4uxrYKbtPT"
+    honest = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    EVENTS.extend([VerificationEvent(liar, 0, 15, 3, 9, float("inf"), 0.02, (honest,)),
+                   VerificationEvent(liar, 15, 30, 0, 0, 0.5, 0.02, (honest,), kind="forward")])
+    status, body = _get(server, "/distconf/verification")
+    assert status == 200 and body["total"] == 2 and body["data"] == [e.to_dict() for e in EVENTS]
+    assert body["data"][0]["difference"] == "inf" and body["data"][1]["kind"] == "forward"
+    assert _get(server, "/distconf/verification?limit=1")[1]["data"] == [EVENTS[1].to_dict()]  # the latest
+    assert _get(server, "/distconf/verification?limit=x")[0] == 400
+    assert _get(server, "/distconf/verification", key=None)[0] == 401  # the key applies as for /v1
+    for stream in (False, True):
+        req = urllib.request.Request(server.url + "/v1/chat/completions",
+                                     json.dumps(_chat(temperature=0, max_tokens=2, stream=stream)).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.headers[EVENTS_HEADER] == "2"
+            r.read()
+    EVENTS.clear()
 
 
 def test_a_dropped_stream_closes_its_session(server: Any, caplog: pytest.LogCaptureFixture) -> None:

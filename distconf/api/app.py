@@ -8,6 +8,12 @@ the page and its files are public (the page asks for the key). Bodies are limite
 ``max_body_bytes`` (413). A stream's client that goes away cancels its generation at once
 (`EventStream` watches for the disconnect while it sends). One log line per request:
 route, model, tokens, time, status.
+
+Outside OpenAI's namespace (no OpenAI client calls it, and no future OpenAI route can
+collide with it), ``GET /distconf/verification`` lists the servers the model's spot checks
+caught (``?limit=N``, the latest 100 by default; the key is needed as for ``/v1``). Every
+completion answer carries the count in a header, `EVENTS_HEADER` (a header never changes
+the JSON a client parses; OpenAI itself puts metadata such as ``x-request-id`` there).
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from distconf.api import shapes
-from distconf.api.backend import Backend, Event, Generation
+from distconf.api.backend import MAX_EVENTS_LISTED, Backend, Event, Generation
 from distconf.api.protocol import ApiError, new_id, now, parse_chat, parse_completion
 from distconf.monitor.app import LOOPBACK_HOSTS
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "EventStream", "SECURITY_HEADERS", "STATIC_FILES", "build_app"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "EVENTS_HEADER", "EventStream", "SECURITY_HEADERS", "STATIC_FILES", "build_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 """The page's headers: the monitor's strict policy (no other origin, no inline script or style)."""
+EVENTS_HEADER = "X-Distconf-Verification-Events"
+"""Header of every completion answer: servers the model's spot checks caught so far (see /distconf/verification)."""
 _POLL = 0.25  # seconds between disconnect checks while a request waits for its first token
 
 
@@ -68,11 +76,12 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[bool], None],
+                 headers: dict[str, str] | None = None) -> None:
         self.events, self.on_close = events, on_close
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Send the events while watching for the client's disconnect (which cancels the sending)."""
@@ -174,6 +183,16 @@ def build_app(backend: Backend, *, api_key: str | None = None,
             return _error(exc)
         return JSONResponse(shapes.model_object(backend.model_id, backend.created))
 
+    async def verification(request: Request) -> Response:
+        try:
+            authorize(request)
+            raw = request.query_params.get("limit", "100")
+            if not raw.isdigit() or not 0 <= int(raw) <= MAX_EVENTS_LISTED:
+                raise ApiError(400, f"limit must be an integer in 0..{MAX_EVENTS_LISTED}", param="limit")
+        except ApiError as exc:
+            return _error(exc)
+        return JSONResponse(backend.verification(int(raw)), headers={"Cache-Control": "no-store"})
+
     async def chat(request: Request) -> Response:
         return await _generate(request, "chat")
 
@@ -213,13 +232,14 @@ def build_app(backend: Backend, *, api_key: str | None = None,
                 log(exc.status, f" error={exc.code or exc.type}")
                 return _error(exc)
             log(200)
-            return JSONResponse(body)
+            return JSONResponse(body, headers={EVENTS_HEADER: str(backend.events_count)})
 
         def on_close(finished: bool) -> None:
             generation.cancel()
             log(200, " stream" if finished else " stream cancelled")
 
-        return EventStream(_events(backend, parsed, generation, first, cid, created), on_close)
+        return EventStream(_events(backend, parsed, generation, first, cid, created), on_close,
+                           {EVENTS_HEADER: str(backend.events_count)})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -230,6 +250,7 @@ def build_app(backend: Backend, *, api_key: str | None = None,
         Route("/", index), Route("/static/{name}", static),
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", completions, methods=["POST"]),
+        Route("/distconf/verification", verification),
     ]
     middleware = [] if allowed_hosts is None else [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))]
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})

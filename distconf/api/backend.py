@@ -7,6 +7,8 @@ synchronous) and hands every `Piece` to the event loop through an asyncio queue 
 `Event` objects. `Generation.cancel` (a client that went away) closes the sessions at
 once. Failures become `ApiError`: the swarm unreachable or without a route is a 503 with
 the client's reason, anything else a 500 (logged with its traceback, never shown).
+`Backend.verification` lists the servers the model's spot checks caught (its
+``verification_events``) for ``GET /distconf/verification``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_TOKENS = 512
 """``max_tokens`` of a chat request that gives none (at most what the context has left)."""
+MAX_EVENTS_LISTED = 1000
+"""Most verification events one ``GET /distconf/verification`` lists (the latest)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,16 @@ class Backend:
 
     :param max_concurrent: most requests generating at once (each holds a thread); later ones wait.
     :param max_waiting: most requests waiting for a thread; more are refused (429).
+    :param verification_events: the model's ``verification_events`` (a list the model appends
+        to; None: the model does not verify its servers).
+    :param verify_fraction: the share of steps the model spot-checks (reported as is).
     """
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, *, max_concurrent: int = 8,
-                 max_waiting: int = 64, created: int = 0) -> None:
+                 max_waiting: int = 64, created: int = 0, verification_events: Sequence[Any] | None = None,
+                 verify_fraction: float = 0.0) -> None:
         self.model, self.tokenizer, self.model_id, self.created = model, tokenizer, model_id, created
+        self.verification_events, self.verify_fraction = verification_events, float(verify_fraction)
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.max_concurrent, self.max_waiting = max_concurrent, max_waiting
         self.executor = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="distconf-api-gen")
@@ -170,6 +180,19 @@ class Backend:
             for stream in generation.streams:
                 stream.close()
             self._release()
+
+    @property
+    def events_count(self) -> int:
+        """Servers caught so far (0 when the model does not verify)."""
+        return len(self.verification_events) if self.verification_events is not None else 0
+
+    def verification(self, limit: int = 100) -> dict[str, Any]:
+        """The body of ``GET /distconf/verification``: the latest ``limit`` events, oldest first."""
+        events = list(self.verification_events or ())
+        shown = events[max(0, len(events) - max(0, min(limit, MAX_EVENTS_LISTED))):]
+        return {"object": "list", "enabled": self.verification_events is not None and self.verify_fraction > 0,
+                "verify_fraction": self.verify_fraction, "total": len(events),
+                "data": [e.to_dict() for e in shown]}
 
     def shutdown(self) -> None:
         """Stop taking requests, end running sessions' threads' work, and close the swarm connection."""

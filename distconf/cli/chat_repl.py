@@ -6,7 +6,8 @@ whose pieces are printed as they arrive. Ctrl-C during a reply stops it: the fir
 the reply's session (the servers free its cache) and the loop keeps the text so far as the
 assistant's turn; a second Ctrl-C while the step in flight still runs interrupts it at once.
 Commands: ``/reset`` (a new conversation, the system message kept), ``/exit`` (also
-``/quit`` and end of input), ``/help``.
+``/quit`` and end of input), ``/help``. When the model verifies its servers, each server
+its spot checks caught during a reply is named in a one-line notice after the reply.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, TextIO
 
 from distconf.client.textgen import Sampling, TextStream, chat_input_ids, stream_text
 
-__all__ = ["Conversation", "ChatRepl", "HELP", "STOPPED", "lines"]
+__all__ = ["Conversation", "ChatRepl", "HELP", "STOPPED", "lines", "event_notice"]
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 """The line ``/help`` prints."""
@@ -55,6 +56,11 @@ class Conversation:
 StreamOpener = Callable[[Any, Any, list[int], Sampling], TextStream]
 
 
+def event_notice(event: Any) -> str:
+    """The terminal's one line for a server caught computing wrong (a `VerificationEvent`)."""
+    return f"(spot check: {event.describe()}; the reply keeps the honest results)"
+
+
 class ChatRepl:
     """The loop: read a line, run a command or reply to it, until ``/exit`` or end of input.
 
@@ -65,19 +71,23 @@ class ChatRepl:
     :param read: reads one line given the prompt (default `input`); raises EOFError at the end.
     :param out: where replies and notices go.
     :param open_stream: starts one reply (default `stream_text`).
+    :param events: the model's ``verification_events`` when it verifies its servers: the
+        events added during a reply are announced after it (None: nothing to announce).
     """
 
     prompt = "> "
 
     def __init__(self, model: Any, tokenizer: Any, sampling: Sampling, *, system: str | None = None,
                  read: Callable[[str], str] = input, out: TextIO | None = None,
-                 open_stream: StreamOpener = stream_text) -> None:
+                 open_stream: StreamOpener = stream_text, events: list[Any] | None = None) -> None:
         import sys
 
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.conversation = Conversation(system)
         self.read, self.out = read, out if out is not None else sys.stdout
         self.open_stream = open_stream
+        self.events = events
+        self.events_seen = len(events) if events is not None else 0
 
     def say(self, text: str) -> None:
         """Write a line to the terminal."""
@@ -119,7 +129,19 @@ class ChatRepl:
         return True
 
     def reply(self, text: str) -> str:
-        """Answer ``text`` (streamed to ``out``); the answer, or what was printed of it, is kept in the history."""
+        """Answer ``text`` (streamed to ``out``); the answer, or what was printed of it, is kept in the history.
+
+        Then one notice per server the spot checks caught meanwhile.
+        """
+        try:
+            return self._reply(text)
+        finally:
+            if self.events is not None:
+                for event in self.events[self.events_seen:]:
+                    self.say(event_notice(event))
+                self.events_seen = len(self.events)
+
+    def _reply(self, text: str) -> str:
         self.conversation.add("user", text)
         try:
             stream = self.open_stream(self.model, self.tokenizer,

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from distconf.cli.helptext import add_command, positive_int
-from distconf.cli.swarm_args import add_swarm_arguments
+from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 
 __all__ = ["API_KEY_ENV", "register", "run"]
 
@@ -36,12 +36,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "127.0.0.1 unless --host says otherwise.\n\n"
                     "A streamed chat: curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: "
                     "application/json' -d '{\"model\": \"ID\", \"stream\": true, \"messages\": [{\"role\": "
-                    "\"user\", \"content\": \"Hi\"}]}' (ID: from GET /v1/models).",
+                    "\"user\", \"content\": \"Hi\"}]}' (ID: from GET /v1/models).\n\n"
+                    "With --verify-fraction F the servers are spot-checked (see distconf generate --help): a "
+                    "server caught computing wrong is banned, the answer keeps the honest results, the "
+                    "detection is logged at WARNING and listed as JSON by GET /distconf/verification (outside "
+                    "OpenAI's /v1; the API key applies), and every completion answer carries the number of "
+                    "detections so far in the X-Distconf-Verification-Events header.",
         examples=[
             ("distconf api ./model --initial-peers ADDR", "serve on http://127.0.0.1:8000/v1"),
             ("distconf api ./model --initial-peers ADDR --port 8080 --api-key s3cret", "another port, a key"),
             ("DISTCONF_API_KEY=s3cret distconf api model.gguf --initial-peers ADDR", "the key from the environment"),
             ("curl http://127.0.0.1:8000/v1/models", "the model's id (for the requests' \"model\")"),
+            ("distconf api ./model --initial-peers ADDR --verify-fraction 0.1", "spot-check the servers"),
+            ("curl http://127.0.0.1:8000/distconf/verification", "the servers caught so far (JSON)"),
         ],
     )
     add_swarm_arguments(p)
@@ -58,12 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body in bytes (default 1048576)")
     p.add_argument("--max-retries", type=int, default=3,
                    help="retries of a failed swarm request before answering 503 (default 3)")
+    add_verify_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve the API until interrupted; 2 for bad arguments or MODEL, 1 if the swarm fails."""
-    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
+    from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model
 
     if not 0 <= args.port <= 65535:
         print("distconf api: --port must be in 0..65535", file=sys.stderr)
@@ -72,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         print("distconf api: --max-retries must be >= 0", file=sys.stderr)
         return 2
     try:
-        model, tokenizer = open_swarm_model(args, need_tokenizer=True, max_retries=args.max_retries)
+        model, tokenizer = open_swarm_model(args, need_tokenizer=True, max_retries=args.max_retries,
+                                            **verify_fields(args))
     except CommandFailed as exc:
         print(f"distconf api: {exc}", file=sys.stderr)
         return exc.code
@@ -82,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from distconf.monitor.serve import is_loopback, serve_forever
 
     model_id = args.model_id or model.config.dht_prefix
-    backend = Backend(model, tokenizer, model_id, max_concurrent=args.max_concurrent, created=now())
+    backend = Backend(model, tokenizer, model_id, max_concurrent=args.max_concurrent, created=now(),
+                      verification_events=model.verification_events,
+                      verify_fraction=model.config.verify_fraction)
     try:
         loopback = is_loopback(args.host)
         if not loopback:
@@ -97,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         serve_forever(app, args.host, port, log_level="warning")
     finally:
         backend.shutdown()
-        model.shutdown()
+        close_swarm_model(model)
     return 0
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from distconf.cli.helptext import add_command, positive_int
-from distconf.cli.swarm_args import add_swarm_arguments
+from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 
 __all__ = ["register", "run", "main"]
 
@@ -26,13 +26,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "\n\n"
                     "Ctrl-C stops the current reply (its inference session is closed, the servers free its "
                     "cache) and the chat goes on; /reset starts a new conversation; /exit or Ctrl-D leaves. "
-                    "A MODEL that cannot be used exits with status 2, a swarm that cannot serve it with status 1.",
+                    "A MODEL that cannot be used exits with status 2, a swarm that cannot serve it with status 1."
+                    "\n\n"
+                    "With --verify-fraction F the servers are spot-checked (see distconf generate --help): a "
+                    "server caught computing wrong is banned, the reply keeps the honest results, and a one-line "
+                    "notice after the reply names the server.",
         examples=[("distconf chat ./SmolLM2-135M-Instruct --initial-peers ADDR", "chat (temperature 0.7)"),
                   ("distconf chat ./model.gguf --initial-peers ADDR --temperature 0", "greedy replies"),
                   ("distconf chat ./model --initial-peers ADDR --system 'Answer in one sentence.'",
                    "a system message first"),
                   ("distconf chat ./model --initial-peers ADDR --dht-prefix my-model --max-tokens 100",
-                   "another prefix, shorter replies")],
+                   "another prefix, shorter replies"),
+                  ("distconf chat ./model --initial-peers ADDR --verify-fraction 0.1",
+                   "spot-check the servers (a notice names a server caught)")],
     )
     add_swarm_arguments(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation")
@@ -41,13 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.9, help="sample within top-p probability mass (default 0.9)")
     p.add_argument("--seed", type=int, default=None,
                    help="random seed of every reply's sampling (default: a fresh one)")
+    add_verify_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Chat until /exit or end of input; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve."""
     from distconf.cli.chat_repl import ChatRepl
-    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
+    from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model, quiet_verification_log
     from distconf.client.textgen import Sampling
     from distconf.loader.mixins import MAX_RETRIES_ENV
 
@@ -57,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"distconf chat: {exc}", file=sys.stderr)
         return 2
-    fields: dict[str, object] = {"show_route": False}  # a log line per reply would break into the conversation
+    fields: dict[str, object] = {"show_route": False,  # a log line per reply would break into the conversation
+                                 **verify_fields(args)}
     if not os.environ.get(MAX_RETRIES_ENV):
         fields["max_retries"] = CHAT_RETRIES
     try:
@@ -73,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
         _enable_line_editing()
         print(f"chatting with {model.config.dht_prefix} ({model.config.num_hidden_layers} blocks on the swarm); "
               "/help for commands, Ctrl-C stops a reply, /exit or Ctrl-D leaves", flush=True)
-        return ChatRepl(model, tokenizer, sampling, system=args.system).run()
+        quiet_verification_log()  # a log line would break into the reply: a notice follows it instead
+        events = model.verification_events if model.config.verify_fraction > 0 else None
+        return ChatRepl(model, tokenizer, sampling, system=args.system, events=events).run()
     finally:
-        model.shutdown()
+        close_swarm_model(model)
 
 
 def _enable_line_editing() -> None:

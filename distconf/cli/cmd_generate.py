@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
-from distconf.cli.swarm_args import add_swarm_arguments
+from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 
 __all__ = ["register", "run", "main", "parse_ids", "empty_answer_notice"]
 
@@ -40,14 +40,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "\n\n"
                     "An instruction-tuned model (a chat model) expects its chat template: give --chat, which "
                     "sends PROMPT as the user's message. Without it such a model often ends its answer at once; "
-                    "the command then says so on stderr. For a conversation, use distconf chat.",
+                    "the command then says so on stderr. For a conversation, use distconf chat."
+                    "\n\n"
+                    "With --verify-fraction F, an independent server of the same blocks recomputes a server's "
+                    "first step and then a share F of the steps; a server caught computing wrong is banned, the "
+                    "text keeps the honest results, and each detection is printed on stderr after the text (one "
+                    "line: the server, its blocks, the step, the size of the difference) and published on the "
+                    "swarm's DHT for distconf monitor's page.",
         examples=[("distconf generate ./model --initial-peers ADDR 'A cat sat'", "greedy, 32 new tokens"),
                   ("distconf generate ./chat-model --initial-peers ADDR --chat 'What is the capital of France?'",
                    "through the chat template"),
                   ("distconf generate ./model --initial-peers ADDR --ids 1,2,3 --max-new-tokens 8", "token ids in, "
                    "token ids out"),
                   ("distconf generate ./model --initial-peers ADDR 'Once' --sample --temperature 0.8 --seed 1",
-                   "sampling")],
+                   "sampling"),
+                  ("distconf generate ./model --initial-peers ADDR --verify-fraction 0.1 'A cat sat'",
+                   "spot-check the servers (detections on stderr)"),
+                  ("distconf generate ./model --initial-peers ADDR --weights-manifest m.json 'A cat sat'",
+                   "refuse other weights (m.json: distconf manifest ./model -o m.json)")],
     )
     add_swarm_arguments(p, prompt=True)
     p.add_argument("--prompt", dest="prompt_option", default=None, metavar="TEXT",
@@ -65,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-server-to-server", action="store_true", help="never let servers push to each other")
     p.add_argument("--show-route", action="store_true", help="log the route of the session")
+    add_verify_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -113,9 +124,9 @@ def empty_answer_notice(stream: Any, chat: bool, has_template: bool) -> str | No
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve the model."""
-    from distconf.cli.swarm_model import CommandFailed, open_swarm_model
+    from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model, quiet_verification_log
 
-    fields: dict[str, Any] = {"show_route": bool(args.show_route)}
+    fields: dict[str, Any] = {"show_route": bool(args.show_route), **verify_fields(args)}
     if args.no_server_to_server:
         fields["use_server_to_server"] = False
     try:
@@ -124,13 +135,17 @@ def run(args: argparse.Namespace) -> int:
     except CommandFailed as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return exc.code
+    quiet_verification_log()  # each event is printed after the text instead
+    seen = len(model.verification_events)
     try:
         return _generate(args, model, tokenizer, text)
     except CommandFailed as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return exc.code
     finally:
-        model.shutdown()
+        for event in model.verification_events[seen:]:
+            print(f"distconf generate: spot check: {event.describe()}", file=sys.stderr)
+        close_swarm_model(model)
 
 
 def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | None) -> int:

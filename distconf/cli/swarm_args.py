@@ -1,5 +1,9 @@
 """Arguments of the commands that talk to a model on a swarm: MODEL, --initial-peers, --dht-prefix, a PROMPT anywhere.
 
+`add_verify_arguments` adds the spot-check options (``--verify-fraction``,
+``--verify-tolerance``, ``--weights-manifest``) and `verify_fields` turns them into the
+client config fields of the same names.
+
 ``--initial-peers`` takes one or more multiaddrs, so plain argparse lets it swallow whatever
 follows it: ``distconf generate ./model --initial-peers ADDR 'A cat sat'`` would read the prompt
 as a second address. Here the addresses are the leading values that look like multiaddrs
@@ -11,10 +15,13 @@ positionals still empty, in order (`PositionalsAnywhere`).
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["InitialPeersAction", "PositionalsAnywhere", "add_swarm_arguments"]
+__all__ = ["InitialPeersAction", "PositionalsAnywhere", "add_swarm_arguments", "add_verify_arguments",
+           "verify_fields"]
 
 _SPILLED = "_positional_words"
 """Namespace attribute collecting the words that are not multiaddrs, for `PositionalsAnywhere`."""
@@ -84,3 +91,59 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, prompt: bool = False
     parser.add_argument("--dht-prefix", default=None, metavar="PREFIX",
                         help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
                              "model's name by the family's rule)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _manifest(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file (write one with: distconf manifest MODEL)")
+    return text
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--verify-fraction``, ``--verify-tolerance`` and ``--weights-manifest`` (client config fields)."""
+    group = parser.add_argument_group(
+        "verification", "spot checks: an independent server recomputes a share of the steps; a server\n"
+                        "caught computing wrong is banned, the answer keeps the honest results, and the\n"
+                        "detection is reported (and published on the swarm's DHT for distconf monitor)")
+    group.add_argument("--verify-fraction", type=_fraction, default=None, metavar="F",
+                       help="share of steps (0..1) an independent server recomputes and compares; a server's "
+                            "first step is always checked (default 0: off; 0.1 is a good start)")
+    group.add_argument("--verify-tolerance", type=_tolerance, default=None, metavar="T",
+                       help="largest relative difference of a span's result taken as honest rounding "
+                            "(default: the measured one for the model's dtype)")
+    group.add_argument("--weights-manifest", type=_manifest, default=None, metavar="FILE",
+                       help="refuse servers whose announced per-block weight digests differ from this file "
+                            "(written by distconf manifest MODEL); a digest is the server's claim, the spot "
+                            "checks are what catch a liar")
+
+
+def verify_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The client config fields the verification options set (only those given)."""
+    fields: dict[str, Any] = {}
+    if args.verify_fraction is not None:
+        fields["verify_fraction"] = args.verify_fraction
+    if args.verify_tolerance is not None:
+        fields["verify_tolerance"] = args.verify_tolerance
+    if args.weights_manifest is not None:
+        fields["weights_manifest"] = os.path.abspath(args.weights_manifest)
+    return fields

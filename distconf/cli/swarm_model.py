@@ -3,15 +3,23 @@
 `open_swarm_model` is what ``distconf generate`` and ``distconf chat`` share: read MODEL
 (exit 2 when it cannot be used), join the swarm through the initial peers, and check that a
 route through every block exists before the first token is asked for (a swarm without one is
-said in one line, exit 1, instead of retrying forever).
+said in one line, exit 1, instead of retrying forever). A model that verifies its servers
+(``verify_fraction > 0``) publishes a report of each server it catches to the swarm's DHT
+(`distconf.dht.reports.ReportPublisher`, registered as a listener of the model's
+verifier); `close_swarm_model` waits briefly for the last report, then shuts the model down.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
-__all__ = ["CommandFailed", "open_swarm_model", "check_route"]
+__all__ = ["CommandFailed", "REPORT_FLUSH_SECONDS", "open_swarm_model", "check_route", "close_swarm_model",
+           "publish_reports", "quiet_verification_log"]
+
+REPORT_FLUSH_SECONDS = 5.0
+"""Longest wait, when a command ends, for the report of a server caught just before to be stored."""
 
 
 class CommandFailed(Exception):
@@ -58,7 +66,28 @@ def open_swarm_model(args: argparse.Namespace, *, need_tokenizer: bool, **fields
     except CommandFailed:
         model.shutdown()
         raise
+    if model.config.verify_fraction > 0:
+        publish_reports(model)
     return model, tokenizer
+
+
+def publish_reports(model: Any) -> None:
+    """Publish a report to the swarm's DHT for every server ``model``'s spot checks catch."""
+    from distconf.dht.reports import ReportPublisher
+
+    publisher = ReportPublisher(model.remote.swarm.dht, model.config.dht_prefix, model.config.num_hidden_layers)
+    model.remote.verifier.listeners.append(publisher)
+
+
+def close_swarm_model(model: Any) -> None:
+    """Wait (at most `REPORT_FLUSH_SECONDS`) for the reports being published, then shut ``model`` down."""
+    from distconf.dht.reports import ReportPublisher
+
+    if model.config.verify_fraction > 0:
+        for listener in list(model.remote.verifier.listeners):
+            if isinstance(listener, ReportPublisher):
+                listener.flush(REPORT_FLUSH_SECONDS)
+    model.shutdown()
 
 
 def check_route(model: Any) -> None:
@@ -69,3 +98,13 @@ def check_route(model: Any) -> None:
         model.remote.manager.plan_route(inference=True)
     except NoRouteError as exc:
         raise CommandFailed(f"the swarm cannot serve {model.config.dht_prefix!r} now: {exc}") from None
+
+
+def quiet_verification_log() -> None:
+    """Leave the detections to the command: the verifier's own WARNING line would repeat each one (mid-text).
+
+    For ``generate`` and ``chat``, which print every event themselves (``api`` keeps the log line).
+    """
+    from distconf.client import verifier
+
+    verifier.logger.setLevel(logging.ERROR)
