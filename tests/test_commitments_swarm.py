@@ -124,6 +124,8 @@ def test_a_client_with_the_manifest_routes_through_the_honest_server_only(
     (plain,) = [m for m in refusals if swarm.n in m]
     assert "announces no per-block weight digests" in plain
     assert set(model.remote.manager.commitments.refused) == {swarm.l, swarm.n}
+    # a refused server is no spot-check checker either (checkers are chosen among usable servers)
+    assert [s.peer_id for s in model.remote.verifier.candidates(0, 4, set())] == [swarm.h]
 
 
 def test_refused_servers_stay_refused_when_the_honest_one_is_left_out(swarm: Swarm) -> None:

@@ -80,6 +80,8 @@ class SequenceManager:
     def _usable(self, peer_id: str, state: ServerState) -> bool:
         if state != ServerState.ONLINE or peer_id in self.blocked:
             return False
+        if self.commitments is not None and peer_id in self.commitments.refused:  # never a route or a checker
+            return False
         return self.allowed is None or peer_id in self.allowed
 
     def banned(self) -> set[str]:
