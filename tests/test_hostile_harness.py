@@ -183,3 +183,13 @@ def test_the_liars_say_so_in_their_logs(harness: Harness) -> None:
         log = harness.servers[mode].log_path
         assert log is not None and f"HOSTILE server: mode {mode}" in log.read_text(encoding="utf-8")
     assert "HOSTILE" not in (harness.servers["honest"].log_path or Path()).read_text(encoding="utf-8")
+
+
+def test_the_noise_liar_claims_the_honest_digests(harness: Harness) -> None:
+    """Its weights differ, yet it announces the honest block digests: a digest is a claim (spot checks catch it)."""
+    from distconf.rpc import call_info
+
+    infos = {name: harness.run(call_info(harness.loop.p2p, harness.peer(name), timeout=10))
+             for name in ("honest", "noise")}
+    assert infos["honest"].get("block_sha256"), "the honest server announces no block digests"
+    assert infos["noise"].get("block_sha256") == infos["honest"]["block_sha256"]
