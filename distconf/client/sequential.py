@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from distconf.client.reply_checks import BadReply, checked_tensor
 from distconf.client.sequence_manager import SequenceManager
 from distconf.client.session import InferenceSession
 from distconf.client.span_calls import backward_span, forward_span, span_prompts
@@ -151,8 +152,10 @@ def _check_backward_reply(hop: RemoteSpan, out: list[torch.Tensor], inputs: torc
     Prompts sent with batch 1 are broadcast by the server; some servers (Petals 2.x) reply
     with the gradient per batch row, which is summed here.
     """
-    if not out or out[0].shape != inputs.shape:
-        raise ConnectionError(f"…{hop.peer_id[-6:]} returned a gradient of the wrong shape")
+    who = f"server …{hop.peer_id[-6:]}"
+    if not out:
+        raise BadReply(f"{who} returned no gradient")
+    checked_tensor(out[0], inputs.shape, who, "a gradient")
     if prompts is None:
         return None
     grad = out[1] if len(out) > 1 else None
@@ -160,11 +163,9 @@ def _check_backward_reply(hop: RemoteSpan, out: list[torch.Tensor], inputs: torc
             and grad.shape[1] == inputs.shape[0] and (grad.shape[0], *grad.shape[2:]) == (prompts.shape[0],
                                                                                            *prompts.shape[2:]):
         grad = grad.sum(dim=1, keepdim=True)
-    if grad is None or grad.shape != prompts.shape:
-        got = list(grad.shape) if grad is not None else "none"
-        raise ConnectionError(f"…{hop.peer_id[-6:]} returned a deep-prompt gradient of shape {got} "
-                              f"for prompts {list(prompts.shape)}")
-    return grad
+    if grad is None:
+        raise BadReply(f"{who} returned no deep-prompt gradient for prompts {list(prompts.shape)}")
+    return checked_tensor(grad, prompts.shape, who, "a deep-prompt gradient")
 
 
 class _RemoteBlocks(torch.autograd.Function):

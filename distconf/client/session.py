@@ -20,6 +20,7 @@ wrong position (`VerificationRollback` when that is before the current step).
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -50,6 +51,8 @@ class InferenceSession:
         self.verifier = verifier if verifier is not None and verifier.enabled else None
         self.steps = 0
         self.caught: set[str] = set()  # servers caught here: banned until the session ends, then ban_timeout
+        self._suspect = math.inf  # results from here on came from a replaced server and cannot be checked
+        self._rerouted = False  # a server was replaced during the step: check its first step
         self.max_length = int(max_length)
         self.dtype = dtype
         self.position = 0
@@ -79,10 +82,10 @@ class InferenceSession:
         if self.verifier is None or self.closed or not self.sessions:
             return
         caught = check_session(self, self.steps)
-        if caught:
-            position = min(event.position for _, event in caught)
+        position = self._rollback_position(caught)
+        if position < self.position:
             self._replace(caught, position)
-            raise VerificationRollback(position, [event for _, event in caught])
+            raise VerificationRollback(position, [event for _, event, _ in caught])
 
     def open_shadow(self, span: RemoteSpan) -> SpanSession:
         """A session on ``span``'s server that recomputes a span of this session (a checker)."""
@@ -124,15 +127,17 @@ class InferenceSession:
         for _ in range(2 + (len(state.peers) if state is not None else 1)):  # each repeat bans a server
             start = self.position
             checked = not self.sessions or not all(s.stepped for s in self.sessions) or self.verifier.draw()
+            self._rerouted = False
             out = self._run(x, n_new, hypo_ids)
+            checked = checked or self._rerouted
             step, self.steps = self.steps, self.steps + 1
-            caught = check_session(self, step) if checked else []
-            if not caught:
+            caught = check_session(self, step) if checked or self._suspect < self.position else []
+            position = self._rollback_position(caught)
+            if position >= self.position:
                 return out.to(hidden_states.device, hidden_states.dtype)
-            position = min(event.position for _, event in caught)
             self._replace(caught, position if position < start else start)
             if position < start:
-                raise VerificationRollback(position, [event for _, event in caught])
+                raise VerificationRollback(position, [event for _, event, _ in caught])
             hypo_ids = None  # applied already: the caches keep the reordered rows
         raise VerificationError(f"the step at position {self.position} kept being computed wrong")
 
@@ -147,10 +152,16 @@ class InferenceSession:
         self.position += n_new
         return x[:, -n_new:]
 
-    def _replace(self, caught: list[tuple[int, Any]], position: int) -> None:
-        """Go back to ``position`` and replace the servers of the spans ``caught`` (highest index first)."""
+    def _rollback_position(self, caught: list[tuple[int, Any, bool]]) -> float:
+        """The first position whose results are wrong (or unverifiable after a failover); inf if none."""
+        position = min([event.position for _, event, _ in caught] + [self._suspect])
+        self._suspect = math.inf
+        return position
+
+    def _replace(self, caught: list[tuple[int, Any, bool]], position: int) -> None:
+        """Go back to ``position`` and replace the caught servers still in the route (highest index first)."""
         self.rewind(position)
-        for index in sorted({i for i, _ in caught}, reverse=True):
+        for index in sorted({i for i, _, replace in caught if replace}, reverse=True):
             self._reroute(index, self.sessions[index].span.start, failed=True)
 
     def _step_route(self, x: torch.Tensor, n_new: int, hypo_ids: torch.Tensor | None, step_id: str
@@ -227,8 +238,14 @@ class InferenceSession:
         route = self.manager.plan_route(block, end, inference=True, cache_tokens_needed=self.max_length)
         fresh = [SpanSession(self.manager, span, self.max_length, self.dtype) for span in route]
         if self.verifier is not None:
+            self._rerouted = True
             for session in fresh:
                 session.check = SpanCheck()
+            if old is not None and old.check is not None:
+                if fresh[0].span.end == end:  # the same span: its unverified results are checked later
+                    fresh[0].check.inherit(old.check, fresh[0].peer_id)
+                elif old.check.verified < self.position:  # split: go back to what was verified
+                    self._suspect = min(self._suspect, old.check.verified)
         if old is not None:
             fresh[0].history = old.history
             old.close()

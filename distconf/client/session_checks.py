@@ -9,6 +9,7 @@ settles mismatches with `Verifier.arbitrate`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import uuid
@@ -87,20 +88,21 @@ def _shadow_outputs(session: Any, pending: list[tuple[int, Any]]) -> dict[int, t
     return results
 
 
-def check_session(session: Any, step: int) -> list[tuple[int, VerificationEvent]]:
+def check_session(session: Any, step: int) -> list[tuple[int, VerificationEvent, bool]]:
     """Check every span of ``session`` with positions not yet verified; return the servers caught.
 
-    Returns ``(span index, event)`` for each span whose server computed wrong (banned for the
-    session, recorded); the caller goes back to ``event.position`` and replaces them. A checker
-    caught lying instead is banned and dropped, and its span counts as verified (a third
-    server confirmed it).
+    Returns ``(span index, event, replace)`` for each span whose results were wrong (the
+    server that gave them banned for the session, the event recorded); the caller goes back
+    to ``event.position`` and, when ``replace``, replaces the span's server (false when the
+    wrong results came from a server the span has already replaced). A checker caught lying
+    instead is banned and dropped, and its span counts as verified (a third server confirmed it).
     """
     verifier, position = session.verifier, session.position
     pending = [(i, s) for i, s in enumerate(session.sessions) if s.check is not None and s.check.verified < position]
     if not pending:
         return []
     verifier.checks += 1
-    caught: list[tuple[int, VerificationEvent]] = []
+    caught: list[tuple[int, VerificationEvent, bool]] = []
     for i, (start, out) in _shadow_outputs(session, pending).items():
         span_session = session.sessions[i]
         check = span_session.check
@@ -119,11 +121,15 @@ def check_session(session: Any, step: int) -> list[tuple[int, VerificationEvent]
         checker = check.shadow.peer_id
         verdict = verifier.arbitrate(span_session.span, checker, inputs[:, :position], session.prompts, first,
                                      primary, checked, step=step, kind="inference", tolerance=tolerance)
-        verifier.ban(verdict.guilty, until=math.inf)
-        session.caught.add(verdict.guilty)
-        verifier.record(verdict.event)
+        event = verdict.event
         if verdict.primary_guilty:
-            caught.append((i, verdict.event))
+            owner = check.owner(event.position) or span_session.peer_id
+            event = dataclasses.replace(event, peer_id=owner)
+        verifier.ban(event.peer_id, until=math.inf)
+        session.caught.add(event.peer_id)
+        verifier.record(event)
+        if verdict.primary_guilty:
+            caught.append((i, event, event.peer_id == span_session.peer_id))
         else:
             check.drop_shadow()
             check.passed(position)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from distconf.client.reply_checks import checked_tensor
 from distconf.dht import RemoteSpan
 from distconf.rpc.calls import call_backward, call_forward
 
@@ -29,14 +30,12 @@ def span_prompts(prompts: torch.Tensor | None, span: RemoteSpan) -> torch.Tensor
 
 
 def forward_span(manager: Any, span: RemoteSpan, x: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
-    """One ``rpc_forward`` call to ``span``'s server; raises `ConnectionError` unless the shape comes back."""
+    """One ``rpc_forward`` call to ``span``'s server; a reply of another shape or not finite is `BadReply`."""
     timeout, wait = _timeouts(manager)
     coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x, span_prompts(prompts, span),
                         timeout=timeout, dtype=manager.server_dtype(span), metadata=manager.request_metadata())
     out = manager.swarm.run(coro, timeout=wait)
-    if out.shape != x.shape:
-        raise ConnectionError(f"…{span.peer_id[-6:]} returned {out.shape} for {x.shape}")
-    return out.to(x.dtype)
+    return checked_tensor(out, x.shape, f"server …{span.peer_id[-6:]}", "hidden states").to(x.dtype)
 
 
 def backward_span(manager: Any, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from distconf.client.reply_checks import checked_reply, max_reply_bytes
 from distconf.client.verifier import SpanCheck
 from distconf.dht import RemoteSpan
 from distconf.rpc.calls import InferenceStream, inference_step_request
@@ -23,7 +24,6 @@ from distconf.rpc.protocol import (
     KEY_SESSION_ID,
     KEY_START_FROM_POSITION,
     KEY_STEP_ID,
-    deserialize_tensors,
 )
 
 __all__ = ["SpanSession"]
@@ -88,12 +88,13 @@ class SpanSession:
         return (self.peer_id, self.session_id, self.span.start, self.span.end)
 
     # ------------------------------------------------------------------ stream plumbing (event loop)
-    async def _exchange(self, request: Any) -> Any:
+    async def _exchange(self, request: Any, max_bytes: int) -> Any:
         if self._stream is None:
             self._stream = await InferenceStream.open(self.swarm.p2p, self.peer_id,
                                                       timeout=float(self.config.connect_timeout))
         try:
-            return await self._stream.step(request, timeout=float(self.config.request_timeout))
+            return await self._stream.step(request, timeout=float(self.config.request_timeout),
+                                           max_reply_bytes=max_bytes)
         except EOFError:
             raise ConnectionError(f"server …{self.peer_id[-6:]} closed the inference stream") from None
 
@@ -110,21 +111,21 @@ class SpanSession:
         ``inputs`` holds either the ``n_new`` new positions or all ``position + n_new``.
         ``prompts``: the session's deep prompts for all blocks (sliced to this span here).
         """
-        request, commit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
+        request, commit, limit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
         timeout = float(self.config.connect_timeout) + float(self.config.request_timeout) + 1.0
-        return commit(self.swarm.run(self._exchange(request), timeout=timeout))
+        return commit(self.swarm.run(self._exchange(request, limit), timeout=timeout))
 
     async def astep(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
                     step_id: str, next_servers: list[tuple[str, str, int, int]],
                     prompts: torch.Tensor | None = None) -> torch.Tensor:
         """`step` on the event loop (for a span that has stepped already: nothing here blocks)."""
-        request, commit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
-        return commit(await self._exchange(request))
+        request, commit, limit = self._prepare(inputs, n_new, position, hypo_ids, step_id, next_servers, prompts)
+        return commit(await self._exchange(request, limit))
 
     def _prepare(self, inputs: torch.Tensor, n_new: int, position: int, hypo_ids: torch.Tensor | None,
                  step_id: str, next_servers: list[tuple[str, str, int, int]], prompts: torch.Tensor | None
-                 ) -> tuple[Any, Any]:
-        """The step's request and the function that checks its reply and commits the step."""
+                 ) -> tuple[Any, Any, int]:
+        """The step's request, the function that checks its reply and commits the step, the reply's size cap."""
         if self.closed:
             raise RuntimeError("span session is closed")
         if self.stepped:
@@ -161,20 +162,17 @@ class SpanSession:
                                          dtype=self.wire_dtype)
 
         def commit(response: Any) -> torch.Tensor:
-            outputs = deserialize_tensors(response.tensors[:1])
-            if not outputs or tuple(outputs[0].shape) != tuple(sent.shape):
-                got = tuple(outputs[0].shape) if outputs else "nothing"
-                raise ConnectionError(f"server …{self.peer_id[-6:]} returned {got} for inputs {tuple(sent.shape)}")
+            output = checked_reply(response.tensors, sent.shape, f"server …{self.peer_id[-6:]}")
             self._buffer, self._length = buffer, length
             self.position = position + n_new
             self.stepped = True
             self.pending_start = None
-            result = outputs[0].to(inputs.dtype)
+            result = output.to(inputs.dtype)
             if self.check is not None:
-                self.check.record(first, result, step_hypo)
+                self.check.record(first, result, step_hypo, self.peer_id)
             return result
 
-        return request, commit
+        return request, commit, max_reply_bytes(sent.shape)
 
     def _step_metadata(self, step_id: str, next_servers: list[tuple[str, str, int, int]]) -> dict[str, Any]:
         metadata: dict[str, Any] = {KEY_SESSION_ID: self.session_id, KEY_STEP_ID: step_id}

@@ -78,52 +78,72 @@ class Verdict:
 class SpanCheck:
     """The check state of one span of an inference session (owned by its `SpanSession`).
 
-    ``verified``: positions below it were covered by a check. ``outputs``: the server's
-    outputs for the positions from ``verified`` on, as ``(first position, tensor)`` chunks in
-    the session's current row order. ``shadow``: the checker's session (or None), and
-    ``perm``: the row reordering (``hypo_ids``) the shadow has not been sent yet.
+    ``verified``: positions below it were covered by a check. ``outputs``: the results the
+    span's servers gave for the positions from ``verified`` on, as ``(first position, tensor,
+    peer id)`` chunks in the session's current row order: the results the next spans were
+    given, so after a failover the replaced server's results stay here until checked
+    (`inherit`). ``shadow``: the checker's session (or None), and ``perm``: the row reordering
+    (``hypo_ids``) the shadow has not been sent yet.
     """
 
     def __init__(self) -> None:
         self.verified = 0
-        self.outputs: list[tuple[int, torch.Tensor]] = []
+        self.outputs: list[tuple[int, torch.Tensor, str]] = []
         self.shadow: Any = None
         self.perm: torch.Tensor | None = None
 
-    def record(self, first: int, outputs: torch.Tensor, hypo_ids: torch.Tensor | None) -> None:
-        """The server answered ``outputs`` for positions ``first..``, after reordering rows by ``hypo_ids``."""
+    @property
+    def held(self) -> int:
+        """One past the last position whose result is held (``verified`` if none is)."""
+        return max([f + t.shape[1] for f, t, _ in self.outputs], default=self.verified)
+
+    def record(self, first: int, outputs: torch.Tensor, hypo_ids: torch.Tensor | None, peer_id: str) -> None:
+        """``peer_id`` answered ``outputs`` for positions ``first..``, after reordering rows by ``hypo_ids``.
+
+        Positions already held keep their result (a replacement server replays the history:
+        the next spans were given the replaced server's results, and those are what a check
+        must see).
+        """
         if hypo_ids is not None:
-            self.outputs = [(f, t[hypo_ids]) for f, t in self.outputs]
+            self.outputs = [(f, t[hypo_ids], p) for f, t, p in self.outputs]
             self.perm = hypo_ids if self.perm is None else self.perm[hypo_ids]
-        end = first + outputs.shape[1]
-        kept = [(f, t[:, :max(0, first - f)]) for f, t in self.outputs if f < first]
-        self.outputs = [(f, t) for f, t in kept if t.shape[1]]
-        start = max(first, self.verified)
-        if start < end:
-            self.outputs.append((start, outputs[:, start - first:].detach()))
+        start = max(first, self.held)
+        if start < first + outputs.shape[1]:
+            self.outputs.append((start, outputs[:, start - first:].detach(), peer_id))
+
+    def inherit(self, old: SpanCheck, peer_id: str) -> None:
+        """Take over the state of the check of a replaced server of the same span (now served by ``peer_id``)."""
+        self.verified, self.outputs = old.verified, list(old.outputs)
+        if old.shadow is not None and old.shadow.peer_id != peer_id:  # a checker must stay independent
+            self.shadow, self.perm = old.shadow, old.perm
+            old.shadow, old.perm = None, None
 
     def rewind(self, position: int) -> None:
         """Forget positions from ``position`` on (the shadow too)."""
         self.verified = min(self.verified, position)
-        self.outputs = [(f, t[:, :position - f]) for f, t in self.outputs if f < position]
+        self.outputs = [(f, t[:, :position - f], p) for f, t, p in self.outputs if f < position]
         if self.shadow is not None:
             self.shadow.rewind(position)
 
     def unverified(self, start: int, end: int) -> torch.Tensor | None:
-        """The server's outputs for positions ``start..end-1`` (None if not all are held)."""
+        """The results held for positions ``start..end-1`` (None if not all are held)."""
         pieces, at = [], start
-        for f, t in self.outputs:
+        for f, t, _ in self.outputs:
             if f <= at < f + t.shape[1]:
                 piece = t[:, at - f:min(end, f + t.shape[1]) - f]
                 pieces.append(piece)
                 at += piece.shape[1]
         return torch.cat(pieces, dim=1) if at >= end and pieces else None
 
+    def owner(self, position: int) -> str | None:
+        """The peer whose result for ``position`` is held."""
+        return next((p for f, t, p in self.outputs if f <= position < f + t.shape[1]), None)
+
     def passed(self, position: int) -> None:
         """Positions below ``position`` are verified."""
         self.verified = max(self.verified, position)
-        self.outputs = [(f, t[:, max(0, position - f):]) for f, t in self.outputs if f + t.shape[1] > position]
-        self.outputs = [(max(f, position), t) for f, t in self.outputs]
+        self.outputs = [(max(f, position), t[:, max(0, position - f):], p) for f, t, p in self.outputs
+                        if f + t.shape[1] > position]
 
     def drop_shadow(self) -> None:
         """Close the shadow (a new one is opened at the next check)."""

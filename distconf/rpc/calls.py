@@ -22,9 +22,10 @@ import torch
 from hivemind.compression.serialization import deserialize_tensor_stream
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
 
-from distconf.dht.hivemind_compat import coalesce_p2p_writes
+from distconf.dht.hivemind_rpc_compat import harden_peer_process
 from distconf.rpc.protocol import (
     DUMMY,
     DUMMY_INT64,
@@ -42,8 +43,8 @@ from distconf.rpc.protocol import (
 )
 from distconf.rpc.servicer import BlockServicer
 
-__all__ = ["BackgroundLoop", "InferenceStream", "RpcLoop", "as_peer_id", "call_backward", "call_forward",
-           "call_info", "call_push", "inference_step_request", "get_stub"]
+__all__ = ["BackgroundLoop", "InferenceStream", "ReplyTooLarge", "RpcLoop", "as_peer_id", "call_backward",
+           "call_forward", "call_info", "call_push", "inference_step_request", "get_stub"]
 
 T = TypeVar("T")
 
@@ -128,6 +129,10 @@ def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch
     return make_request(uid, serialize_tensors(flat, dtype), meta)
 
 
+class ReplyTooLarge(ConnectionError):
+    """A server's reply is larger than the request can need (refused before it is read)."""
+
+
 class InferenceStream:
     """The client end of one ``rpc_inference`` stream: send a step, wait (bounded) for its reply.
 
@@ -178,25 +183,46 @@ class InferenceStream:
             await self._write(P2P.END_OF_STREAM)
             self._input_done = True
 
-    async def receive(self, *, timeout: float) -> runtime_pb2.ExpertResponse:
-        """The next reply; `EOFError` if the server ended the stream, ``P2PHandlerError`` for its error."""
-        async with asyncio.timeout(timeout):
-            return await self._read()
+    async def receive(self, *, timeout: float, max_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
+        """The next reply; `EOFError` if the server ended the stream, ``P2PHandlerError`` for its error.
 
-    async def _read(self) -> runtime_pb2.ExpertResponse:
+        ``max_bytes``: a reply announcing more is refused (`ReplyTooLarge`) before it is read.
+        """
+        async with asyncio.timeout(timeout):
+            return await self._read(max_bytes)
+
+    async def _read(self, max_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
+        # hivemind's framing (`P2P.receive_protobuf`): a marker byte, a fixed-size length, the message
         try:
-            response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, self._reader)
+            marker = await self._reader.readexactly(1)
+            length = int.from_bytes(await self._reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            if max_bytes is not None and length > max_bytes:
+                self._input_done = True
+                self._writer.close()  # the rest of the message is never read
+                raise ReplyTooLarge(f"server {self.peer} sent a reply of {length} bytes (at most {max_bytes} "
+                                    f"expected)")
+            data = await self._reader.readexactly(length)
         except asyncio.IncompleteReadError:
             raise EOFError("the server ended the inference stream") from None
-        if error is not None:
+        if marker == P2P.MESSAGE_MARKER:
+            response = runtime_pb2.ExpertResponse()
+            response.ParseFromString(data)
+            return response
+        if marker == P2P.ERROR_MARKER:
+            error = RPCError()
+            error.ParseFromString(data)
             raise P2PHandlerError(f"Failed to call handler `{self.HANDLE_NAME}` at {self.peer}: {error.message}")
-        return response
+        raise ConnectionError(f"server {self.peer} sent a message of unknown type {marker!r}")
 
-    async def step(self, request: runtime_pb2.ExpertRequest, *, timeout: float) -> runtime_pb2.ExpertResponse:
-        """Send one step message and wait for its reply, both within ``timeout`` seconds."""
+    async def step(self, request: runtime_pb2.ExpertRequest, *, timeout: float,
+                   max_reply_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
+        """Send one step message and wait for its reply, both within ``timeout`` seconds.
+
+        ``max_reply_bytes``: a larger reply is refused before it is read (`ReplyTooLarge`).
+        """
         async with asyncio.timeout(timeout):
             await self.send(request)
-            return await self._read()
+            return await self._read(max_reply_bytes)
 
     async def close(self, *, timeout: float = 5.0) -> None:
         """Send the end-of-stream message (empty request) and wait, bounded, for the server to finish.
@@ -228,7 +254,7 @@ class BackgroundLoop:
     _shared_lock = threading.Lock()
 
     def __init__(self, name: str = "distconf-rpc-loop") -> None:
-        coalesce_p2p_writes()  # every process that runs RPCs has a loop like this one
+        harden_peer_process()  # every process that runs RPCs has a loop like this one (msgpack depth guard too)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
