@@ -47,11 +47,12 @@ def _open_shadows(session: Any, todo: list[tuple[int, Any]], failed: set[str]) -
         if check.shadow is not None:
             continue
         span = span_session.span
-        candidates = verifier.candidates(span.start, span.end, {span_session.peer_id} | failed)
+        candidates = verifier.candidates(span, {span_session.peer_id} | failed)
         if not candidates:
             raise VerificationError(
-                f"no independent server holds blocks {span.start}..{span.end - 1} to check …"
-                f"{span_session.peer_id[-6:]} (verify_fraction={verifier.fraction}; set it to 0 to run unchecked)")
+                f"no independent server of the same dtype and quantization holds blocks {span.start}..{span.end - 1} "
+                f"to check …{span_session.peer_id[-6:]} (verify_fraction={verifier.fraction}; set it to 0 to run "
+                f"unchecked)")
         check.shadow, check.perm = session.open_shadow(candidates[0]), None
         check.shadow.wire_dtype = manager.server_dtype(check.shadow.span) or session.dtype
 

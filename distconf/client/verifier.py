@@ -183,21 +183,25 @@ class Verifier:
         return max(tolerance_for(d, self.configured_tolerance) for d in dtypes or (None,))
 
     # ------------------------------------------------------------------ servers
-    def candidates(self, start: int, end: int, exclude: set[str]) -> list[RemoteSpan]:
-        """Independent servers of blocks ``start..end-1``: ONLINE, usable, not banned, not in ``exclude``.
+    def candidates(self, span: RemoteSpan, exclude: set[str]) -> list[RemoteSpan]:
+        """Independent servers of ``span``'s blocks, in random order, each as a span over exactly those blocks.
 
-        Each is returned as a span over exactly those blocks; servers computing in the same dtype
-        as most come first, in random order within each group.
+        They are ONLINE, usable (allowed, not blocked, not refused by the weights manifest),
+        not banned, not in ``exclude``, and announce the same compute dtype and quantization
+        as ``span``'s server: honest servers of different forms differ by more than the
+        tolerance (a bfloat16 server from a float32 one by up to ~0.3), so only like is
+        compared with like.
         """
         manager = self.manager
         state = manager.update()
         banned = manager.banned() | exclude
+        form = _form(span)
         found: dict[str, RemoteSpan] = {}
-        for span in state.spans:
-            if span.start <= start and span.end >= end and span.peer_id not in banned and \
-                    span.peer_id not in found and manager._usable(span.peer_id, span.state) and \
-                    span.state == ServerState.ONLINE:
-                found[span.peer_id] = dataclasses.replace(span, start=start, end=end)
+        for other in state.spans:
+            if other.start <= span.start and other.end >= span.end and other.peer_id not in banned and \
+                    other.peer_id not in found and other.state == ServerState.ONLINE and _form(other) == form and \
+                    manager._usable(other.peer_id, other.state):
+                found[other.peer_id] = dataclasses.replace(other, start=span.start, end=span.end)
         spans = list(found.values())
         self._random.shuffle(spans)
         return spans
@@ -240,7 +244,7 @@ class Verifier:
         """
         tried: set[str] = {span.peer_id, checker}
         x = inputs[:, first:]
-        for third in self.candidates(span.start, span.end, tried)[:3]:
+        for third in self.candidates(span, tried)[:3]:
             tried.add(third.peer_id)
             try:
                 reference = forward_span(self.manager, third, inputs, prompts)[:, first:]
@@ -275,7 +279,7 @@ class Verifier:
         if not self.draw():
             return out
         self.checks += 1
-        for checker in self.candidates(span.start, span.end, {span.peer_id})[:3]:
+        for checker in self.candidates(span, {span.peer_id})[:3]:
             try:
                 checked = forward_span(self.manager, checker, x, prompts)
             except Exception as exc:
@@ -289,5 +293,11 @@ class Verifier:
             self.ban(verdict.guilty, until=time.monotonic() + float(self.config.ban_timeout))
             self.record(verdict.event)
             return checked if verdict.primary_guilty else out
-        raise VerificationError(f"no independent server can check blocks {span.start}..{span.end - 1} "
-                                f"(verify_fraction={self.fraction}; set it to 0 to run unchecked)")
+        raise VerificationError(f"no independent server of the same form ({_form(span)[0]}, {_form(span)[1]}) "
+                                f"can check blocks {span.start}..{span.end - 1} (verify_fraction={self.fraction}; "
+                                f"set it to 0 to run unchecked)")
+
+
+def _form(span: RemoteSpan) -> tuple[str | None, str | None]:
+    """The compute dtype and quantization ``span``'s server announces (what results are comparable by)."""
+    return span.info.torch_dtype, span.info.quant_type
