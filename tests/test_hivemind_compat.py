@@ -1,4 +1,5 @@
-"""`distconf.dht.hivemind_compat` on the installed hivemind: the version gate and one test per item.
+"""`distconf.dht.hivemind_compat` and `distconf.dht.hivemind_rpc_compat` on the installed hivemind: the version
+gate and one test per item.
 
 Process-wide patches are applied in this process and undone after each test (the DHT
 processes later tests start are forked from this one and must start unpatched); the
@@ -28,6 +29,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from packaging.specifiers import SpecifierSet
 
 from distconf.dht import hivemind_compat as compat
+from distconf.dht import hivemind_rpc_compat as rpc_compat
 from distconf.dht import start_local_dht, visible_maddrs
 from distconf.dht.wire import TUPLE_EXT_CODE
 
@@ -89,15 +91,64 @@ def test_versions_out_of_range_are_refused(version):
 # ----------------------------------------------------------------------------- 1. msgpack depth
 def test_msgpack_depth_guard_refuses_deep_tuples(restore):
     restore(MSGPackSerializer, "_decode_ext_types")
-    limit = compat.MAX_EXT_DEPTH
+    current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__  # a loop made here earlier installs it
+    MSGPackSerializer._decode_ext_types = classmethod(getattr(current, "__wrapped__", current))
+    limit = rpc_compat.MAX_EXT_DEPTH
     too_deep = MSGPackSerializer.dumps(deep_tuple(limit + 1))
     assert MSGPackSerializer.loads(too_deep) == deep_tuple(limit + 1)  # unguarded: decoded
-    compat.guard_msgpack_depth()
-    compat.guard_msgpack_depth()  # idempotent: one wrap, not two
+    rpc_compat.guard_msgpack_depth()
+    rpc_compat.guard_msgpack_depth()  # idempotent: one wrap, not two
     assert MSGPackSerializer.loads(MSGPackSerializer.dumps(deep_tuple(limit))) == deep_tuple(limit)
     with pytest.raises(ValueError, match="nested more than 32 levels"):
         MSGPackSerializer.loads(too_deep)
     assert MSGPackSerializer.loads(MSGPackSerializer.dumps([(1, 2), {"a": (3,)}])) == [(1, 2), {"a": (3,)}]
+
+
+_DECODE = """
+import sys
+from hivemind.utils.serializer import MSGPackSerializer
+levels, kind = int(sys.argv[1]), sys.argv[2]
+if kind == "tuple":
+    value = 1
+    for _ in range(levels):
+        value = (value,)
+    raw = MSGPackSerializer.dumps(value)
+else:  # plain msgpack arrays (fixarray of one) or maps (fixmap of one)
+    raw = (b"\\x91" if kind == "list" else b"\\x81\\xa1k") * levels + b"\\x00"
+try:
+    MSGPackSerializer.loads(raw)
+    print("decoded")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
+@pytest.mark.parametrize(("levels", "kind", "outcome"), [
+    (100, "tuple", "decoded"), (400, "tuple", -11),  # each tuple level is a nested C decode
+    (1000, "list", "decoded"), (1100, "list", "StackError"), (100_000, "map", "StackError"),  # iterative in C
+])
+def test_what_nesting_kills_an_unguarded_process(levels, kind, outcome):
+    """Why item 1 guards extension types only: plain arrays and maps are refused by msgpack itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DECODE, str(levels), kind], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode if isinstance(outcome, int) else done.stdout.strip()) == outcome, done.stderr[-500:]
+
+
+def test_every_rpc_loop_process_is_guarded(restore):
+    """`distconf.rpc.calls` makes every loop for RPCs in a process with the depth guard (servers, clients)."""
+    from distconf.rpc.calls import BackgroundLoop
+
+    restore(MSGPackSerializer, "_decode_ext_types")
+    current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__
+    MSGPackSerializer._decode_ext_types = classmethod(getattr(current, "__wrapped__", current))
+    loop = BackgroundLoop(name="compat-test-loop")
+    try:
+        assert compat._marked(MSGPackSerializer.__dict__["_decode_ext_types"].__func__)
+    finally:
+        loop.stop()
 
 
 def test_tuple_extension_code_matches_hivemind():
@@ -308,8 +359,8 @@ def test_isolate_p2p_daemon_detaches_p2pd_only(monkeypatch):
         calls.append((program, kwargs))
 
     monkeypatch.setattr(aio_subprocess, "create_subprocess_exec", fake_exec)  # undone after the test
-    compat.isolate_p2p_daemon()
-    compat.isolate_p2p_daemon()  # idempotent: one wrapper
+    rpc_compat.isolate_p2p_daemon()
+    rpc_compat.isolate_p2p_daemon()  # idempotent: one wrapper
     assert compat._marked(aio_subprocess.create_subprocess_exec)
     asyncio.run(aio_subprocess.create_subprocess_exec("/somewhere/hivemind_cli/p2pd", "-listen=x"))
     asyncio.run(aio_subprocess.create_subprocess_exec("/bin/true"))
@@ -320,7 +371,7 @@ def test_isolate_p2p_daemon_detaches_p2pd_only(monkeypatch):
 def _p2p_daemon_of(dht) -> int:
     import psutil
 
-    daemons = [p.pid for p in psutil.Process(dht.pid).children() if p.name() == compat.P2P_DAEMON_NAME]
+    daemons = [p.pid for p in psutil.Process(dht.pid).children() if p.name() == rpc_compat.P2P_DAEMON_NAME]
     assert len(daemons) == 1, daemons
     return daemons[0]
 
@@ -368,8 +419,8 @@ def test_coalesced_writes_send_hiveminds_bytes_in_one_write(restore):
     current = P2P.__dict__["send_protobuf"].__func__  # an earlier test of this process may have patched it
     P2P.send_protobuf = staticmethod(getattr(current, "__wrapped__", current))
     unpatched = written()
-    compat.coalesce_p2p_writes(limit=1000)
-    compat.coalesce_p2p_writes(limit=10)  # idempotent: the first limit stays
+    rpc_compat.coalesce_p2p_writes(limit=1000)
+    rpc_compat.coalesce_p2p_writes(limit=10)  # idempotent: the first limit stays
     patched = written()
     assert [b"".join(w) for w in patched] == [b"".join(w) for w in unpatched]
     assert [len(w) for w in patched[:3]] == [1, 1, 1] and len(patched[3]) == len(unpatched[3]) > 1

@@ -20,7 +20,8 @@ idempotent. It gives the node:
    ``4 * max_records_per_key`` records of a dictionary a peer sends are decoded.
 
 This module holds the rules (what is kept, what is dropped, the bounds); how each is
-hooked into hivemind is `distconf.dht.hivemind_compat` (items 1 to 5 there). Each hook
+hooked into hivemind is `distconf.dht.hivemind_compat` (items 1 to 5 there; item 1 in
+`distconf.dht.hivemind_rpc_compat`). Each hook
 keeps hivemind's behaviour for valid data within the bounds.
 """
 
@@ -32,6 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from distconf.dht import hivemind_compat as compat
+from distconf.dht.hivemind_rpc_compat import guard_msgpack_depth
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind.dht import DHTNode
@@ -85,7 +87,7 @@ def install_guard(node: DHTNode, *, signed: bool = False, scope: str = "listed",
 
     from distconf.dht.validators import SwarmRecordValidator
 
-    compat.guard_msgpack_depth()
+    guard_msgpack_depth()
     protocol = node.protocol
     if protocol.record_validator is None:
         protocol.record_validator = CompositeValidator()

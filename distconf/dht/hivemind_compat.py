@@ -1,8 +1,9 @@
-"""Every use of hivemind's internals, in one module, checked against the hivemind it was written for.
+"""Every use of hivemind's internals, in two modules, checked against the hivemind they were written for.
 
 The rest of distconf uses hivemind's public API only (``hivemind.DHT``, ``hivemind.P2P``,
 ``PeerID``, ``MSGPackSerializer``, record validators). Everything that reaches further
-(underscore names, internal modules, monkey-patches) lives here. It was written against
+(underscore names, internal modules, monkey-patches) lives here and in
+`distconf.dht.hivemind_rpc_compat`. It was written against
 hivemind 1.1.12 (`TESTED_HIVEMIND`) for the range `SUPPORTED_HIVEMIND`, the pin in
 ``pyproject.toml``: importing this module with any other hivemind installed raises
 `HivemindVersionError`, saying what to install. To widen the range, re-read each item
@@ -10,18 +11,12 @@ below against the new hivemind's source, then run ``tests/test_hivemind_compat.p
 test per item).
 
 The module sits in the dht layer so that dht, rpc, server and client can all use it; it
-imports hivemind only when a function is called.
+imports hivemind only when a function is called. Its items are numbered across both modules
+(this one and `distconf.dht.hivemind_rpc_compat`); both are checked by the one version rule below.
 
 Patches (each applies in the process that calls it; we call them in our DHT processes)
 
-1. `guard_msgpack_depth` wraps the classmethod ``MSGPackSerializer._decode_ext_types``
-   (process-wide). *Why*: each tuple level is a msgpack extension that hivemind decodes
-   with a nested ``msgpack.unpackb`` call; about 200 levels overflow the C stack and kill
-   the process (msgpack 1.2.4). Wrapped, nesting over ``limit`` raises ``ValueError``,
-   which hivemind treats as a bad request or response. *If hivemind changes it*: a
-   renamed method makes the install raise ``KeyError``; extension decoding that no longer
-   goes through it leaves the process unguarded (the test decoding ``limit + 1`` nested
-   tuples then fails).
+1. `guard_msgpack_depth` (the msgpack depth guard): in `distconf.dht.hivemind_rpc_compat`.
 2. `filter_dictionaries` replaces ``DHTProtocol._validate_dictionary`` on one protocol
    object. *Why*: hivemind refuses a whole dictionary (every server of a block) when one
    of its records is invalid; the replacement lets the caller drop records in place and
@@ -73,34 +68,17 @@ Reads of private state (no patch)
     ``hivemind.p2p.p2p_daemon_bindings.control``. *If they move*: it raises
     ``ImportError``; if they change, our streaming chunk size follows them.
 
-Process control
+Process control and speed (in `distconf.dht.hivemind_rpc_compat`)
 
-12. `isolate_p2p_daemon` wraps ``asyncio.subprocess.create_subprocess_exec`` (process-wide;
-    we call it in our DHT processes only) so that the ``p2pd`` binary ``hivemind.P2P.create``
-    launches with it gets a process group of its own and, on Linux, dies (SIGTERM) with the
-    process that started it. *Why*: p2pd is a Go program that exits on SIGINT or SIGTERM;
-    in its parent's process group it gets every signal sent to the group (Ctrl-C in a
-    terminal, ``kill -- -PGID``, systemd's default ``KillMode``) and is gone before the
-    server can announce OFFLINE through it. *If hivemind changes it*: a daemon started some
-    other way is back in the caller's group (the test reading p2pd's process group fails).
+12. `isolate_p2p_daemon`: p2pd in a process group of its own, dying with its DHT process.
+13. `coalesce_p2p_writes`: one write per stream message.
 
-Speed
-
-13. `coalesce_p2p_writes` replaces the static method ``P2P.send_protobuf`` (process-wide; we
-    call it in every process that runs RPCs: clients and servers, see `distconf.rpc.calls`).
-    *Why*: hivemind writes a stream message as three writes (marker byte, 8-byte length,
-    body), i.e. three syscalls, and the daemons may forward them as three frames that wake
-    the reader three times; one write of the same bytes is one. The bytes on the wire are
-    hivemind's (``MESSAGE_MARKER`` or ``ERROR_MARKER``, ``HEADER_LEN`` big-endian length,
-    the serialized message). *If hivemind changes it*: a new framing is not followed (the
-    test comparing the bytes with the unpatched method fails).
+Those three are patches of every process that talks to peers (servers, clients, DHT
+nodes); they live there to keep each module one job.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -114,20 +92,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from hivemind.utils.crypto import RSAPrivateKey
 
 __all__ = [
-    "MAX_EXT_DEPTH",
     "SUPPORTED_HIVEMIND",
     "TESTED_HIVEMIND",
     "HivemindVersionError",
     "bound_dictionary_decoding",
     "cap_stored_subkeys",
     "check_hivemind_version",
-    "coalesce_p2p_writes",
     "composite_validators",
     "expire_dictionaries_by_records",
     "filter_dictionaries",
     "forget_p2p_replica",
-    "guard_msgpack_depth",
-    "isolate_p2p_daemon",
     "lazy_peer_id_text",
     "p2p_message_limits",
     "rsa_private_key_from_der",
@@ -137,8 +111,6 @@ SUPPORTED_HIVEMIND = ">=1.1.12,<1.2"
 """hivemind versions this module was written for (the pin in ``pyproject.toml``)."""
 TESTED_HIVEMIND = "1.1.12"
 """The hivemind version each item of this module was read against and tested with."""
-MAX_EXT_DEPTH = 32
-"""Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
 
 _MARK = "_distconf_patch"  # set on every replacement function, so each patch is applied once
 _lock = threading.Lock()
@@ -171,35 +143,6 @@ def _marked(function: Any) -> bool:
 def _mark(function: Any) -> Any:
     setattr(function, _MARK, True)
     return function
-
-
-# ----------------------------------------------------------------------------- 1. msgpack depth
-def guard_msgpack_depth(limit: int = MAX_EXT_DEPTH) -> None:
-    """Make hivemind's ``MSGPackSerializer`` refuse extension types nested over ``limit`` levels.
-
-    Affects the calling process only: a value a peer crafted to overflow the C stack then
-    raises ``ValueError`` instead of crashing the process. Idempotent (the first ``limit``
-    stays). Reusable in any process that decodes hivemind msgpack from peers.
-    """
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    with _lock:
-        current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__
-        if _marked(current):
-            return
-        state = threading.local()
-
-        def _decode_ext_types(cls: type, type_code: int, data: bytes) -> Any:
-            level = getattr(state, "level", 0)
-            if level >= limit:
-                raise ValueError(f"msgpack extension types nested more than {limit} levels deep")
-            state.level = level + 1
-            try:
-                return current(cls, type_code, data)
-            finally:
-                state.level = level
-
-        MSGPackSerializer._decode_ext_types = classmethod(_mark(_decode_ext_types))  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- 2. dictionary filter
@@ -355,81 +298,3 @@ def p2p_message_limits() -> tuple[int, int]:
     from hivemind.p2p.p2p_daemon_bindings import control
 
     return control.DEFAULT_MAX_MSG_SIZE, control.MAX_UNARY_PAYLOAD_SIZE
-
-
-# ----------------------------------------------------------------------------- 12. p2pd process group
-P2P_DAEMON_NAME = "p2pd"
-"""File name of the p2p daemon binary hivemind ships and launches (``hivemind/hivemind_cli/p2pd``)."""
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def isolate_p2p_daemon() -> None:
-    """Start every p2p daemon this process launches in its own process group, dying with this process.
-
-    Signals sent to this process's group no longer reach the daemon; this process stops it
-    (``P2P.shutdown``) when it is done with it. On Linux the daemon also gets SIGTERM when
-    this process dies, however it dies. Process-wide; idempotent.
-    """
-    import asyncio.subprocess as aio_subprocess
-
-    with _lock:
-        unguarded = aio_subprocess.create_subprocess_exec
-        if _marked(unguarded):
-            return
-
-        async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> Any:
-            if os.path.basename(os.fspath(program)) == P2P_DAEMON_NAME and "preexec_fn" not in kwargs:
-                kwargs["preexec_fn"] = _detacher(os.getpid())
-            return await unguarded(program, *args, **kwargs)
-
-        aio_subprocess.create_subprocess_exec = _mark(create_subprocess_exec)  # type: ignore[assignment]
-
-
-def _detacher(parent_pid: int) -> Callable[[], None]:
-    """The function a forked daemon runs before ``exec``: own process group, death signal on Linux."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-
-    def detach() -> None:
-        os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent_pid:  # the parent died before the death signal was armed
-                os._exit(1)
-
-    return detach
-
-
-# ----------------------------------------------------------------------------- 13. one write per message
-COALESCE_LIMIT = 1 << 20
-"""Largest message body (bytes) `coalesce_p2p_writes` copies to write it in one go; larger ones are written
-as hivemind does (the copy would cost more than the syscalls it saves)."""
-
-
-def coalesce_p2p_writes(limit: int = COALESCE_LIMIT) -> None:
-    """Make ``P2P.send_protobuf`` write a message's marker, length and body in one write (the same bytes).
-
-    Process-wide; idempotent.
-    """
-    from hivemind.p2p import P2P
-    from hivemind.proto.p2pd_pb2 import RPCError
-
-    with _lock:
-        unguarded = P2P.__dict__["send_protobuf"].__func__
-        if _marked(unguarded):
-            return
-
-        async def send_protobuf(protobuf: Any, writer: Any) -> None:
-            data = protobuf.SerializeToString()
-            if len(data) > limit:
-                await unguarded(protobuf, writer)
-                return
-            marker = P2P.ERROR_MARKER if isinstance(protobuf, RPCError) else P2P.MESSAGE_MARKER
-            writer.write(marker + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
-            await writer.drain()
-
-        send_protobuf.__wrapped__ = unguarded  # type: ignore[attr-defined]  # hivemind's own, for tests
-        P2P.send_protobuf = staticmethod(_mark(send_protobuf))  # type: ignore[method-assign]

@@ -11,7 +11,7 @@ multiprocessing's exit join.
 `NodeProcess` makes the order explicit:
 
 - the child ignores SIGINT and SIGTERM, and p2pd runs in a process group of its own
-  (`distconf.dht.hivemind_compat.isolate_p2p_daemon`), so a signal to the group reaches
+  (`distconf.dht.hivemind_rpc_compat.isolate_p2p_daemon`), so a signal to the group reaches
   the parent only, which announces OFFLINE and then shuts the node down;
 - `NodeProcess.shutdown` is bounded: hivemind's graceful shutdown (``shutdown_timeout``,
   3 s by default), then SIGKILL;
@@ -33,7 +33,7 @@ import time
 
 from hivemind import DHT
 
-from distconf.dht.hivemind_compat import isolate_p2p_daemon
+from distconf.dht.hivemind_rpc_compat import isolate_p2p_daemon
 
 __all__ = ["KILL_TIMEOUT", "NodeProcess", "shutdown_all"]
 

@@ -13,7 +13,7 @@ peer can store break it:
 
 `safe_loads` decodes a record with hard limits (size, nesting, items) and never
 recurses without bound. (Making hivemind's own decoder refuse deep extension nesting is a
-patch of hivemind: `distconf.dht.hivemind_compat.guard_msgpack_depth`.)
+patch of hivemind: `distconf.dht.hivemind_rpc_compat.guard_msgpack_depth`.)
 
 Imports only msgpack (a hivemind dependency) at call time.
 """
@@ -27,6 +27,7 @@ __all__ = [
     "MAX_VALUE_BYTES",
     "TUPLE_EXT_CODE",
     "WireError",
+    "check_shape",
     "safe_loads",
 ]
 
@@ -84,19 +85,22 @@ def safe_loads(
         raise
     except Exception as e:  # msgpack raises ValueError subclasses, TypeError, StackError ...
         raise WireError(f"not decodable msgpack: {type(e).__name__}: {e}"[:200]) from None
-    _check_shape(value, max_nesting)
+    check_shape(value, max_nesting=max_nesting)
     return value
 
 
-def _check_shape(value: Any, max_nesting: int) -> None:
-    """Iteratively check nesting depth, item count and map keys (no recursion)."""
+def check_shape(value: Any, *, max_nesting: int = MAX_NESTING, max_items: int = MAX_ITEMS_TOTAL) -> None:
+    """Check a decoded value's nesting depth, item count and map keys without recursion; `WireError` if over.
+
+    For any msgpack a peer sent: a value within these limits is safe to walk recursively.
+    """
     stack = [(value, 0)]
     count = 0
     while stack:
         item, level = stack.pop()
         count += 1
-        if count > MAX_ITEMS_TOTAL:
-            raise WireError(f"value holds more than {MAX_ITEMS_TOTAL} items")
+        if count > max_items:
+            raise WireError(f"value holds more than {max_items} items")
         if isinstance(item, (list, tuple)):
             if level >= max_nesting:
                 raise WireError(f"value is nested more than {max_nesting} levels deep")

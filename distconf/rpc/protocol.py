@@ -25,6 +25,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from distconf.dht.hivemind_compat import p2p_message_limits
+from distconf.dht.hivemind_rpc_compat import MAX_EXT_DEPTH
+from distconf.dht.wire import WireError, check_shape
 from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
 __all__ = [
@@ -137,7 +139,7 @@ def unpack_args_kwargs(flat_tensors: Sequence[torch.Tensor], structure: Any) -> 
             else:
                 values.append(value)
         args, kwargs = nested_pack(values, structure)
-    except (ValueError, IndexError, TypeError) as exc:
+    except (ValueError, IndexError, TypeError, RecursionError) as exc:
         raise ProtocolError(f"args_structure does not match the {len(flat_tensors)} tensors sent: {exc}") from None
     return tuple(args), dict(kwargs)
 
@@ -170,6 +172,10 @@ def loads_metadata(raw: bytes) -> dict[str, Any]:
         raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(value, dict):
         raise ProtocolError(f"metadata must be a msgpack dict, got {type(value).__name__}")
+    try:  # plain arrays and maps may nest 1,024 levels per tuple level: too deep for any reader
+        check_shape(value, max_nesting=MAX_EXT_DEPTH)
+    except WireError as exc:
+        raise ProtocolError(f"metadata: {exc}") from None
     return value
 
 
