@@ -36,19 +36,23 @@ def tiny_served(num_blocks: int = 2, hidden: int = 64, **overrides: Any) -> list
 
 
 def make_handler(served: list[ServedBlock], executor: ThreadPoolExecutor, budget_bytes: int,
-                 limits: BatchLimits | None = None, *, hidden: int = 64, max_length: int = 64) -> BlockHandler:
-    """A handler over ``served`` with a cache budget of ``budget_bytes`` (not registered on any P2P)."""
+                 limits: BatchLimits | None = None, *, hidden: int = 64, max_length: int = 64,
+                 **settings_kw: Any) -> BlockHandler:
+    """A handler over ``served`` with a cache budget of ``budget_bytes`` (not registered on any P2P);
+    ``settings_kw``: more `HandlerSettings` (e.g. ``max_forward_tokens``, ``max_peer_cache_share``)."""
     settings = HandlerSettings(dht_prefix=PREFIX, hidden_size=hidden, dtype=torch.float32,
-                               inference_max_length=max_length, step_timeout=20, session_timeout=60)
+                               inference_max_length=max_length, **{"step_timeout": 20, "session_timeout": 60,
+                                                                   **settings_kw})
     return BlockHandler(served, CacheBudget(budget_bytes), settings, executor, limits)
 
 
 class Caller:
     """One ``rpc_inference`` stream: messages put by the test, replies read from the handler."""
 
-    def __init__(self, handler: BlockHandler) -> None:
+    def __init__(self, handler: BlockHandler, context: Any = CONTEXT) -> None:
+        """``context``: the caller as the handler sees it (``remote_id``: its peer id)."""
         self.messages: asyncio.Queue[Any] = asyncio.Queue()
-        self.replies = handler.rpc_inference(self._requests(), CONTEXT)
+        self.replies = handler.rpc_inference(self._requests(), context)
 
     async def _requests(self) -> AsyncIterator[Any]:
         while (message := await self.messages.get()) is not None:

@@ -61,6 +61,17 @@ def parse_ready_line(line: str) -> dict[str, Any] | None:
     return record
 
 
+def _share(text: str) -> float:
+    """A fraction in (0, 1] (``--max-peer-cache-share``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = add_command(
@@ -114,6 +125,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--session-timeout", type=float, default=1800.0, help="inference session time limit (s)")
     p.add_argument("--step-timeout", type=float, default=300.0, help="wait for an inference step at most (s)")
     p.add_argument("--max-alloc-timeout", type=float, default=600.0, help="cap on a request's alloc_timeout (s)")
+    p.add_argument("--max-forward-tokens", type=positive_int, default=None, metavar="T",
+                   help="refuse a forward/backward request of more than T tokens (batch x length), before "
+                        "decoding it (default: 8192 for grouped-query models, else 2048, as Petals' "
+                        "max_batch_size)")
+    p.add_argument("--max-peer-cache-share", type=_share, default=0.5, metavar="F",
+                   help="the sessions of one peer may hold at most this fraction of the cache budget together; "
+                        "its further sessions are refused (default 0.5: one peer never locks the others out; "
+                        "1 turns the limit off)")
     p.add_argument("--repository", default=None, help="repository URL announced with the model")
     p.add_argument("--verify-weights", action="store_true",
                    help="hash the served blocks' weights after loading and again at shutdown, and log whether "
@@ -158,7 +177,8 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         verify_weights=args.verify_weights, block_digests=args.block_digests, balance_quality=args.balance_quality,
         mean_balance_check_period=args.mean_balance_check_period,
         max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-        prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait)
+        prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait,
+        max_forward_tokens=args.max_forward_tokens, max_peer_cache_share=args.max_peer_cache_share)
 
 
 def _open(args: argparse.Namespace) -> Any:

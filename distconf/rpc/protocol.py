@@ -12,11 +12,13 @@ packing with ``b"__T<index>"`` markers, uid chains as `distconf.loader.naming` b
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import msgpack
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
@@ -32,7 +34,7 @@ from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 __all__ = [
     "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",
     "KEY_ACTIVE_ADAPTER", "KEY_ALLOC_TIMEOUT", "KEY_ARGS_STRUCTURE", "KEY_MAX_LENGTH", "KEY_NEXT_SERVERS",
-    "KEY_OUTPUT_COMPRESSION", "KEY_POINTS", "KEY_PUSHED", "KEY_SESSION_ID", "KEY_START_FROM_POSITION",
+    "KEY_OUTPUT_COMPRESSION", "KEY_POINTS", "KEY_PUSH_FROM", "KEY_PUSHED", "KEY_SESSION_ID", "KEY_START_FROM_POSITION",
     "KEY_STEP_ID", "MAX_UNARY_PAYLOAD_SIZE", "NOT_SERVED", "ProtocolError", "chain_uid", "deserialize_tensors",
     "dumps_metadata",
     "is_dummy", "loads_metadata", "make_request", "pack_args_kwargs", "parse_chain", "read_request",
@@ -55,6 +57,9 @@ KEY_STEP_ID = "step_id"
 KEY_START_FROM_POSITION = "start_from_position"
 KEY_NEXT_SERVERS = "next_servers"
 KEY_PUSHED = "pushed"
+KEY_PUSH_FROM = "push_from"
+"""Step metadata from a session's own client: the base58 peer id of the one server allowed to push to
+this session (the previous span's server), or ``""`` for none (a distconf extension; Petals ignores it)."""
 KEY_ALLOC_TIMEOUT = "alloc_timeout"
 KEY_POINTS = "points"
 KEY_ARGS_STRUCTURE = "args_structure"
@@ -162,14 +167,29 @@ def dumps_metadata(metadata: dict[str, Any] | None) -> bytes:
     return MSGPackSerializer.dumps(metadata) if metadata else b""
 
 
+def _ext_hook(unknown: list[int], code: int, data: bytes) -> Any:
+    """hivemind's msgpack ext types (tuples, registered classes); an unknown code is noted in ``unknown``."""
+    if code == MSGPackSerializer._TUPLE_EXT_TYPE_CODE:
+        return tuple(msgpack.loads(data, ext_hook=functools.partial(_ext_hook, unknown), raw=False))
+    if code in MSGPackSerializer._ext_type_codes:
+        return MSGPackSerializer._ext_type_codes[code].unpackb(data)
+    unknown.append(code)
+    return data
+
+
 def loads_metadata(raw: bytes) -> dict[str, Any]:
-    """Parse request metadata; empty bytes give ``{}``; anything but a msgpack dict is a `ProtocolError`."""
+    """Parse request metadata; empty bytes give ``{}``; anything but a msgpack dict is a `ProtocolError`,
+    and so is a dict holding msgpack ext values of types hivemind does not know (one error, not a log line each)."""
     if not raw:
         return {}
+    unknown: list[int] = []
     try:
-        value = MSGPackSerializer.loads(raw)
+        value = msgpack.loads(raw, ext_hook=functools.partial(_ext_hook, unknown), raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if unknown:  # refused as a whole (hivemind's own hook would log one warning per value)
+        raise ProtocolError(f"metadata holds {len(unknown)} msgpack ext values of unknown types "
+                            f"(codes {sorted(set(unknown))[:8]})")
     if not isinstance(value, dict):
         raise ProtocolError(f"metadata must be a msgpack dict, got {type(value).__name__}")
     try:  # plain arrays and maps may nest 1,024 levels per tuple level: too deep for any reader

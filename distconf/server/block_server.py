@@ -78,6 +78,8 @@ class ServeOptions:
     block_digests: bool = True  # announce each served block's weights sha256 in rpc_info (``block_sha256``)
     balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
+    max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: the planner's max length)
+    max_peer_cache_share: float = 0.5  # fraction of the cache budget one peer's sessions may hold together
 
 
 class _LiveAnnouncer(BlockAnnouncer):
@@ -322,7 +324,8 @@ class BlockServer(SpanMoves):
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
             weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
-            weights_form=self.weights_form)
+            weights_form=self.weights_form, max_forward_tokens=o.max_forward_tokens or default_max_length(config),
+            max_peer_cache_share=o.max_peer_cache_share)
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,
                              max_batch_tokens=o.max_batch_tokens or default_max_length(config),
                              max_batch_bytes=int(autograd_reserve_bytes(config)), max_batch_wait=o.max_batch_wait)

@@ -2,13 +2,17 @@
 
 `BlockHandler` implements `distconf.rpc.BlockServicer` (handlers are registered under
 Petals 2.x's names). Compute runs in one compute thread; the event loop only parses,
-validates and moves messages, so one slow or hostile caller does not stall the others.
+validates and moves messages, so one slow or hostile caller does not stall the others:
+every request's size is checked from its tensors' headers before they are decoded (tokens
+per forward/backward at most ``max_forward_tokens``), and a request past ``request_timeout``
+is refused in one line, its queued compute dropped.
 Inference sessions and pushes are owned by `distconf.server.sessions.Sessions`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -16,7 +20,6 @@ from concurrent.futures import Executor
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing.AsyncIterator hints)
 
 import torch
-from hivemind.compression.serialization import deserialize_tensor_stream
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -27,8 +30,8 @@ from distconf.rpc.protocol import (
     CACHE_TOKENS_AVAILABLE,
     DEFAULT_MAX_MSG_SIZE,
     ProtocolError,
+    deserialize_tensors,
     loads_metadata,
-    read_request,
     serialize_tensors,
 )
 from distconf.rpc.servicer import BlockServicer
@@ -45,6 +48,7 @@ from distconf.server.validation import (
     served_chain,
     unpack_tensors,
 )
+from distconf.server.wire_checks import WireBudget, check_headers
 
 __all__ = ["BlockHandler", "HandlerSettings"]
 
@@ -118,6 +122,7 @@ class BlockHandler(BlockServicer):
             "torch_dtype": str(s.dtype).removeprefix("torch."), "hidden_size": s.hidden_size,
             "start_block": self.ordered[0].index, "end_block": self.ordered[-1].index + 1,
             "stats": {**self.stats, **self.compute.stats},
+            "max_forward_tokens": s.max_forward_tokens,  # a distconf extension: larger requests are refused
         }
         if s.weights_sha256 is not None:
             result["weights_sha256"] = s.weights_sha256
@@ -132,29 +137,62 @@ class BlockHandler(BlockServicer):
 
     # ------------------------------------------------------------------ forward / backward
 
-    async def _gather(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
-                      ) -> tuple[str, list[torch.Tensor], dict[str, Any]]:
-        """uid, tensors and metadata of a stream call (parts joined; size bounded)."""
-        state: dict[str, Any] = {"uid": None, "metadata": None, "bytes": 0}
+    def _budget(self, uids: str, what: str) -> WireBudget:
+        """What one forward/backward request over ``uids`` may carry (hidden, grads and per-block prompts)."""
+        s = self.settings
+        blocks = len(self.check_uids(uids))
+        return WireBudget(max_numel=(2 + blocks) * s.max_forward_tokens * s.hidden_size,
+                          max_tokens=s.max_forward_tokens, what=what)
 
-        async def parts() -> AsyncIterator[list[runtime_pb2.Tensor]]:
-            async for req in requests:
-                if state["uid"] is None:
-                    state["uid"], state["metadata"] = req.uid, loads_metadata(req.metadata)
-                elif req.uid != state["uid"]:
-                    raise RequestError("block uids differ between the parts of one request")
-                state["bytes"] += sum(len(t.buffer) for t in req.tensors)
-                if state["bytes"] > self.settings.max_request_bytes:
-                    raise RequestError(f"request exceeds {self.settings.max_request_bytes} bytes")
-                yield list(req.tensors)
-
+    def _decode(self, uid: str, serialized: Sequence[runtime_pb2.Tensor], what: str) -> list[torch.Tensor]:
+        """Tensors of a request over ``uid``, checked from their headers first (`check_headers`)."""
+        check_headers(serialized, self._budget(uid, what))
         try:
-            tensors = await deserialize_tensor_stream(parts())
-        except (RequestError, ProtocolError):
-            raise
-        except Exception as exc:
-            raise RequestError(f"tensors cannot be deserialized: {type(exc).__name__}: {exc}") from None
-        return state["uid"] or "", tensors, state["metadata"] or {}
+            return deserialize_tensors(serialized)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
+
+    async def _gather(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], what: str
+                      ) -> tuple[str, list[torch.Tensor], dict[str, Any]]:
+        """uid, tensors and metadata of a stream call: parts joined (hivemind's framing), the bytes bounded
+        by what the announced shapes need, every tensor checked from its header before it is decoded."""
+        uid: str | None = None
+        metadata: dict[str, Any] = {}
+        budget: WireBudget | None = None
+        joined: list[tuple[runtime_pb2.Tensor, list[bytes]]] = []
+        received = expected = 0
+        async for req in requests:
+            if uid is None:
+                uid, metadata, budget = req.uid, self._metadata(req.metadata), self._budget(req.uid, what)
+            elif req.uid != uid:
+                raise RequestError("block uids differ between the parts of one request")
+            assert budget is not None
+            for part in req.tensors:
+                if part.dtype:  # the first part of a tensor: its header
+                    expected += 8 * check_headers([part], budget, whole=False) + 4096
+                    joined.append((part, []))
+                elif not joined:
+                    raise RequestError("a stream request starts with a part of no tensor")
+                received += len(part.buffer)
+                limit = min(self.settings.max_request_bytes, 8 * budget.max_numel + 4096 * len(joined))
+                if received > expected or received > limit:
+                    raise RequestError(f"the request's parts hold more bytes than its tensors' shapes need "
+                                       f"({received} > {min(expected, limit)})")
+                joined[-1][1].append(part.buffer)
+        serialized = []
+        for first, buffers in joined:
+            tensor = runtime_pb2.Tensor()
+            tensor.CopyFrom(first)
+            tensor.buffer = b"".join(buffers)
+            serialized.append(tensor)
+        return uid or "", self._decode(uid or "", serialized, what) if serialized else [], metadata
+
+    @staticmethod
+    def _metadata(raw: bytes) -> dict[str, Any]:
+        try:
+            return loads_metadata(raw)
+        except ProtocolError as exc:
+            raise RequestError(str(exc)) from None
 
     async def _forward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]) -> torch.Tensor:
         blocks = self.check_uids(uids)
@@ -181,11 +219,22 @@ class BlockHandler(BlockServicer):
                                       prompts.to(s.dtype) if has_prompts else None,
                                       cost=2 * inputs.shape[0] * inputs.shape[1])
 
+    @contextlib.asynccontextmanager
+    async def _deadline(self, what: str) -> AsyncIterator[None]:
+        """``request_timeout`` over a request: past it the request is refused in one line (no traceback),
+        and its queued compute is dropped before it starts (its future is cancelled)."""
+        try:
+            async with asyncio.timeout(self.settings.request_timeout):
+                yield
+        except TimeoutError:
+            raise RequestError(f"{what} exceeded request_timeout={self.settings.request_timeout:g} s") from None
+
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
         """Forward through the chain named by ``request.uid``; reply ``[hidden]``."""
-        async with asyncio.timeout(self.settings.request_timeout):
-            tensors, metadata = self._read(request)
+        async with self._deadline("rpc_forward"):
+            metadata = self._metadata(request.metadata)
+            tensors = self._decode(request.uid, request.tensors, "rpc_forward")
             out = await self._forward(request.uid, tensors, metadata)
             self.stats["forward"] += 1
             return runtime_pb2.ExpertResponse(tensors=[self.serialize_output(out)])
@@ -193,8 +242,8 @@ class BlockHandler(BlockServicer):
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream form of `rpc_forward` (inputs and output split in parts)."""
-        async with asyncio.timeout(self.settings.request_timeout):
-            uid, tensors, metadata = await self._gather(requests)
+        async with self._deadline("rpc_forward_stream"):
+            uid, tensors, metadata = await self._gather(requests, "rpc_forward_stream")
             out = await self._forward(uid, tensors, metadata)
             self.stats["forward"] += 1
         for part in split_for_streaming(self.serialize_output(out), DEFAULT_MAX_MSG_SIZE):
@@ -203,8 +252,9 @@ class BlockHandler(BlockServicer):
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                            ) -> runtime_pb2.ExpertResponse:
         """Gradients w.r.t. inputs (and deep prompts); weights are never updated."""
-        async with asyncio.timeout(self.settings.request_timeout):
-            tensors, metadata = self._read(request)
+        async with self._deadline("rpc_backward"):
+            metadata = self._metadata(request.metadata)
+            tensors = self._decode(request.uid, request.tensors, "rpc_backward")
             grads = await self._backward(request.uid, tensors, metadata)
             self.stats["backward"] += 1
             return runtime_pb2.ExpertResponse(tensors=serialize_tensors(grads, self.settings.dtype))
@@ -212,20 +262,13 @@ class BlockHandler(BlockServicer):
     async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream form of `rpc_backward`."""
-        async with asyncio.timeout(self.settings.request_timeout):
-            uid, tensors, metadata = await self._gather(requests)
+        async with self._deadline("rpc_backward_stream"):
+            uid, tensors, metadata = await self._gather(requests, "rpc_backward_stream")
             grads = await self._backward(uid, tensors, metadata)
             self.stats["backward"] += 1
         for tensor in serialize_tensors(grads, self.settings.dtype):
             for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE):
                 yield runtime_pb2.ExpertResponse(tensors=[part])
-
-    @staticmethod
-    def _read(request: runtime_pb2.ExpertRequest) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        try:
-            return read_request(request)
-        except ProtocolError as exc:
-            raise RequestError(str(exc)) from None
 
     # ------------------------------------------------------------------ inference and push
 

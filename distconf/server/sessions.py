@@ -8,7 +8,16 @@ two sessions opened with one id cannot both pass; it is unregistered when the se
 
 The cache for ``batch x max_length`` tokens of every block of the chain is reserved from
 the server's one `CacheBudget` for the whole session and returned when it ends, fails or
-times out. Collaborators are passed in: the served blocks, the budget, the compute thread,
+times out. The sessions of one peer together hold at most ``max_peer_cache_share`` of the
+budget: a peer keeping sessions open cannot lock the others out.
+
+Pushes: a session takes ``rpc_push`` messages from one peer only. Its own client may name
+that peer (``push_from`` in a step's metadata, the previous span's server; ``""``: none);
+a client that names none (Petals 2.x) gets the first peer that pushes to the session, and
+pushes from any other peer are refused: a peer that learned the session id (upstream
+servers see it in ``next_servers``) cannot feed steps into it.
+
+Collaborators are passed in: the served blocks, the budget, the compute thread,
 the settings and the handler's statistics.
 """
 
@@ -19,6 +28,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035
 
 from hivemind.p2p import P2P, P2PContext
@@ -35,11 +45,13 @@ from distconf.rpc.protocol import (
 )
 from distconf.server.compute import ServedBlock, SessionCache
 from distconf.server.inference import (
+    NOT_NAMED,
     PUSH_QUEUE_SIZE,
     SessionInputs,
     Step,
     StepIds,
     is_pushed,
+    named_pusher,
     parse_open,
     push_request,
 )
@@ -47,6 +59,7 @@ from distconf.server.memory import CacheBudget
 from distconf.server.scheduler import ComputeScheduler
 from distconf.server.settings import HandlerSettings
 from distconf.server.validation import RequestError, check_prompts, metadata_int, metadata_number, served_chain
+from distconf.server.wire_checks import WireBudget
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +69,25 @@ __all__ = ["Sessions", "describe_call"]
 logger = logging.getLogger(__name__)
 
 PushQueue = asyncio.Queue[runtime_pb2.ExpertRequest]
+
+
+@dataclass(eq=False)
+class _Route:
+    """Where pushes for one session id go, and from which peer they are taken."""
+
+    queue: PushQueue
+    pusher: Any = NOT_NAMED
+    """The peer named by the session's client (``""``: none), else `NOT_NAMED`."""
+    first_pusher: str | None = None
+    """The first peer that pushed (taken when the client names none)."""
+
+    def admits(self, sender: str) -> bool:
+        """Whether a push from ``sender`` may enter the session (the first one pins an unnamed route)."""
+        if self.pusher is not NOT_NAMED:
+            return bool(self.pusher) and sender == self.pusher
+        if self.first_pusher is None:
+            self.first_pusher = sender
+        return sender == self.first_pusher
 
 
 def describe_call(context: P2PContext, blocks: Sequence[ServedBlock] | None = None) -> str:
@@ -75,27 +107,36 @@ class Sessions:
                  settings: HandlerSettings, stats: Counter[str]) -> None:
         self.blocks, self.budget, self.compute, self.settings, self.stats = blocks, budget, compute, settings, stats
         self.p2p: P2P | None = None
-        self._queues: dict[str, PushQueue] = {}
+        self._routes: dict[str, _Route] = {}
+        self._held: Counter[str] = Counter()  # cache bytes reserved (or waited for) by each peer's sessions
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ registry
 
     def __contains__(self, session_id: object) -> bool:
-        return session_id in self._queues
+        return session_id in self._routes
 
     def __len__(self) -> int:
-        return len(self._queues)
+        return len(self._routes)
 
     def register(self, session_id: str, pushes: PushQueue) -> None:
         """Make ``session_id`` route to ``pushes``; `RequestError` if an open session has that id."""
-        if session_id in self._queues:
+        if session_id in self._routes:
             raise RequestError(f"session id {session_id[:64]!r} is already in use")
-        self._queues[session_id] = pushes
+        self._routes[session_id] = _Route(pushes)
 
     def unregister(self, session_id: str, pushes: PushQueue) -> None:
         """Forget ``session_id`` if it still routes to ``pushes``."""
-        if self._queues.get(session_id) is pushes:
-            del self._queues[session_id]
+        route = self._routes.get(session_id)
+        if route is not None and route.queue is pushes:
+            del self._routes[session_id]
+
+    def name_pusher(self, session_id: str | None, pushes: PushQueue, metadata: dict[str, Any]) -> None:
+        """Take the pusher a session's own client names in ``metadata`` (nothing if it names none)."""
+        named = named_pusher(metadata)
+        route = self._routes.get(session_id) if session_id is not None else None
+        if named is not NOT_NAMED and route is not None and route.queue is pushes:
+            route.pusher = named
 
     @contextlib.contextmanager
     def _registered(self, session_id: str | None, pushes: PushQueue) -> Iterator[None]:
@@ -108,23 +149,46 @@ class Sessions:
         finally:
             self.unregister(session_id, pushes)
 
+    @contextlib.contextmanager
+    def _peer_share(self, peer: str, nbytes: int) -> Iterator[None]:
+        """Count ``nbytes`` against ``peer``'s share of the budget; `RequestError` past it (at once: bytes
+        a session waits for count too, so a peer cannot queue more than its share either)."""
+        share = self.settings.max_peer_cache_share
+        cap = int(share * self.budget.total_bytes)
+        if share < 1 and nbytes and self._held[peer] + nbytes > cap:
+            raise RequestError(f"this peer's sessions hold {self._held[peer]} bytes of KV cache; with {nbytes} "
+                               f"more they would pass its share of {cap} bytes "
+                               f"({self.settings.max_peer_cache_share:.0%} of the server's budget)")
+        self._held[peer] += nbytes
+        try:
+            yield
+        finally:
+            self._held[peer] -= nbytes
+            if self._held[peer] <= 0:
+                del self._held[peer]
+
     # ------------------------------------------------------------------ push routing
 
     def route_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
-        """Queue a previous server's outputs for one of this server's sessions (ignored if unknown)."""
+        """Queue a previous server's outputs for one of this server's sessions (ignored if unknown);
+        `RequestError` for a push from a peer the session does not take pushes from."""
         served_chain(self.blocks, request.uid)
         try:
             metadata = loads_metadata(request.metadata)
         except ProtocolError as exc:
             raise RequestError(str(exc)) from None
         session_id = metadata.get(KEY_SESSION_ID)
-        queue = self._queues.get(session_id) if isinstance(session_id, str) else None
-        if queue is None:
+        route = self._routes.get(session_id) if isinstance(session_id, str) else None
+        if route is None:
             logger.debug("rpc_push(%s): unknown session, ignored", describe_call(context))
-        elif queue.full():
+        elif not route.admits(str(context.remote_id)):
+            self.stats["refused_pushes"] += 1
+            raise RequestError("rpc_push: this session takes pushes from another peer only (the previous server "
+                               "of its client's chain)")
+        elif route.queue.full():
             logger.warning("rpc_push(%s): session push queue full, dropped", describe_call(context))
         else:
-            queue.put_nowait(request)
+            route.queue.put_nowait(request)
             self.stats["pushes_received"] += 1
 
     # ------------------------------------------------------------------ one session
@@ -145,35 +209,51 @@ class Sessions:
                 blocks = opened.blocks
                 # no await between the check of the session id and its registration
                 with self._registered(opened.session_id, pushes):
+                    self.name_pusher(opened.session_id, pushes, opened.metadata)
                     logger.info("rpc_inference.open(%s)", describe_call(context, blocks))
-                    step = Step(first, s.hidden_size, s.dtype, None) if first.tensors else None
+                    budget = self._step_budget(blocks, None, opened.max_length)
+                    step = Step(first, s.hidden_size, s.dtype, None, budget) if first.tensors else None
                     batch = step.batch if step is not None else 1
                     cache = SessionCache(blocks, batch, opened.max_length)
                     alloc_timeout = metadata_number(opened.metadata, KEY_ALLOC_TIMEOUT, 0.0)
                     what = f"a session of {batch} x {opened.max_length} tokens over {len(blocks)} blocks"
-                    async with self.budget.reserve(SessionCache.nbytes(blocks, batch, opened.max_length),
-                                                   alloc_timeout, what):
-                        self.stats["sessions"] += 1
-                        try:
-                            await self.compute.run(cache.allocate)
-                            async for reply in self._steps(cache, first, step, inputs):
-                                yield reply
-                        finally:
-                            cache.release()
+                    nbytes = SessionCache.nbytes(blocks, batch, opened.max_length)
+                    with self._peer_share(str(context.remote_id), nbytes):
+                        async with self.budget.reserve(nbytes, alloc_timeout, what):
+                            self.stats["sessions"] += 1
+                            try:
+                                await self.compute.run(cache.allocate)
+                                async for reply in self._steps(cache, first, step, inputs, opened.session_id):
+                                    yield reply
+                            finally:
+                                cache.release()
         except TimeoutError:
             raise RequestError(f"inference session exceeded session_timeout={s.session_timeout:g} s") from None
         finally:
             inputs.cancel()
             logger.info("rpc_inference.close(%s)", describe_call(context, blocks))
 
+    def _step_budget(self, blocks: Sequence[ServedBlock], batch: int | None, max_length: int) -> WireBudget:
+        """What one step of a session may carry: ``batch`` (else as many rows as the cache budget holds)
+        x ``max_length`` positions of hidden states, deep prompts for each block, ``hypo_ids``."""
+        if batch is None:
+            per_row = SessionCache.nbytes(blocks, 1, max_length)
+            batch = max(1, self.budget.total_bytes // per_row) if per_row else 1
+        tokens = batch * max_length
+        return WireBudget(max_numel=tokens * self.settings.hidden_size * (1 + len(blocks)) + batch,
+                          max_tokens=tokens, what="inference step")
+
     async def _steps(self, cache: SessionCache, first: runtime_pb2.ExpertRequest, step: Step | None,
-                     inputs: SessionInputs) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+                     inputs: SessionInputs, session_id: str | None) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         s = self.settings
         processed = StepIds()
+        budget = self._step_budget(cache.blocks, cache.batch, cache.max_length)
         request: runtime_pb2.ExpertRequest | None = first
         while request is not None and request.tensors:
             try:
-                step = step or Step(request, s.hidden_size, s.dtype, cache.batch)
+                step = step or Step(request, s.hidden_size, s.dtype, cache.batch, budget)
+                if not inputs.last_pushed:
+                    self.name_pusher(session_id, inputs.pushes, step.metadata)
                 if step.pushed and request.uid != first.uid:
                     raise RequestError(f"pushed blocks {request.uid[:80]!r} are not this session's "
                                        f"{first.uid[:80]!r}")

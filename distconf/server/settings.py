@@ -14,7 +14,13 @@ class HandlerSettings:
                  request_timeout: float = 180.0, session_timeout: float = 1800.0, step_timeout: float = 300.0,
                  max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False,
                  weights_sha256: str | None = None, block_sha256: list[str] | None = None,
-                 weights_form: str | None = None) -> None:
+                 weights_form: str | None = None, max_forward_tokens: int | None = None,
+                 max_peer_cache_share: float = 1.0) -> None:
+        """``max_forward_tokens``: batch x length of one forward/backward request (None: ``inference_max_length``,
+        as Petals' ``max_batch_size``); ``max_peer_cache_share``: the fraction of the cache budget the sessions
+        of one peer may hold together (1: no limit)."""
+        if not 0 < max_peer_cache_share <= 1:
+            raise ValueError(f"max_peer_cache_share must be in (0, 1], got {max_peer_cache_share}")
         self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
         self.inference_max_length = inference_max_length
         self.request_timeout, self.session_timeout, self.step_timeout = request_timeout, session_timeout, step_timeout
@@ -23,3 +29,5 @@ class HandlerSettings:
         self.weights_sha256 = weights_sha256  # the served weights' digest at load (``--verify-weights``)
         self.block_sha256 = block_sha256  # per served block, first block first (``integrity.block_digests``)
         self.weights_form = weights_form  # dtype (+ quantization) the digests are for (``integrity.weights_form``)
+        self.max_forward_tokens = max_forward_tokens or inference_max_length
+        self.max_peer_cache_share = float(max_peer_cache_share)

@@ -6,6 +6,7 @@ A bad request gets its error and nothing else changes on the server.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,8 +25,18 @@ from distconf.rpc.protocol import (
 )
 from distconf.server.compute import ServedBlock
 
-__all__ = ["RequestError", "check_adapter", "check_hidden", "check_hypo_ids", "check_prompts", "metadata_int",
-           "metadata_number", "next_servers", "served_chain", "unpack_tensors"]
+__all__ = ["MAX_ID_CHARS", "MAX_NEXT_SERVERS", "MAX_PEER_ID_CHARS", "RequestError", "check_adapter", "check_hidden",
+           "check_hypo_ids", "check_id", "check_peer_id", "check_prompts", "metadata_int", "metadata_number",
+           "next_servers", "served_chain", "unpack_tensors"]
+
+MAX_PEER_ID_CHARS = 128
+"""Longest base58 peer id accepted (an Ed25519 id has 52 characters, an RSA one 46): decoding base58
+costs the square of its length, so a longer one is refused before it is decoded."""
+MAX_ID_CHARS = 256
+"""Longest session id or step id accepted (Petals sends 36-character uuids)."""
+MAX_NEXT_SERVERS = 256
+"""Most entries of ``next_servers`` (one per later span of the caller's chain)."""
+_BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]+")
 
 
 class RequestError(ValueError):
@@ -143,11 +154,31 @@ def metadata_number(metadata: dict[str, Any], key: str, default: float) -> float
     return float(value)
 
 
+def check_peer_id(value: Any, what: str) -> str:
+    """A base58 peer id of at most `MAX_PEER_ID_CHARS` characters (checked before anything decodes it)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PEER_ID_CHARS or not _BASE58.fullmatch(value):
+        shown = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise RequestError(f"{what} must be a base58 peer id of at most {MAX_PEER_ID_CHARS} characters, got {shown}")
+    return value
+
+
+def check_id(value: Any, key: str, types: tuple[type, ...] = (str,)) -> Any:
+    """A session or step id: None, or a value of ``types`` of at most `MAX_ID_CHARS` characters (bytes)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise RequestError(f"metadata {key!r} must be a string, got {type(value).__name__}")
+    if isinstance(value, (str, bytes)) and len(value) > MAX_ID_CHARS:
+        raise RequestError(f"metadata {key!r} has {len(value)} characters; at most {MAX_ID_CHARS} are accepted")
+    return value
+
+
 def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
-    """Validate ``next_servers``: a list of ``(peer_id_base58, session_id, start, end)``."""
+    """Validate ``next_servers``: a list of ``(peer_id_base58, session_id, start, end)`` (peer ids checked
+    with `check_peer_id`, session ids with `check_id`)."""
     if value is None:
         return []
-    if not isinstance(value, (list, tuple)) or len(value) > 1024:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_NEXT_SERVERS:
         raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} must be a list of (peer_id, session_id, start, end)")
     out = []
     for item in value:
@@ -160,6 +191,8 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
         if not ok:
             raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} entry {str(item)[:120]} is not (peer_id, session_id, "
                                "start, end)")
+        check_peer_id(peer, f"metadata {KEY_NEXT_SERVERS!r} peer")
+        check_id(session, f"{KEY_NEXT_SERVERS} session_id")
         out.append((peer, session, start, end))
     return out
 

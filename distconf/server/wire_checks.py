@@ -1,0 +1,87 @@
+"""Checks on serialized tensors made from their headers, before anything is decoded or allocated.
+
+A tensor on the wire (``runtime_pb2.Tensor``) says its shape, dtype and compression next to
+its buffer. `check_headers` refuses, from these alone, a dtype the blocks do not take, a
+buffer whose length does not match ``shape x itemsize``, and requests larger than what the
+caller may ask for (`WireBudget`: tokens per forward/backward, elements per inference step),
+so a hostile header costs the server nothing beyond the bytes it already read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hivemind.proto import runtime_pb2
+
+from distconf.server.validation import RequestError
+
+__all__ = ["ACCEPTED_DTYPES", "WireBudget", "check_headers", "header_numel"]
+
+ACCEPTED_DTYPES = {"float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int64": 8}
+"""Dtype names a request's tensors may have, with their bytes per element on the wire without compression
+(hivemind sends bfloat16 as float32). Hidden states and prompts are floating; ``hypo_ids`` are int64."""
+_NONE = runtime_pb2.CompressionType.NONE
+_COMPRESSED_SLACK = 4096
+"""Bytes a compressed tensor may carry beyond 4 per element (quantile and blockwise codes keep tables)."""
+_MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class WireBudget:
+    """What one request may carry: ``max_tokens`` rows x positions per 3-d tensor (None: unbounded)
+    and ``max_numel`` elements in all (the hidden size times the tokens it may cover)."""
+
+    max_numel: int
+    max_tokens: int | None = None
+    what: str = "request"
+
+
+def header_numel(tensor: runtime_pb2.Tensor) -> int:
+    """Elements of a serialized tensor from its header (`RequestError` for a malformed shape)."""
+    size = tuple(tensor.size)
+    if len(size) > _MAX_DIMS or any(d < 0 for d in size):
+        raise RequestError(f"a tensor has shape {list(size)[:_MAX_DIMS + 1]}: at most {_MAX_DIMS} dimensions >= 0")
+    return math.prod(size)
+
+
+def _check_one(tensor: runtime_pb2.Tensor, numel: int) -> None:
+    itemsize = ACCEPTED_DTYPES.get(tensor.dtype)
+    if itemsize is None:
+        raise RequestError(f"a tensor has dtype {tensor.dtype[:40]!r}; this server takes "
+                           f"{', '.join(ACCEPTED_DTYPES)}")
+    length = len(tensor.buffer)
+    if tensor.compression == _NONE:
+        if length != numel * itemsize:
+            raise RequestError(f"a {tensor.dtype} tensor of shape {list(tensor.size)} needs {numel * itemsize} "
+                               f"bytes, its buffer has {length}")
+    elif tensor.compression not in runtime_pb2.CompressionType.values():
+        raise RequestError(f"unknown compression {tensor.compression}")
+    elif length > 4 * numel + _COMPRESSED_SLACK:
+        raise RequestError(f"a compressed tensor of shape {list(tensor.size)} has {length} bytes, more than it "
+                           "can need")
+
+
+def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, whole: bool = True) -> int:
+    """Check serialized tensors against ``budget`` from their headers; return their elements in all.
+
+    ``whole=False`` for the first parts of streamed tensors: their buffers are a part of the
+    tensor, so only the shape and dtype are checked here (the stream's bytes are bounded apart).
+    """
+    total = 0
+    for tensor in tensors:
+        numel = header_numel(tensor)
+        size = tuple(tensor.size)
+        if budget.max_tokens is not None and len(size) == 3 and size[0] * size[1] > budget.max_tokens:
+            raise RequestError(f"{budget.what} of {size[0]} x {size[1]} tokens exceeds the {budget.max_tokens} "
+                               "tokens (batch x length) it may carry on this server")
+        total += numel
+        if total > budget.max_numel:
+            raise RequestError(f"{budget.what} carries more than {budget.max_numel} tensor elements, the most it "
+                               "may need")
+        if whole:
+            _check_one(tensor, numel)
+        elif tensor.dtype not in ACCEPTED_DTYPES:
+            _check_one(tensor, numel)  # raises for the dtype
+    return total

@@ -1,0 +1,380 @@
+"""Hostile callers against the server's runtime (issue 22, server side: stalls, amplification, sharing, hijacking).
+
+The first part drives a real `BlockHandler` in-process (real tiny blocks, real sessions,
+real compute thread): every case is refused for its caller only, from the headers and
+lengths it announces, before anything large is decoded, with one error and no traceback;
+the honest session next to it gives the same outputs and the budget is full afterwards.
+The second part (``swarm``) rebuilds the issue's attacks against a real ``distconf serve``
+process through `hostile_client` and checks the victim as the attack run did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from handlerhelpers import PREFIX, Caller, make_handler, output, step, tiny_served
+from hivemind.proto import runtime_pb2
+
+from distconf.rpc import chain_uid, inference_step_request
+from distconf.rpc.protocol import (
+    KEY_MAX_LENGTH,
+    KEY_NEXT_SERVERS,
+    KEY_PUSH_FROM,
+    KEY_PUSHED,
+    KEY_SESSION_ID,
+    KEY_STEP_ID,
+    ProtocolError,
+    loads_metadata,
+    make_request,
+    pack_args_kwargs,
+    serialize_tensors,
+    stream_parts,
+)
+from distconf.server.compute import ServedBlock, SessionCache, forward_chain
+from distconf.server.inference import MAX_REMEMBERED_STEPS, StepIds
+from distconf.server.validation import MAX_ID_CHARS, MAX_PEER_ID_CHARS, RequestError
+
+H = 64
+UPSTREAM, THIEF, CLIENT, OTHER = "QmUpstreamServer", "QmThiefPeer", "QmHonestClient", "QmOtherClient"
+
+
+def peer(name: str) -> Any:
+    """A caller's context as the handler sees it."""
+    return SimpleNamespace(remote_id=name)
+
+
+@pytest.fixture(scope="module")
+def served() -> list[ServedBlock]:
+    return tiny_served(2, H)
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+def hidden_of(length: int, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randn(batch, length, H, generator=torch.Generator().manual_seed(seed))
+
+
+def forward_request(hidden: torch.Tensor, num_blocks: int = 2) -> runtime_pb2.ExpertRequest:
+    flat, structure = pack_args_kwargs(hidden, torch.empty(0))
+    return make_request(chain_uid(PREFIX, 0, num_blocks), serialize_tensors(flat), {"args_structure": structure})
+
+
+def forged(request: runtime_pb2.ExpertRequest, index: int = 0, **header: Any) -> runtime_pb2.ExpertRequest:
+    """``request`` with tensor ``index``'s header fields replaced (``size``, ``dtype``, ``buffer``)."""
+    tensor = request.tensors[index]
+    if "size" in header:
+        del tensor.size[:]
+        tensor.size.extend(header.pop("size"))
+    for key, value in header.items():
+        setattr(tensor, key, value)
+    return request
+
+
+def run(coro: Any, timeout: float = 60) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def honest_session(handler: Any, served: list[ServedBlock]) -> None:
+    """An honest 2-step session next to the attack: the same outputs as the blocks computed locally."""
+    caller = Caller(handler, peer(OTHER))
+    x = hidden_of(3, seed=5)
+    first = await asyncio.wait_for(caller.send(step(x[:, :2], **{KEY_MAX_LENGTH: 8, KEY_STEP_ID: "h1"})), 20)
+    second = await asyncio.wait_for(caller.send(step(x[:, 2:], **{KEY_STEP_ID: "h2"})), 20)
+    reference = forward_chain(served, x, [None, None])
+    assert torch.allclose(torch.cat([output(first), output(second)], dim=1), reference, atol=1e-5)
+    await caller.close()
+
+
+# ------------------------------------------------------------------ stalls
+
+
+@pytest.mark.parametrize("peer_id", ["1" * 80_000, "12D3KooW" + "0OIl" * 4, ""])
+def test_a_huge_or_foreign_peer_id_in_next_servers_is_refused_before_it_is_decoded(
+        served: list[ServedBlock], executor: ThreadPoolExecutor, peer_id: str) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 8))
+        caller = Caller(handler, peer(CLIENT))
+        await asyncio.wait_for(caller.send(step(hidden_of(1), **{KEY_MAX_LENGTH: 8})), 20)
+        bad = step(hidden_of(1), **{KEY_NEXT_SERVERS: [[peer_id, "s", 2, 4]]})
+        with pytest.raises(RequestError, match=f"base58 peer id of at most {MAX_PEER_ID_CHARS} characters"):
+            await asyncio.wait_for(caller.send(bad), 20)
+        assert handler.stats["pushes_sent"] == 0
+        await honest_session(handler, served)
+        assert handler.budget.bytes_left == handler.budget.total_bytes
+
+    run(scenario())
+
+
+def test_a_forward_over_the_token_cap_is_refused_from_its_header(served: list[ServedBlock],
+                                                                  executor: ThreadPoolExecutor) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, SessionCache.nbytes(served, 1, 8), max_forward_tokens=16)
+        ok = await handler.rpc_forward(forward_request(hidden_of(16)), peer(CLIENT))
+        assert len(ok.tensors) == 1
+        with pytest.raises(RequestError, match="1 x 17 tokens exceeds the 16 tokens"):
+            await handler.rpc_forward(forward_request(hidden_of(17)), peer(CLIENT))
+        # a header announcing 55,000 tokens with no buffer: refused for its size, nothing decoded
+        huge = forged(forward_request(hidden_of(1)), size=[1, 55_000, H], buffer=b"")
+        with pytest.raises(RequestError, match="1 x 55000 tokens exceeds"):
+            await handler.rpc_forward(huge, peer(CLIENT))
+        with pytest.raises(RequestError, match="2 x 9 tokens exceeds"):
+            await handler.rpc_backward(forward_request(hidden_of(9, batch=2)), peer(CLIENT))
+        # the stream form: refused at the first part's header
+        (big,) = serialize_tensors([hidden_of(40)])
+        parts = stream_parts(chain_uid(PREFIX, 0, 2), [big], chunk_size=1024)
+
+        async def requests() -> Any:
+            for part in parts:
+                yield part
+
+        with pytest.raises(RequestError, match="1 x 40 tokens exceeds"):
+            async for _ in handler.rpc_forward_stream(requests(), peer(CLIENT)):
+                pass
+        assert handler.stats["forward"] == 1 and handler.compute.stats["training"] == 1
+
+    run(scenario())
+
+
+def test_a_forward_past_its_deadline_is_refused_in_one_line_and_never_computed(
+        served: list[ServedBlock], executor: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, SessionCache.nbytes(served, 1, 8), request_timeout=0.2)
+        started, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            started.set()
+            release.wait(30)
+
+        busy = asyncio.ensure_future(handler.compute.run(hold))  # the compute thread is taken
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        try:
+            with pytest.raises(RequestError, match=r"rpc_forward exceeded request_timeout=0\.2 s"):
+                await handler.rpc_forward(forward_request(hidden_of(4)), peer(CLIENT))
+        finally:
+            release.set()
+        await busy
+        ok = await handler.rpc_forward(forward_request(hidden_of(2)), peer(OTHER))
+        assert len(ok.tensors) == 1
+        assert handler.compute.stats["training"] == 1  # the timed-out forward was dropped before it started
+
+    run(scenario())
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+# ------------------------------------------------------------------ memory and log amplification
+
+
+def test_a_long_step_id_is_refused_and_step_ids_are_kept_as_digests(served: list[ServedBlock],
+                                                                    executor: ThreadPoolExecutor) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, SessionCache.nbytes(served, 1, 8))
+        caller = Caller(handler, peer(CLIENT))
+        await asyncio.wait_for(caller.send(step(hidden_of(1), **{KEY_MAX_LENGTH: 8})), 20)
+        with pytest.raises(RequestError, match=f"at most {MAX_ID_CHARS} are accepted"):
+            await asyncio.wait_for(caller.send(step(hidden_of(0), **{KEY_STEP_ID: "x" * 2**20})), 20)
+        await honest_session(handler, served)
+        assert handler.budget.bytes_left == handler.budget.total_bytes
+
+    run(scenario())
+    ids = StepIds()
+    for i in range(3 * MAX_REMEMBERED_STEPS):
+        ids.add(f"{i:0{MAX_ID_CHARS}d}")
+    assert len(ids._seen) == MAX_REMEMBERED_STEPS and all(len(k) == 16 for k in ids._seen)
+    assert f"{3 * MAX_REMEMBERED_STEPS - 1:0{MAX_ID_CHARS}d}" in ids and f"{0:0{MAX_ID_CHARS}d}" not in ids
+    assert "1" not in ids and b"1" not in ids and 1 not in ids
+    ids.add(b"1")
+    assert b"1" in ids and "1" not in ids and 1 not in ids
+
+
+def test_unknown_msgpack_ext_values_are_one_refusal_not_a_warning_each(
+        served: list[ServedBlock], executor: ThreadPoolExecutor, caplog: pytest.LogCaptureFixture) -> None:
+    raw = msgpack.packb({"args_structure": [msgpack.ExtType(99, b"x")] * 100_000}, use_bin_type=True)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ProtocolError, match="100000 msgpack ext values of unknown types"):
+            loads_metadata(raw)
+        request = forward_request(hidden_of(2))
+        request.metadata = raw
+
+        async def scenario() -> None:
+            handler = make_handler(served, executor, SessionCache.nbytes(served, 1, 8))
+            with pytest.raises(RequestError, match="unknown types"):
+                await handler.rpc_forward(request, peer(CLIENT))
+            await honest_session(handler, served)
+
+        run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_inference_step_larger_than_its_session_is_refused_before_decoding(
+        served: list[ServedBlock], executor: ThreadPoolExecutor) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 8))
+        # a first message announcing 64 MiB of hidden states for a session of max length 8
+        caller = Caller(handler, peer(CLIENT))
+        opening = forged(step(hidden_of(1), **{KEY_MAX_LENGTH: 8}), size=[1, 262_144, H], buffer=b"")
+        with pytest.raises(RequestError, match="inference step of 1 x 262144 tokens exceeds"):
+            await asyncio.wait_for(caller.send(opening), 20)
+        # a later step of an open session
+        caller = Caller(handler, peer(CLIENT))
+        await asyncio.wait_for(caller.send(step(hidden_of(2), **{KEY_MAX_LENGTH: 8})), 20)
+        with pytest.raises(RequestError, match="inference step of 1 x 9 tokens exceeds the 8 tokens"):
+            await asyncio.wait_for(caller.send(step(hidden_of(9))), 20)
+        await honest_session(handler, served)
+        assert handler.budget.bytes_left == handler.budget.total_bytes
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("header", "match"), [
+    ({"dtype": "complex128"}, "dtype 'complex128'"),
+    ({"dtype": "float16"}, "needs 512 bytes, its buffer has 1024"),
+    ({"buffer": b"\0" * (16 * 2**20)}, "needs 1024 bytes, its buffer has 16777216"),
+    ({"size": [1, 4, H, 1, 1, 1, 1, 1, 1]}, "at most 8 dimensions"),
+])
+def test_dtypes_and_buffer_sizes_are_checked_from_the_header(served: list[ServedBlock],
+                                                             executor: ThreadPoolExecutor,
+                                                             header: dict[str, Any], match: str) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 8))
+        with pytest.raises(RequestError, match=match):
+            await handler.rpc_forward(forged(forward_request(hidden_of(4)), **header), peer(CLIENT))
+        caller = Caller(handler, peer(CLIENT))
+        with pytest.raises(RequestError, match=match):
+            await asyncio.wait_for(caller.send(forged(step(hidden_of(4), **{KEY_MAX_LENGTH: 8}), **header)), 20)
+        await honest_session(handler, served)
+        assert handler.budget.bytes_left == handler.budget.total_bytes
+
+    run(scenario())
+
+
+# ------------------------------------------------------------------ sharing and hijacking
+
+
+def test_one_peer_holds_at_most_its_share_of_the_cache(served: list[ServedBlock],
+                                                        executor: ThreadPoolExecutor) -> None:
+    unit = SessionCache.nbytes(served, 1, 8)
+
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * unit, max_peer_cache_share=0.5)
+        hog = [Caller(handler, peer(THIEF)) for _ in range(2)]
+        for caller in hog:
+            await asyncio.wait_for(caller.send(step(hidden_of(1), **{KEY_MAX_LENGTH: 8})), 20)
+        third = Caller(handler, peer(THIEF))
+        with pytest.raises(RequestError, match=r"pass its share of \d+ bytes \(50% of the server's budget\)"):
+            await asyncio.wait_for(third.send(step(hidden_of(1), **{KEY_MAX_LENGTH: 8})), 20)
+        for _ in range(3):  # the hog keeps its sessions alive with empty steps: others are still served
+            for caller in hog:
+                await asyncio.wait_for(caller.send(step(hidden_of(0))), 20)
+        await honest_session(handler, served)
+        assert handler.budget.bytes_left == 2 * unit
+        for caller in hog:
+            await caller.close()
+        assert handler.budget.bytes_left == 4 * unit and not handler.sessions._held
+
+    run(scenario())
+
+
+def _push(x: torch.Tensor, step_id: str, session_id: str = "victim") -> runtime_pb2.ExpertRequest:
+    return step(x, **{KEY_SESSION_ID: session_id, KEY_PUSHED: True, KEY_STEP_ID: step_id})
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_pushes_are_taken_from_the_named_or_first_upstream_only(served: list[ServedBlock],
+                                                                executor: ThreadPoolExecutor, named: bool) -> None:
+    """A third peer that learned the session id cannot push a step into it; the honest outputs stay."""
+
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 16))
+        x = hidden_of(4, seed=3)
+        caller = Caller(handler, peer(CLIENT))
+        opening = {KEY_MAX_LENGTH: 16, KEY_SESSION_ID: "victim", KEY_STEP_ID: "s1",
+                   **({KEY_PUSH_FROM: UPSTREAM} if named else {})}
+        first = await asyncio.wait_for(caller.send(step(x[:, :2], **opening)), 20)
+        if not named:  # a client naming no upstream (Petals 2.x): the first pusher is the upstream
+            await handler.rpc_push(_push(x[:, 2:3], "s2"), peer(UPSTREAM))
+            pushed = await asyncio.wait_for(caller.replies.__anext__(), 20)
+            caller.messages.put_nowait(step(x[:, 2:3], **{KEY_STEP_ID: "s2"}))  # its own copy: a duplicate
+        with pytest.raises(RequestError, match="takes pushes from another peer only"):
+            await handler.rpc_push(_push(hidden_of(1, seed=9), "evil"), peer(THIEF))
+        assert handler.stats["refused_pushes"] == 1
+        if named:
+            await handler.rpc_push(_push(x[:, 2:3], "s2"), peer(UPSTREAM))
+            pushed = await asyncio.wait_for(caller.replies.__anext__(), 20)
+            caller.messages.put_nowait(step(x[:, 2:3], **{KEY_STEP_ID: "s2"}))
+        last = await asyncio.wait_for(caller.send(step(x[:, 3:], **{KEY_STEP_ID: "s3"})), 20)
+        got = torch.cat([output(first), output(pushed), output(last)], dim=1)
+        assert torch.allclose(got, forward_chain(served, x, [None, None]), atol=1e-5)
+        assert handler.stats["pushed_steps"] == 1 and handler.stats["duplicate_steps"] == 1
+        await caller.close()
+        assert handler.budget.bytes_left == handler.budget.total_bytes
+
+    run(scenario())
+
+
+def test_a_client_naming_no_pusher_takes_no_push(served: list[ServedBlock], executor: ThreadPoolExecutor) -> None:
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 16))
+        caller = Caller(handler, peer(CLIENT))
+        await asyncio.wait_for(caller.send(step(hidden_of(2), **{KEY_MAX_LENGTH: 16, KEY_SESSION_ID: "victim",
+                                                                 KEY_PUSH_FROM: ""})), 20)
+        for sender in (UPSTREAM, THIEF):
+            with pytest.raises(RequestError, match="takes pushes from another peer only"):
+                await handler.rpc_push(_push(hidden_of(1), f"from-{sender}"), peer(sender))
+        # the client names its upstream later (its chain changed): that peer's pushes are taken from then on
+        await asyncio.wait_for(caller.send(step(hidden_of(1), **{KEY_PUSH_FROM: UPSTREAM})), 20)
+        await handler.rpc_push(_push(hidden_of(1), "p1"), peer(UPSTREAM))
+        assert handler.stats["pushes_received"] == 1
+        await asyncio.wait_for(caller.replies.__anext__(), 20)
+        with pytest.raises(RequestError, match="base58 peer id"):
+            await asyncio.wait_for(caller.send(step(hidden_of(1), **{KEY_PUSH_FROM: "x" * 200})), 20)
+
+    run(scenario())
+
+
+def test_a_pushed_message_cannot_rename_the_pusher(served: list[ServedBlock], executor: ThreadPoolExecutor) -> None:
+    """``push_from`` counts from the session's own client only: a push carries its upstream's metadata."""
+
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 1, 16))
+        caller = Caller(handler, peer(CLIENT))
+        await asyncio.wait_for(caller.send(step(hidden_of(2), **{KEY_MAX_LENGTH: 16, KEY_SESSION_ID: "victim",
+                                                                 KEY_PUSH_FROM: UPSTREAM})), 20)
+        renaming = step(hidden_of(1), **{KEY_SESSION_ID: "victim", KEY_PUSHED: True, KEY_PUSH_FROM: THIEF})
+        await handler.rpc_push(renaming, peer(UPSTREAM))
+        await asyncio.wait_for(caller.replies.__anext__(), 20)
+        with pytest.raises(RequestError, match="takes pushes from another peer only"):
+            await handler.rpc_push(_push(hidden_of(1), "evil"), peer(THIEF))
+
+    run(scenario())
+
+
+def test_inference_step_request_still_fits_the_budget_of_a_full_session(served: list[ServedBlock],
+                                                                       executor: ThreadPoolExecutor) -> None:
+    """The step caps leave room for what an honest client sends: a prefill of max_length, batch 2, prompts."""
+
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 4 * SessionCache.nbytes(served, 2, 8))
+        caller = Caller(handler, peer(CLIENT))
+        prompts = torch.randn(2, 2, 8, H, generator=torch.Generator().manual_seed(2))
+        x = hidden_of(8, batch=2)
+        request = inference_step_request(chain_uid(PREFIX, 0, 2), x, prompts, metadata={KEY_MAX_LENGTH: 8})
+        reply = await asyncio.wait_for(caller.send(request), 20)
+        assert output(reply).shape == (2, 8, H)
+        await caller.close()
+
+    run(scenario())
