@@ -378,3 +378,220 @@ def test_inference_step_request_still_fits_the_budget_of_a_full_session(served: 
         await caller.close()
 
     run(scenario())
+
+
+# ------------------------------------------------------------------ against a real `distconf serve` (swarm)
+
+CACHE_TOKENS = 512  # per block; the victim serves 2 blocks
+MAX_LENGTH = 64
+SERVE_FLAGS = ("--step-timeout", "4", "--request-timeout", "6", "--attn-cache-tokens", str(CACHE_TOKENS),
+               "--inference-max-length", str(MAX_LENGTH), "--max-alloc-timeout", "2", "--balance-quality", "0")
+
+
+class Swarm:
+    """A victim ``distconf serve`` (tiny model, blocks 0:2) and three peers: its honest client, an honest
+    upstream server stand-in and a thief, each with a DHT node (a peer id) of its own."""
+
+    def __init__(self, root: Any) -> None:
+        from client_swarm import make_model_dir, start_server
+        from hostile_client import HostileClient, Victim
+
+        from distconf.dht import start_local_dht, visible_maddrs
+
+        self.nodes = [start_local_dht()]
+        peers = visible_maddrs(self.nodes[0])
+        self.nodes += [start_local_dht(peers) for _ in range(2)]
+        model_dir, _ = make_model_dir(root / "model", "llama", layers=2)
+        self.server = start_server(model_dir, peers, "0:2", root / "victim.log", *SERVE_FLAGS)
+        record = self.server.wait_ready(time_limit())
+        self.client, self.upstream, self.thief = (HostileClient(node) for node in self.nodes)
+        self.prefix = record["dht_prefix"]
+        self.uid = chain_uid(self.prefix, 0, 2)
+        hidden = int(self.client.info(self.server.peer_id)["hidden_size"])
+        self.victim = Victim(self.server, self.client, self.uid, hidden)
+
+    def close(self) -> None:
+        for client in (self.client, self.upstream, self.thief):
+            client.shutdown()
+        code = self.server.stop()
+        for node in self.nodes:
+            node.shutdown()
+        assert code == 0, self.server.log_tail()
+
+    def check(self, mark: int, *, max_lines: int = 12) -> None:
+        """The victim after a case: alive, honest callers unaffected, budget full, no traceback, no flood."""
+        assert self.victim.unaffected() == []
+        log = self.victim.log_since(mark)
+        assert "Traceback" not in log, log[-3000:]
+        assert len(log.splitlines()) <= max_lines, log[-3000:]
+
+
+def time_limit(seconds: float = 180.0) -> float:
+    import time
+
+    return time.monotonic() + seconds
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = Swarm(tmp_path_factory.mktemp("hostile-runtime"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _step_message(swarm: Swarm, hidden: torch.Tensor, **metadata: Any) -> runtime_pb2.ExpertRequest:
+    return inference_step_request(swarm.uid, hidden, metadata=metadata)
+
+
+def _refused(outcome: tuple[str, Any], match: str) -> None:
+    kind, text = outcome
+    assert kind == "refused" and match in str(text), outcome
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("length", [80_000, 3 * 2**19])
+def test_swarm_a_huge_peer_id_is_refused_and_rpc_info_still_answers(swarm: Swarm, length: int) -> None:
+    v = swarm.victim
+    mark = v.log_mark()
+    session = _OpenSession(swarm, swarm.thief)
+    try:
+        session.step(v.hidden(1, 1), max_length=8, step_id="a")
+        with pytest.raises(Exception, match="base58 peer id of at most 128 characters"):
+            session.step(v.hidden(1, 2), step_id="b", next_servers=[["1" * length, "s", 2, 4]])
+    finally:
+        session.close()
+    assert swarm.thief.info(v.peer)["hidden_size"] == v.hidden_size
+    swarm.check(mark)
+
+
+@pytest.mark.swarm
+def test_swarm_a_55k_token_forward_is_refused_before_it_is_decoded(swarm: Swarm) -> None:
+    from distconf.rpc import call_forward
+
+    v = swarm.victim
+    mark, rss = v.log_mark(), v.rss_mib()
+    x = v.hidden(55_000, 4)
+    outcome = swarm.thief.outcome(call_forward(swarm.thief.loop.p2p, v.peer, swarm.uid, x, timeout=20), 20)
+    # refused at the first part's header: the caller, still sending, may see its stream reset instead
+    assert outcome[0] == "refused", outcome
+    swarm.check(mark)
+    cap = swarm.client.info(v.peer)["max_forward_tokens"]  # the default: Petals' max_batch_size for the model
+    assert cap in (2048, 8192) and f"1 x 55000 tokens exceeds the {cap} tokens" in v.log_since(mark)
+    print(f"RSS {rss:.0f} -> {v.rss_mib():.0f} MiB")  # a figure for the report, not asserted
+
+
+@pytest.mark.swarm
+def test_swarm_100k_unknown_ext_values_give_one_line(swarm: Swarm) -> None:
+    from hostile_client import raw_request
+
+    v = swarm.victim
+    mark = v.log_mark()
+    metadata = msgpack.packb({"junk": [msgpack.ExtType(99, b"")] * 100_000}, use_bin_type=True)
+    _refused(swarm.thief.forward(v.peer, raw_request(swarm.uid, [v.hidden(2, 5)], metadata)), "unknown types")
+    swarm.check(mark, max_lines=4)
+
+
+@pytest.mark.swarm
+def test_swarm_oversized_and_mistyped_steps_are_refused_before_decoding(swarm: Swarm) -> None:
+    v = swarm.victim
+    mark, rss = v.log_mark(), v.rss_mib()
+    big = forged(_step_message(swarm, v.hidden(1, 6), max_length=8), buffer=b"\0" * 2**26,
+                 size=[1, 2**26 // 4 // v.hidden_size, v.hidden_size])
+    _refused(swarm.thief.inference(v.peer, [big]), "tokens exceeds the 8 tokens")
+    complex_ = forged(_step_message(swarm, v.hidden(1, 7), max_length=8), dtype="complex128",
+                      buffer=b"\0" * 2**24, size=[1, 2**24 // 16 // v.hidden_size, v.hidden_size])
+    _refused(swarm.thief.inference(v.peer, [complex_]), "dtype 'complex128'")
+    long_id = _step_message(swarm, v.hidden(1, 8), max_length=8, step_id="x" * 2**20)
+    _refused(swarm.thief.inference(v.peer, [long_id]), "at most 256 are accepted")
+    swarm.check(mark)
+    print(f"RSS {rss:.0f} -> {v.rss_mib():.0f} MiB")  # a figure for the report, not asserted
+
+
+class _OpenSession:
+    """An inference stream kept open on the victim from one peer's loop."""
+
+    def __init__(self, swarm: Swarm, who: Any) -> None:
+        from distconf.rpc import InferenceStream
+
+        self.swarm, self.who = swarm, who
+        self.stream = who.run(InferenceStream.open(who.loop.p2p, swarm.server.peer_id, timeout=20))
+
+    def step(self, hidden: torch.Tensor, **metadata: Any) -> torch.Tensor:
+        from distconf.rpc import deserialize_tensors
+
+        reply = self.who.run(self.stream.step(_step_message(self.swarm, hidden, **metadata), timeout=20))
+        return deserialize_tensors(reply.tensors)[0]
+
+    def receive(self) -> torch.Tensor:
+        from distconf.rpc import deserialize_tensors
+
+        return deserialize_tensors(self.who.run(self.stream.receive(timeout=20)).tensors)[0]
+
+    def send(self, hidden: torch.Tensor, **metadata: Any) -> None:
+        self.who.run(self.stream.send(_step_message(self.swarm, hidden, **metadata)))
+
+    def close(self) -> None:
+        self.who.run(self.stream.close(timeout=5))
+
+
+@pytest.mark.swarm
+def test_swarm_a_peer_holding_its_share_does_not_lock_others_out(swarm: Swarm) -> None:
+    v = swarm.victim
+    mark = v.log_mark()
+    full = v.cache_tokens()
+    per_session = 2 * MAX_LENGTH  # cache tokens of one block a session of 2 blocks x MAX_LENGTH takes
+    allowed = (full // 2) // per_session  # the thief's half of the budget
+    hog = [_OpenSession(swarm, swarm.thief) for _ in range(allowed + 1)]
+    try:
+        for session in hog[:allowed]:
+            session.step(v.hidden(1, 9), max_length=MAX_LENGTH)
+        with pytest.raises(Exception, match="50% of the server's budget"):
+            hog[allowed].step(v.hidden(1, 9), max_length=MAX_LENGTH)
+        for _ in range(2):  # kept alive with empty steps, under the step timeout
+            for session in hog[:allowed]:
+                session.step(v.hidden(0, 9))
+        assert v.cache_tokens() == full - allowed * per_session >= full // 2
+        assert v.honest_outputs().keys() == v.reference.keys()  # an honest caller is still served
+    finally:
+        for session in hog[:allowed]:
+            session.close()
+    swarm.check(mark, max_lines=30)
+
+
+@pytest.mark.swarm
+def test_swarm_a_third_peer_cannot_push_into_a_session(swarm: Swarm) -> None:
+    from distconf.rpc.protocol import make_request
+
+    v = swarm.victim
+    x = v.hidden(4, 10)
+
+    def run_session(attack: bool) -> tuple[torch.Tensor, list[tuple[str, Any]]]:
+        session_id = f"victim-{attack}"
+        session = _OpenSession(swarm, swarm.client)
+        outcomes = []
+        try:
+            upstream = str(swarm.upstream.loop.p2p.peer_id)
+            first = session.step(x[:, :2], max_length=16, session_id=session_id, step_id="s1", push_from=upstream)
+            pushed = _step_message(swarm, x[:, 2:3], session_id=session_id, step_id="s2", pushed=True)
+            outcomes.append(swarm.upstream.push(v.peer, pushed))
+            second = session.receive()  # the pushed step's reply
+            session.send(x[:, 2:3], step_id="s2")  # the client's own copy: a duplicate, no reply
+            if attack:
+                evil = make_request(swarm.uid, serialize_tensors([v.hidden(1, 99)]),
+                                    {KEY_SESSION_ID: session_id, KEY_PUSHED: True, KEY_STEP_ID: "evil"})
+                outcomes.append(swarm.thief.push(v.peer, evil))
+            third = session.step(x[:, 3:], step_id="s3")
+        finally:
+            session.close()
+        return torch.cat([first, second, third], dim=1), outcomes
+
+    reference, outcomes = run_session(attack=False)
+    assert outcomes[0][0] == "ok"
+    mark = v.log_mark()
+    attacked, outcomes = run_session(attack=True)
+    assert outcomes[0][0] == "ok"
+    _refused(outcomes[1], "takes pushes from another peer only")
+    assert torch.equal(attacked, reference)
+    swarm.check(mark)

@@ -96,6 +96,14 @@ def describe_call(context: P2PContext, blocks: Sequence[ServedBlock] | None = No
     return f"blocks={span}, peer=...{str(context.remote_id)[-6:]}"
 
 
+def _header_batch(request: runtime_pb2.ExpertRequest) -> int | None:
+    """The batch size a session's first message announces (its first 3-d tensor's), before decoding."""
+    for tensor in request.tensors:
+        if len(tensor.size) == 3:
+            return max(1, int(tensor.size[0]))
+    return None
+
+
 class Sessions:
     """Open inference sessions of one server: registry, push queues, de-duplication by session id.
 
@@ -211,7 +219,7 @@ class Sessions:
                 with self._registered(opened.session_id, pushes):
                     self.name_pusher(opened.session_id, pushes, opened.metadata)
                     logger.info("rpc_inference.open(%s)", describe_call(context, blocks))
-                    budget = self._step_budget(blocks, None, opened.max_length)
+                    budget = self._step_budget(blocks, _header_batch(first), opened.max_length)
                     step = Step(first, s.hidden_size, s.dtype, None, budget) if first.tensors else None
                     batch = step.batch if step is not None else 1
                     cache = SessionCache(blocks, batch, opened.max_length)
@@ -234,11 +242,11 @@ class Sessions:
             logger.info("rpc_inference.close(%s)", describe_call(context, blocks))
 
     def _step_budget(self, blocks: Sequence[ServedBlock], batch: int | None, max_length: int) -> WireBudget:
-        """What one step of a session may carry: ``batch`` (else as many rows as the cache budget holds)
+        """What one step of a session may carry: ``batch`` (at most as many rows as the cache budget holds)
         x ``max_length`` positions of hidden states, deep prompts for each block, ``hypo_ids``."""
-        if batch is None:
-            per_row = SessionCache.nbytes(blocks, 1, max_length)
-            batch = max(1, self.budget.total_bytes // per_row) if per_row else 1
+        per_row = SessionCache.nbytes(blocks, 1, max_length)
+        fits = max(1, self.budget.total_bytes // per_row) if per_row else 1
+        batch = fits if batch is None or batch > fits else batch
         tokens = batch * max_length
         return WireBudget(max_numel=tokens * self.settings.hidden_size * (1 + len(blocks)) + batch,
                           max_tokens=tokens, what="inference step")

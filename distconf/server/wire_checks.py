@@ -46,11 +46,15 @@ def header_numel(tensor: runtime_pb2.Tensor) -> int:
     return math.prod(size)
 
 
-def _check_one(tensor: runtime_pb2.Tensor, numel: int) -> None:
+def _itemsize(tensor: runtime_pb2.Tensor) -> int:
     itemsize = ACCEPTED_DTYPES.get(tensor.dtype)
     if itemsize is None:
         raise RequestError(f"a tensor has dtype {tensor.dtype[:40]!r}; this server takes "
                            f"{', '.join(ACCEPTED_DTYPES)}")
+    return itemsize
+
+
+def _check_buffer(tensor: runtime_pb2.Tensor, numel: int, itemsize: int) -> None:
     length = len(tensor.buffer)
     if tensor.compression == _NONE:
         if length != numel * itemsize:
@@ -71,6 +75,7 @@ def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, 
     """
     total = 0
     for tensor in tensors:
+        itemsize = _itemsize(tensor)
         numel = header_numel(tensor)
         size = tuple(tensor.size)
         if budget.max_tokens is not None and len(size) == 3 and size[0] * size[1] > budget.max_tokens:
@@ -81,7 +86,5 @@ def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, 
             raise RequestError(f"{budget.what} carries more than {budget.max_numel} tensor elements, the most it "
                                "may need")
         if whole:
-            _check_one(tensor, numel)
-        elif tensor.dtype not in ACCEPTED_DTYPES:
-            _check_one(tensor, numel)  # raises for the dtype
+            _check_buffer(tensor, numel, itemsize)
     return total
