@@ -25,6 +25,11 @@ step of `distconf.server.batch_step`, ``rpc_forward`` and ``rpc_backward``):
   ``Sessions._run_step`` (the one place a session's step, batched or not, gets its output).
   Forward and backward are honest.
 
+- ``nan``, ``huge``, ``mistyped``: the replies of ``rpc_forward`` and of inference steps are,
+  respectively, NaN of the right shape; a tensor of ~48 MiB; the right shape with a float16
+  buffer whose dtype field says complex128. Patched: ``serialize_tensors`` as the handler and
+  the sessions call it (the one place a reply tensor is made).
+
 ``--throughput-boost F`` multiplies the announced throughput (a liar wants clients' traffic;
 routes prefer fast servers). Each lie is logged at WARNING as ``HOSTILE ...`` on the server's log.
 """
@@ -40,7 +45,8 @@ from typing import Any
 
 logger = logging.getLogger("hostile")
 
-MODES = ("noise", "identity", "stale")
+MODES = ("noise", "identity", "stale", "nan", "huge", "mistyped")
+REPLY_MODES = ("nan", "huge", "mistyped")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -137,6 +143,38 @@ def patch_stale(every: int) -> None:
     Sessions._run_step = run_step  # type: ignore[method-assign]
 
 
+def _bad_reply(mode: str, tensor: Any, dtype: Any) -> Any:
+    import torch
+    from hivemind.proto import runtime_pb2
+
+    from distconf.rpc.protocol import serialize_tensors
+
+    if mode == "nan":
+        return serialize_tensors([torch.full_like(tensor, float("nan"))], dtype)[0]
+    if mode == "huge":
+        return serialize_tensors([torch.zeros(12 * 1024 * 1024 // tensor.shape[-1], tensor.shape[-1])], dtype)[0]
+    buffer = tensor.to(torch.float16).numpy().tobytes()
+    return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=buffer, size=tensor.shape,
+                              dtype="complex128")
+
+
+def patch_replies(mode: str) -> None:
+    """Make every reply tensor of forward and inference steps bad in the way ``mode`` names."""
+    from distconf.server import handler, sessions
+
+    for module in (handler, sessions):
+        original = module.serialize_tensors
+
+        def serialize(tensors: Any, dtype: Any = None, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            tensors = list(tensors)
+            if len(tensors) != 1 or not tensors[0].is_floating_point() or tensors[0].ndim != 3:
+                return _original(tensors, dtype, *args, **kwargs)
+            logger.warning("HOSTILE %s: a reply of shape %s", mode, list(tensors[0].shape))
+            return [_bad_reply(mode, tensors[0], dtype)]
+
+        module.serialize_tensors = serialize
+
+
 def patch_throughput(boost: float) -> None:
     """Announce ``boost`` times the measured throughput."""
     from distconf.server import loading
@@ -162,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         patch_noise(options.noise, options.block, options.seed)
     elif options.mode == "identity":
         patch_identity()
+    elif options.mode in REPLY_MODES:
+        patch_replies(options.mode)
     else:
         patch_stale(options.every)
     if options.throughput_boost != 1.0:

@@ -12,6 +12,8 @@ that clients route through it; the third server of the span breaks a tie.
 - With honest servers only and ``verify_fraction=1.0``, in float32 and in bfloat16 (two
   bfloat16 servers under a DHT prefix of their own), several clients generate at once
   (so the servers batch their steps): no event in any generation.
+- A server whose replies are NaN, oversized or mistyped is a failed server (banned, failover)
+  even without spot checks.
 """
 
 from __future__ import annotations
@@ -183,6 +185,27 @@ def test_forward_check_catches_identity_liar(swarm: Swarm) -> None:
         want = swarm.local(ids).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert_only_liar_named(model, liar, kind="forward")
+
+
+# ------------------------------------------------------------------ bad replies: a failed server (issue 22)
+
+
+@pytest.mark.parametrize("mode", ["nan", "huge", "mistyped"])
+def test_a_bad_reply_is_a_failed_server(swarm: Swarm, mode: str) -> None:
+    """Replies NaN of the right shape, of ~48 MiB, or a float16 buffer claiming complex128: without spot checks,
+    the client bans the server and fails over, and the tokens and logits stay right."""
+    liar = swarm.use_liar(mode)
+    assert liar is not None
+    model = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)
+    ids = prompts(2, 5, vocab=swarm.local.config.vocab_size, seed=300)
+    assert generate(model, ids) == swarm.expected(ids)
+    assert liar.peer_id in model.remote.manager.banned(), "the server of bad replies is not banned"
+    fresh = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)  # its first forward goes to the liar
+    with torch.no_grad():
+        assert torch.allclose(fresh(ids).logits, swarm.local(ids).logits, atol=1e-4, rtol=1e-4)
+    assert liar.peer_id in fresh.remote.manager.banned()
+    assert f"HOSTILE {mode}: a reply" in liar.log_tail(200_000), "the liar never lied"
+    assert liar.alive
 
 
 # ------------------------------------------------------------------ honest servers: no false alarm
