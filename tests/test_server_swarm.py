@@ -56,7 +56,10 @@ class Swarm:
     def server_args(self, blocks: str, *extra: str) -> list[str]:
         return [str(self.model_dir), "--blocks", blocks, "--dtype", "fp32", "--step-timeout", str(STEP_TIMEOUT),
                 "--session-timeout", "60", "--attn-cache-tokens", str(CACHE_TOKENS), "--inference-max-length",
-                str(MAX_LENGTH), "--update-period", "2", "--max-alloc-timeout", "5", *extra]
+                str(MAX_LENGTH), "--update-period", "2", "--max-alloc-timeout", "5",
+                # the tests' one client peer may hold the whole budget; with this tiny hidden size, a call just
+                # above the unary payload limit carries more tokens than the default cap
+                "--max-peer-cache-share", "1", "--max-forward-tokens", "65536", *extra]
 
     def start(self) -> None:
         """Bootstrap DHT node here (the client uses it too); both servers start at once and join it."""
