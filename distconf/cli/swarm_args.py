@@ -15,7 +15,6 @@ positionals still empty, in order (`PositionalsAnywhere`).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -93,24 +92,23 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, prompt: bool = False
                              "model's name by the family's rule)")
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text!r}")
-    return value
+def _config_number(field: str) -> Any:
+    """Argparse type: a number that the config field ``field`` accepts (its type is the one home of the rule)."""
+    from distconf.errors import ConfigValueError
+    from distconf.loader.mixins import check_field
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            check_field(field, value)
+        except ConfigValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(" is invalid: ", 1)[-1]) from None
+        return value
 
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
+    return parse
 
 
 def _manifest(text: str) -> str:
@@ -125,10 +123,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
         "verification", "spot checks: an independent server recomputes a share of the steps; a server\n"
                         "caught computing wrong is banned, the answer keeps the honest results, and the\n"
                         "detection is reported (and published on the swarm's DHT for distconf monitor)")
-    group.add_argument("--verify-fraction", type=_fraction, default=None, metavar="F",
+    group.add_argument("--verify-fraction", type=_config_number("verify_fraction"), default=None, metavar="F",
                        help="share of steps (0..1) an independent server recomputes and compares; a server's "
                             "first step is always checked (default 0: off; 0.1 is a good start)")
-    group.add_argument("--verify-tolerance", type=_tolerance, default=None, metavar="T",
+    group.add_argument("--verify-tolerance", type=_config_number("verify_tolerance"), default=None, metavar="T",
                        help="largest relative difference of a span's result taken as honest rounding "
                             "(default: the measured one for the model's dtype)")
     group.add_argument("--weights-manifest", type=_manifest, default=None, metavar="FILE",
