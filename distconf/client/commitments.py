@@ -211,11 +211,11 @@ class Commitments:
         """Peers of ``spans`` a route must not use (see the class docstring).
 
         ``manager`` is the `distconf.client.sequence_manager.SequenceManager`: its ``rpc_infos``
-        cache is filled, its ``swarm`` reached, its ``_usable`` filter and config applied.
+        cache is filled, its ``swarm`` reached, its ``usable`` filter and config applied.
         """
         now = time.monotonic()
         with self._lock:
-            todo = [s for s in spans if manager._usable(s.peer_id, s.state) and s.peer_id not in self.refused
+            todo = [s for s in spans if manager.usable(s.peer_id, s.state) and s.peer_id not in self.refused
                     and (s.peer_id, s.start, s.end) not in self._accepted]
             stale = [s for s in todo if s.peer_id in manager.rpc_infos
                      and not _covers(manager.rpc_infos[s.peer_id], s.start, s.end)]

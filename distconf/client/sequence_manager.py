@@ -72,12 +72,13 @@ class SequenceManager:
 
     def _ping(self, state: SwarmState) -> None:
         """Ping the candidates `distconf.dht.liveness.ping_candidates` picks among usable servers."""
-        usable = [s for s in state.spans if self._usable(s.peer_id, s.state)]
+        usable = [s for s in state.spans if self.usable(s.peer_id, s.state)]
         chosen = ping_candidates(usable, self.num_blocks, int(self.config.max_pinged))
         self.pings = self.swarm.ping(chosen, float(self.config.ping_timeout)) if chosen else {}
         logger.debug("pings: %s", {p[-6:]: round(v, 4) for p, v in self.pings.items()})
 
-    def _usable(self, peer_id: str, state: ServerState) -> bool:
+    def usable(self, peer_id: str, state: ServerState) -> bool:
+        """Whether ``peer_id`` may be routed through or check others: ONLINE, allowed, not blocked or refused."""
         if state != ServerState.ONLINE or peer_id in self.blocked:
             return False
         if self.commitments is not None and peer_id in self.commitments.refused:  # never a route or a checker
