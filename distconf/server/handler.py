@@ -40,6 +40,7 @@ from distconf.server.memory import CacheBudget
 from distconf.server.scheduler import BatchLimits, ComputeScheduler
 from distconf.server.sessions import Sessions
 from distconf.server.settings import HandlerSettings
+from distconf.server.stream_limits import limit_stream_messages, stream_message_limit
 from distconf.server.validation import (
     RequestError,
     check_adapter,
@@ -74,14 +75,18 @@ class BlockHandler(BlockServicer):
     # ------------------------------------------------------------------ lifecycle and helpers
 
     async def start(self, p2p: P2P) -> None:
-        """Register the handlers on ``p2p`` (the DHT's daemon: the server's peer id is the DHT's)."""
+        """Register the handlers on ``p2p`` (the DHT's daemon: the server's peer id is the DHT's), and bound
+        the bytes of one streamed message in this process (`limit_stream_messages`)."""
         self.p2p = self.sessions.p2p = p2p
+        chain_tokens = self.budget.total_bytes // max(1, sum(b.kv_bytes_per_token for b in self.ordered))
+        limit_stream_messages(stream_message_limit(chain_tokens, self.settings.hidden_size, DEFAULT_MAX_MSG_SIZE))
         await self.add_p2p_handlers(p2p)
 
     async def stop(self) -> None:
         """Unregister the handlers."""
         if self.p2p is not None:
             await self.remove_p2p_handlers(self.p2p)
+            limit_stream_messages(None)
 
     @property
     def max_kv_bytes_per_token(self) -> int:
