@@ -604,3 +604,12 @@ def test_swarm_a_third_peer_cannot_push_into_a_session(swarm: Swarm) -> None:
     _refused(outcomes[1], "takes pushes from another peer only")
     assert torch.equal(attacked, reference)
     swarm.check(mark)
+
+
+def test_the_default_forward_cap_is_what_the_server_computes_in_half_its_timeout() -> None:
+    from distconf.server.settings import MIN_FORWARD_TOKENS, default_forward_tokens
+
+    assert default_forward_tokens(8192, 0.0, 180, 4) == 8192  # not measured: Petals' max_batch_size
+    assert default_forward_tokens(8192, 1e6, 180, 4) == 8192
+    assert default_forward_tokens(8192, 1000.0, 6, 4) == 750  # 4 blocks x 750 tokens at 1000/s: 3 s of 6
+    assert default_forward_tokens(2048, 10.0, 6, 30) == MIN_FORWARD_TOKENS

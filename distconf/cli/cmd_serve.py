@@ -128,7 +128,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-forward-tokens", type=positive_int, default=None, metavar="T",
                    help="refuse a forward/backward request of more than T tokens (batch x length), before "
                         "decoding it (default: 8192 for grouped-query models, else 2048, as Petals' "
-                        "max_batch_size)")
+                        "max_batch_size; fewer, down to 128, if the throughput measured at start says they would "
+                        "take more than half of --request-timeout; rpc_info reports it as max_forward_tokens)")
     p.add_argument("--max-peer-cache-share", type=_share, default=0.5, metavar="F",
                    help="the sessions of one peer may hold at most this fraction of the cache budget together; "
                         "its further sessions are refused (default 0.5: one peer never locks the others out; "

@@ -78,7 +78,7 @@ class ServeOptions:
     block_digests: bool = True  # announce each served block's weights sha256 in rpc_info (``block_sha256``)
     balance_quality: float = 0.75  # Petals' --balance_quality: move when the swarm gets > 1/q faster; 0 = never
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
-    max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: the planner's max length)
+    max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: `default_forward_tokens`)
     max_peer_cache_share: float = 0.5  # fraction of the cache budget one peer's sessions may hold together
 
 
@@ -124,6 +124,7 @@ class BlockServer(SpanMoves):
         self.executor: ThreadPoolExecutor | None = None
         self.start_block = self.end_block = 0
         self.throughput = 0.0
+        self.forward_rps = 0.0  # measured forward tokens/s per block (sizes the default forward token cap)
         self.modules: list[Any] = []
         self.weights_sha256: str | None = None  # at load, with ``verify_weights``
         self.block_sha256: list[str] | None = None  # per served block, with ``block_digests``
@@ -257,7 +258,7 @@ class BlockServer(SpanMoves):
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
         self.block_sha256 = self._block_digests(span.start, modules)
         speed = measure_throughput(modules, config.hidden_size, self.dtype)
-        self.throughput = speed.throughput
+        self.throughput, self.forward_rps = speed.throughput, speed.forward_rps
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
         self.handler = self._make_handler(span.start, modules)
         self.rpc = RpcLoop(self.dht)
@@ -312,6 +313,7 @@ class BlockServer(SpanMoves):
         from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.memory import CacheBudget
         from distconf.server.scheduler import BatchLimits
+        from distconf.server.settings import default_forward_tokens
 
         o, config = self.options, self.config
         uids = block_uids(config.dht_prefix, start, start + len(modules))
@@ -324,8 +326,9 @@ class BlockServer(SpanMoves):
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
             weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
-            weights_form=self.weights_form, max_forward_tokens=o.max_forward_tokens or default_max_length(config),
-            max_peer_cache_share=o.max_peer_cache_share)
+            weights_form=self.weights_form, max_peer_cache_share=o.max_peer_cache_share,
+            max_forward_tokens=o.max_forward_tokens or default_forward_tokens(
+                default_max_length(config), self.forward_rps, o.request_timeout, len(modules)))
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,
                              max_batch_tokens=o.max_batch_tokens or default_max_length(config),
                              max_batch_bytes=int(autograd_reserve_bytes(config)), max_batch_wait=o.max_batch_wait)

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HandlerSettings"]
+__all__ = ["MIN_FORWARD_TOKENS", "HandlerSettings", "default_forward_tokens"]
+
+MIN_FORWARD_TOKENS = 128
+"""The smallest default cap on a forward/backward request: the size of the forward a server measures at start."""
+
+
+def default_forward_tokens(petals_max: int, forward_rps: float, request_timeout: float, num_blocks: int) -> int:
+    """Tokens (batch x length) one forward/backward may carry by default: Petals' ``max_batch_size``
+    (``petals_max``), or fewer if the server, at its measured ``forward_rps`` (tokens/s per block), would
+    need more than half of ``request_timeout`` to compute them through its ``num_blocks`` blocks."""
+    if forward_rps <= 0:
+        return petals_max
+    fits = int(forward_rps * request_timeout / (2 * max(1, num_blocks)))
+    return max(MIN_FORWARD_TOKENS, min(petals_max, fits))
 
 
 class HandlerSettings:
