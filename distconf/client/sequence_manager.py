@@ -147,6 +147,17 @@ class SequenceManager:
             self.bans[peer_id] = now + float(self.config.ban_timeout)
         logger.debug("banned %s for %s s after: %r", peer_id, self.config.ban_timeout, error)
 
+    def ban(self, peer_id: str, until: float) -> None:
+        """Leave ``peer_id`` out of routes until ``until`` (``time.monotonic`` seconds; never shortens a ban)."""
+        with self._lock:
+            self.bans[peer_id] = max(self.bans.get(peer_id, -math.inf), until)
+
+    def lift_ban(self, peer_id: str, *, unless_after: float, until: float) -> None:
+        """End a ban of ``peer_id`` that runs past ``unless_after`` at ``until`` instead."""
+        with self._lock:
+            if self.bans.get(peer_id, -math.inf) > unless_after:
+                self.bans[peer_id] = until
+
     def on_success(self, peer_id: str) -> None:
         """Forget an expired ban of ``peer_id``."""
         with self._lock:

@@ -208,18 +208,13 @@ class Verifier:
 
     def ban(self, peer_id: str, *, until: float = math.inf) -> None:
         """Leave ``peer_id`` out of this client's routes until ``until`` (monotonic; default: until `release`)."""
-        manager = self.manager
-        with manager._lock:
-            manager.bans[peer_id] = max(manager.bans.get(peer_id, -math.inf), until)
+        self.manager.ban(peer_id, until)
 
     def release(self, peers: set[str]) -> None:
         """End the session-long bans of ``peers``: they stay banned for ``ban_timeout`` more seconds."""
         until = time.monotonic() + float(self.config.ban_timeout)
-        manager = self.manager
-        with manager._lock:
-            for peer in peers:
-                if manager.bans.get(peer) == math.inf:
-                    manager.bans[peer] = until
+        for peer in peers:
+            self.manager.lift_ban(peer, unless_after=until, until=until)
 
     def record(self, event: VerificationEvent) -> None:
         """Keep ``event``, log it at WARNING and pass it to every listener (a failing listener is logged)."""
