@@ -613,3 +613,22 @@ def test_the_default_forward_cap_is_what_the_server_computes_in_half_its_timeout
     assert default_forward_tokens(8192, 1e6, 180, 4) == 8192
     assert default_forward_tokens(8192, 1000.0, 6, 4) == 750  # 4 blocks x 750 tokens at 1000/s: 3 s of 6
     assert default_forward_tokens(2048, 10.0, 6, 30) == MIN_FORWARD_TOKENS
+
+
+def test_sessions_of_no_cache_count_against_the_peer_share(tiny_blocks: list[ServedBlock],
+                                                           executor: ThreadPoolExecutor) -> None:
+    one_token = SessionCache.nbytes(tiny_blocks, 1, 1)
+
+    async def scenario() -> None:
+        handler = make_handler(tiny_blocks, executor, 32 * one_token, max_peer_cache_share=0.5)
+        callers = [Caller(handler, peer(THIEF)) for _ in range(17)]
+        for caller in callers[:16]:
+            await asyncio.wait_for(caller.send(step(hidden_of(0), **{KEY_MAX_LENGTH: 0})), 20)
+        with pytest.raises(RequestError, match="share"):
+            await asyncio.wait_for(callers[16].send(step(hidden_of(0), **{KEY_MAX_LENGTH: 0})), 20)
+        await honest_session(handler, tiny_blocks)
+        for caller in callers[:16]:
+            await caller.close()
+        assert not handler.sessions._held and len(handler.sessions) == 0
+
+    run(scenario())

@@ -226,7 +226,9 @@ class Sessions:
                     alloc_timeout = metadata_number(opened.metadata, KEY_ALLOC_TIMEOUT, 0.0)
                     what = f"a session of {batch} x {opened.max_length} tokens over {len(blocks)} blocks"
                     nbytes = SessionCache.nbytes(blocks, batch, opened.max_length)
-                    with self._peer_share(str(context.remote_id), nbytes):
+                    # a session is charged at least one token, so a peer cannot open sessions of no cache without end
+                    charged = max(nbytes, SessionCache.nbytes(blocks, 1, 1))
+                    with self._peer_share(str(context.remote_id), charged):
                         async with self.budget.reserve(nbytes, alloc_timeout, what):
                             self.stats["sessions"] += 1
                             try:
