@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -189,7 +190,7 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
                   and isinstance(end, int) and not isinstance(start, bool) and not isinstance(end, bool)
                   and 0 <= start < end)
         if not ok:
-            raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} entry {str(item)[:120]} is not (peer_id, session_id, "
+            raise RequestError(f"metadata {KEY_NEXT_SERVERS!r} entry {reprlib.repr(item)} is not (peer_id, session_id, "
                                "start, end)")
         check_peer_id(peer, f"metadata {KEY_NEXT_SERVERS!r} peer")
         check_id(session, f"{KEY_NEXT_SERVERS} session_id")
@@ -201,4 +202,4 @@ def check_adapter(metadata: dict[str, Any]) -> None:
     """This server serves no adapters: a request naming one is refused rather than run without it."""
     adapter = metadata.get(KEY_ACTIVE_ADAPTER)
     if adapter:
-        raise RequestError(f"adapter {str(adapter)[:80]!r} is not served here (this server has no adapters)")
+        raise RequestError(f"adapter {reprlib.repr(adapter)} is not served here (this server has no adapters)")
