@@ -9,7 +9,8 @@ plain msgpack arrays and maps past msgpack's own stack, lists 990 deep as ``args
 victim is checked as the issue's attack run did (`hostile_client.Victim`). A test-only server
 whose ``rpc_info`` reply is nested 400 deep must not crash the real client, which generates
 the right tokens anyway. Then real servers and clients are killed with SIGKILL and SIGSEGV:
-none of their child processes (the DHT node, p2pd) may outlive them.
+none of their child processes (the DHT node, p2pd) may outlive them, and a killed server's
+records say OFFLINE (its DHT node's last will) instead of ONLINE until they expire.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from client_swarm import REPO, START_DEADLINE, make_model_dir, start_server
 from hostile_client import HostileClient, Victim, raw_request
 
+from distconf.dht import ServerState
 from distconf.dht.wire import TUPLE_EXT_CODE
 from distconf.tools.serving import ServerProcess, stop_all
 
@@ -287,6 +289,20 @@ def test_a_killed_server_takes_its_children_with_it(swarm: Swarm, sig: int) -> N
     reap(names)
     assert any("p2pd" in n for n in names) and any("python" in n for n in names), names  # the DHT child, p2pd
     assert left == []
+    assert announced_states(swarm, server.peer_id) == {ServerState.OFFLINE}  # its DHT child's last will
+
+
+def announced_states(swarm: Swarm, peer_id: str, limit: float = CHILDREN_LIMIT) -> set[Any]:
+    """The states ``peer_id``'s records say, once they all say OFFLINE or ``limit`` seconds from now."""
+    from distconf.dht import find_servers_by_prefix
+
+    deadline = time.monotonic() + limit
+    while True:
+        found = find_servers_by_prefix(swarm.dht, swarm.config.dht_prefix, 2, timeout=10)
+        states = {span.state for span in found.spans if span.peer_id == peer_id}
+        if states == {ServerState.OFFLINE} or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])

@@ -126,7 +126,31 @@ async def _store_records(
     result = await node.store_many(
         keys=keys, subkeys=subkeys, values=values, expiration_time=expiration_time, num_workers=num_workers
     )
+    _leave_offline_will(node, (prefix, start, end), uids, peer, value, expiration_time, num_workers)
     return {str(k[0] if isinstance(k, tuple) else k): bool(v) for k, v in result.items()}
+
+
+def _leave_offline_will(node: DHTNode, span: tuple[str, int, int], uids: list[str], peer: str, value: tuple,
+                        expiration_time: float, num_workers: int) -> None:
+    """In the DHT process: if the server dies unannounced, store ``span``'s records as OFFLINE (same lifetime).
+
+    An OFFLINE announcement of ``span`` forgets the will. See `distconf.dht.node_process.set_last_will`.
+    """
+    from hivemind.utils import get_dht_time
+
+    from distconf.dht.node_process import set_last_will
+
+    if value[0] == ServerState.OFFLINE:
+        set_last_will(span, None)
+        return
+    offline = (int(ServerState.OFFLINE), *value[1:])
+    lifetime = max(expiration_time - get_dht_time(), MIN_EXPIRATION)
+
+    async def store_offline() -> Any:
+        return await node.store_many(keys=list(uids), subkeys=[peer] * len(uids), values=[offline] * len(uids),
+                                     expiration_time=get_dht_time() + lifetime, num_workers=num_workers)
+
+    set_last_will(span, store_offline)
 
 
 def announce_blocks(

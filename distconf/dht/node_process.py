@@ -16,13 +16,18 @@ multiprocessing's exit join.
 - `NodeProcess.shutdown` is bounded: hivemind's graceful shutdown (``shutdown_timeout``,
   3 s by default), then SIGKILL;
 - a child whose parent is gone (killed, or exited without shutting it down) exits by
-  itself, and p2pd follows it (Linux: its death signal);
+  itself, and p2pd follows it (Linux: its death signal). A parent thread's death signal
+  (``PR_SET_PDEATHSIG``) is not used for the child: it fires when the *thread* that forked
+  it ends, and a client may start its node from any thread. First the child stores its
+  last will (`set_last_will`: a server's OFFLINE records), so a killed server's records
+  say OFFLINE within a second instead of ONLINE until they expire;
 - at interpreter exit every node still running is shut down before multiprocessing
   joins its children.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import multiprocessing
@@ -30,12 +35,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
 
 from hivemind import DHT
 
 from distconf.dht.hivemind_rpc_compat import isolate_p2p_daemon
 
-__all__ = ["KILL_TIMEOUT", "NodeProcess", "shutdown_all"]
+__all__ = ["KILL_TIMEOUT", "WILL_TIMEOUT", "NodeProcess", "set_last_will", "shutdown_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +50,14 @@ KILL_TIMEOUT = 2.0
 """Seconds a killed node process may take to be reaped."""
 PARENT_POLL = 0.5
 """Seconds between the child's checks that its parent is still alive."""
+WILL_TIMEOUT = 5.0
+"""Seconds a child whose parent died may spend storing its last will before it exits."""
 
 _exit_hook = threading.Lock()
 _exit_hook_installed = False
+_wills: dict[Hashable, Callable[[], Awaitable[Any]]] = {}  # in a DHT child: what to store if its parent dies
+_will_loop: asyncio.AbstractEventLoop | None = None
+_wills_lock = threading.Lock()
 
 
 class NodeProcess(DHT):
@@ -104,9 +116,40 @@ def _install_exit_hook() -> None:
             _exit_hook_installed = True
 
 
+def set_last_will(key: Hashable, store: Callable[[], Awaitable[Any]] | None) -> None:
+    """In a DHT process, on its event loop: await ``store()`` if the parent process dies (None forgets ``key``'s).
+
+    Used by `distconf.dht.announce` for a server's OFFLINE records. Without a parent watch
+    (a plain ``hivemind.DHT``) a will is never run.
+    """
+    global _will_loop
+    with _wills_lock:
+        _will_loop = asyncio.get_running_loop()
+        if store is None:
+            _wills.pop(key, None)
+        else:
+            _wills[key] = store
+
+
+def _run_wills(timeout: float = WILL_TIMEOUT) -> None:
+    with _wills_lock:
+        loop, wills = _will_loop, list(_wills.values())
+    if loop is None or not wills:
+        return
+
+    async def run_all() -> None:
+        await asyncio.gather(*(will() for will in wills), return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(run_all(), loop).result(timeout)
+    except Exception as exc:  # the parent is gone: nothing to report to but the log
+        logger.warning("DHT process %d: its last will was not stored: %r", os.getpid(), exc)
+
+
 def _exit_with_parent(parent_pid: int, poll: float = PARENT_POLL) -> None:
     while os.getppid() == parent_pid:
         time.sleep(poll)
     logger.warning("parent process %d is gone: DHT process %d exits", parent_pid, os.getpid())
+    _run_wills()
     os._exit(0)  # p2pd gets its death signal; nothing here is worth flushing
 
