@@ -167,10 +167,16 @@ def dumps_metadata(metadata: dict[str, Any] | None) -> bytes:
     return MSGPackSerializer.dumps(metadata) if metadata else b""
 
 
-def _ext_hook(unknown: list[int], code: int, data: bytes) -> Any:
-    """hivemind's msgpack ext types (tuples, registered classes); an unknown code is noted in ``unknown``."""
+def _ext_hook(unknown: list[int], code: int, data: bytes, depth: int = 1) -> Any:
+    """hivemind's msgpack ext types (tuples, registered classes); an unknown code is noted in ``unknown``.
+
+    Tuples nest at most `MAX_EXT_DEPTH` levels: each level is a nested C decode (a few hundred kill
+    the process, see `distconf.dht.hivemind_rpc_compat`)."""
     if code == MSGPackSerializer._TUPLE_EXT_TYPE_CODE:
-        return tuple(msgpack.loads(data, ext_hook=functools.partial(_ext_hook, unknown), raw=False))
+        if depth > MAX_EXT_DEPTH:
+            raise ProtocolError(f"metadata nests tuples more than {MAX_EXT_DEPTH} levels deep")
+        hook = functools.partial(_ext_hook, unknown, depth=depth + 1)
+        return tuple(msgpack.loads(data, ext_hook=hook, raw=False))
     if code in MSGPackSerializer._ext_type_codes:
         return MSGPackSerializer._ext_type_codes[code].unpackb(data)
     unknown.append(code)
