@@ -1,0 +1,44 @@
+"""`distconf.rpc.protocol.loads_metadata` refuses nesting no reader survives, in a process of its own.
+
+The fast-tier companion of ``tests/test_hostile_runtime_crash.py`` (which sends the same bytes
+to a real server): decoding runs in a child process, so a regression shows as its exit code
+(-11) instead of killing the test worker. The child is unguarded (no RPC loop): the bound
+must hold in `loads_metadata` itself.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from client_swarm import REPO
+
+CHILD = r"""
+import msgpack
+from distconf.dht.wire import TUPLE_EXT_CODE
+from distconf.rpc.protocol import ProtocolError, loads_metadata
+
+
+def tuples(levels, leaf=b"\xc0"):
+    for _ in range(levels):
+        leaf = msgpack.packb(msgpack.ExtType(TUPLE_EXT_CODE, b"\x91" + leaf))
+    return leaf
+
+
+cases = {"tuples-400": tuples(400), "lists-990": b"\x91" * 990 + b"\xc0", "maps-5000": b"\x81\xa1k" * 5000 + b"\xc0",
+         "tuples-30-of-lists-1000": tuples(30, b"\x91" * 1000 + b"\xc0")}
+for name, deep in cases.items():
+    try:
+        loads_metadata(b"\x81" + msgpack.packb("args_structure") + deep)
+        print(name, "accepted")
+    except ProtocolError:
+        print(name, "refused")
+print("ok", loads_metadata(msgpack.packb({"args_structure": [[b"__T0"], {}]}, use_bin_type=True)) is not None)
+"""
+
+
+def test_deep_metadata_is_refused_without_a_crash() -> None:
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["tuples-400 refused", "lists-990 refused", "maps-5000 refused",
+                                       "tuples-30-of-lists-1000 refused", "ok True", ""]
