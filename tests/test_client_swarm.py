@@ -181,6 +181,36 @@ def test_forward_and_backward_match_local(swarm: Swarm) -> None:
     assert remote_in.grad is not None and torch.allclose(remote_in.grad, local_in.grad, atol=1e-4, rtol=1e-3)
 
 
+def test_a_batch_over_the_servers_token_cap_goes_in_pieces(swarm: Swarm, tmp_path: Path) -> None:
+    """A server taking 8 tokens per forward/backward gets a 2 x 5-token batch as two calls of one row."""
+    from client_swarm import start_server
+
+    from distconf.tools.serving import stop_all, wait_all_ready
+
+    prefix = swarm.config.dht_prefix + "-capped"
+    capped = start_server(swarm.model_dir, swarm.peers, "0:4", tmp_path / "capped.log", "--dht-prefix", prefix,
+                          "--max-forward-tokens", "8")
+    try:
+        wait_all_ready([capped], time.monotonic() + 120)
+        model = swarm.model(dht_prefix=prefix)
+        ids = prompts(seed=9)
+        embeddings = swarm.local.get_input_embeddings()(ids).detach()
+        remote_in, local_in = embeddings.clone().requires_grad_(), embeddings.clone().requires_grad_()
+        before = int(server_info(model, capped.peer_id)["stats"].get("forward", 0))
+        remote_out = model(inputs_embeds=remote_in, use_cache=False).logits
+        local_out = swarm.local(inputs_embeds=local_in, use_cache=False).logits
+        assert torch.allclose(remote_out, local_out, atol=1e-4, rtol=1e-4)
+        assert int(server_info(model, capped.peer_id)["stats"].get("forward", 0)) - before == 2
+        weights = torch.randn(local_out.shape, generator=torch.Generator().manual_seed(0))
+        (remote_out * weights).sum().backward()
+        (local_out * weights).sum().backward()
+        assert remote_in.grad is not None and torch.allclose(remote_in.grad, local_in.grad, atol=1e-4, rtol=1e-3)
+        with pytest.raises(RetriesExhausted, match="longer than server"):
+            swarm.model(dht_prefix=prefix, max_retries=0)(prompts(batch=1, length=9, seed=1))
+    finally:
+        stop_all([capped])
+
+
 # ------------------------------------------------------------------ routing fields (records of peers that cannot serve)
 
 

@@ -253,6 +253,13 @@ class InferenceSession:
             logger.info("replacing …%s for blocks %d..%d: %s", old.peer_id[-6:], block, end - 1,
                         ", ".join(f"{s.span.start}:{s.span.end} via …{s.peer_id[-6:]}" for s in fresh))
         self.sessions[index:index + 1] = fresh
+        self._name_pushers()
+
+    def _name_pushers(self) -> None:
+        """Tell each server which peer alone may push to its session: the server of the span before it."""
+        push = bool(self.config.use_server_to_server) and self.verifier is None
+        for i, session in enumerate(self.sessions):
+            session.push_from = self.sessions[i - 1].peer_id if push and i > 0 else ""
 
     def close(self) -> None:
         """End the streams on every server."""

@@ -21,6 +21,7 @@ from distconf.rpc.protocol import (
     KEY_ALLOC_TIMEOUT,
     KEY_MAX_LENGTH,
     KEY_NEXT_SERVERS,
+    KEY_PUSH_FROM,
     KEY_SESSION_ID,
     KEY_START_FROM_POSITION,
     KEY_STEP_ID,
@@ -51,6 +52,7 @@ class SpanSession:
         self.closed = False
         self.wire_dtype: torch.dtype | None = None
         self.check: SpanCheck | None = None  # with spot checks: what a check compares (not for shadows)
+        self.push_from = ""  # the only peer the server may take pushes from for this session ("": none)
         self._stream: InferenceStream | None = None
 
     @property
@@ -175,7 +177,8 @@ class SpanSession:
         return request, commit, max_reply_bytes(sent.shape)
 
     def _step_metadata(self, step_id: str, next_servers: list[tuple[str, str, int, int]]) -> dict[str, Any]:
-        metadata: dict[str, Any] = {KEY_SESSION_ID: self.session_id, KEY_STEP_ID: step_id}
+        metadata: dict[str, Any] = {KEY_SESSION_ID: self.session_id, KEY_STEP_ID: step_id,
+                                    KEY_PUSH_FROM: self.push_from}
         if not self.stepped:
             metadata.update({
                 KEY_MAX_LENGTH: self.max_length,
