@@ -334,6 +334,33 @@ def test_server_to_server_push(swarm: Swarm) -> None:
     assert pushes(swarm.b) == after
 
 
+def test_a_third_peer_cannot_push_into_a_clients_session(swarm: Swarm) -> None:
+    """A peer that learns a session id (upstream servers see them in next_servers) pushes a step into it:
+    refused, because the client named the previous span's server as the only pusher, and the tokens stay right."""
+    from distconf.dht import start_local_dht
+    from distconf.rpc.calls import RpcLoop, call_push
+    from distconf.rpc.protocol import KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID, make_request, serialize_tensors
+
+    ids = prompts(seed=4)
+    expected = swarm.expected(ids, max_new_tokens=6)
+    model = swarm.model(use_server_to_server=True, blocked_servers=[swarm.c])
+    thief_node = start_local_dht(swarm.peers)
+    thief = RpcLoop(thief_node)
+    try:
+        with model.inference_session(max_length=ids.shape[1] + 6) as cache:
+            first = generate(model, ids, max_new_tokens=2, cache=cache)
+            target = cache.session.sessions[1]
+            assert target.push_from == swarm.a
+            evil = make_request(target.uid, serialize_tensors([torch.randn(2, 1, swarm.local.config.hidden_size)]),
+                                {KEY_SESSION_ID: target.session_id, KEY_PUSHED: True, KEY_STEP_ID: "evil"})
+            with pytest.raises(P2PHandlerError, match="takes pushes from another peer only"):
+                thief.run(call_push(thief.p2p, target.peer_id, evil, timeout=10), timeout=15)
+            assert generate(model, torch.tensor(first), max_new_tokens=4, cache=cache) == expected
+    finally:
+        thief.shutdown()
+        thief_node.shutdown()
+
+
 def test_failover_mid_generation(swarm: Swarm) -> None:
     from transformers import LogitsProcessor, LogitsProcessorList
 
