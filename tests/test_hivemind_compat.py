@@ -295,6 +295,21 @@ def test_start_local_dht_applies_the_speed_up_in_the_node_only(nodes):
     assert not compat._marked(PeerID.__init__)  # the caller's process is left alone
 
 
+@pytest.mark.swarm
+def test_a_node_process_guards_msgpack_before_its_node_starts(restore):
+    """Its bootstrap peers' replies are decoded before `install_guard` runs: the child's start installs item 1."""
+    from distconf.dht.node_process import NodeProcess
+
+    restore(MSGPackSerializer, "_decode_ext_types")  # the child is forked from an unguarded process
+    current = MSGPackSerializer.__dict__["_decode_ext_types"].__func__
+    MSGPackSerializer._decode_ext_types = classmethod(getattr(current, "__wrapped__", current))
+    node = NodeProcess(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # not start_local_dht: no install_guard
+    try:
+        assert run_in_node(node, _patch_marks)["msgpack_depth"]
+    finally:
+        node.shutdown()
+
+
 # ----------------------------------------------------------------------------- 7, 8. private state
 def test_composite_validators_lists_the_installed_ones():
     from hivemind.dht.crypto import RSASignatureValidator

@@ -40,7 +40,7 @@ from typing import Any
 
 from hivemind import DHT
 
-from distconf.dht.hivemind_rpc_compat import isolate_p2p_daemon
+from distconf.dht.hivemind_rpc_compat import guard_msgpack_depth, isolate_p2p_daemon
 
 __all__ = ["KILL_TIMEOUT", "WILL_TIMEOUT", "NodeProcess", "set_last_will", "shutdown_all"]
 
@@ -70,12 +70,16 @@ class NodeProcess(DHT):
         super().start()
 
     def run(self) -> None:
-        """The child: ignore SIGINT/SIGTERM, watch the parent, isolate p2pd, then run hivemind's node."""
+        """The child: ignore SIGINT/SIGTERM, watch the parent, isolate p2pd, guard msgpack, then run hivemind's node.
+
+        The depth guard is installed before the node exists: its first messages (the bootstrap
+        peers' replies) are decoded before `distconf.dht.guard.install_guard` runs."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)  # the parent's handlers were inherited by the fork
         threading.Thread(target=_exit_with_parent, args=(self._distconf_parent,), name="distconf-parent-watch",
                          daemon=True).start()
         isolate_p2p_daemon()
+        guard_msgpack_depth()
         super().run()
 
     def shutdown(self) -> None:
