@@ -25,8 +25,18 @@ def tuples(levels, leaf=b"\xc0"):
     return leaf
 
 
+def dictionaries(levels, leaf=b"\xc0"):  # hivemind's registered DictionaryDHTValue, decoded by its own loads
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    code = next(c for c, t in MSGPackSerializer._ext_type_codes.items() if t is DictionaryDHTValue)
+    for _ in range(levels):  # [maxsize, latest expiration, [(key, value, expiration)]]
+        leaf = msgpack.packb(msgpack.ExtType(code, b"\x93\x00\x00\x91\x93\xa1k" + leaf + b"\x00"))
+    return leaf
+
+
 cases = {"tuples-400": tuples(400), "lists-990": b"\x91" * 990 + b"\xc0", "maps-5000": b"\x81\xa1k" * 5000 + b"\xc0",
-         "tuples-30-of-lists-1000": tuples(30, b"\x91" * 1000 + b"\xc0")}
+         "tuples-30-of-lists-1000": tuples(30, b"\x91" * 1000 + b"\xc0"), "dictionaries-400": dictionaries(400)}
 for name, deep in cases.items():
     try:
         loads_metadata(b"\x81" + msgpack.packb("args_structure") + deep)
@@ -41,4 +51,4 @@ def test_deep_metadata_is_refused_without_a_crash() -> None:
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n") == ["tuples-400 refused", "lists-990 refused", "maps-5000 refused",
-                                       "tuples-30-of-lists-1000 refused", "ok True", ""]
+                                       "tuples-30-of-lists-1000 refused", "dictionaries-400 refused", "ok True", ""]

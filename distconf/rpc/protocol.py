@@ -27,7 +27,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from distconf.dht.hivemind_compat import p2p_message_limits
-from distconf.dht.hivemind_rpc_compat import MAX_EXT_DEPTH
+from distconf.dht.hivemind_rpc_compat import MAX_EXT_DEPTH, guard_msgpack_depth
 from distconf.dht.wire import WireError, check_shape
 from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
@@ -178,6 +178,7 @@ def _ext_hook(unknown: list[int], code: int, data: bytes, depth: int = 1) -> Any
         hook = functools.partial(_ext_hook, unknown, depth=depth + 1)
         return tuple(msgpack.loads(data, ext_hook=hook, raw=False))
     if code in MSGPackSerializer._ext_type_codes:
+        guard_msgpack_depth()  # its decoder nests through hivemind's own hook: bound that one too (idempotent)
         return MSGPackSerializer._ext_type_codes[code].unpackb(data)
     unknown.append(code)
     return data
