@@ -61,6 +61,17 @@ def maps(levels: int) -> bytes:
     return b"\x81\xa1k" * levels + b"\xc0"
 
 
+def dictionaries(levels: int, leaf: bytes = b"\xc0") -> bytes:
+    """hivemind's registered ``DictionaryDHTValue`` nested ``levels`` deep (decoded by hivemind's own loads)."""
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    code = next(c for c, t in MSGPackSerializer._ext_type_codes.items() if t is DictionaryDHTValue)
+    for _ in range(levels):  # [maxsize, latest expiration, [(key, value, expiration)]]
+        leaf = msgpack.packb(msgpack.ExtType(code, b"\x93\x00\x00\x91\x93\xa1k" + leaf + b"\x00"))
+    return leaf
+
+
 def metadata(deep: bytes, **fields: Any) -> bytes:
     """A msgpack dict of ``fields`` with ``args_structure`` = the ``deep`` bytes (written as is)."""
     head = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in fields.items())
@@ -73,6 +84,7 @@ DEEP = {
     "lists-5000": lists(5000),  # past msgpack's 1,024-level stack
     "maps-5000": maps(5000),
     "tuples-30-of-lists-1000": tuples(30, lists(1000)),  # 30,000 levels in 30 nested decodes
+    "dictionaries-400": dictionaries(400),
 }
 
 
