@@ -5,8 +5,9 @@ DHT-node patches and the reads of private state are there). Importing this modul
 same version check (`distconf.dht.hivemind_compat.check_hivemind_version`, one rule in
 `distconf.versions`). `harden_peer_process` applies items 1 and 13 in one call: `distconf.rpc.calls`
 calls it when it makes an event loop for RPCs (every server, client, API and chat process makes one
-before its first RPC); `distconf.dht.guard` installs item 1 in every DHT node, `distconf.dht.node_process`
-item 12 in every DHT child.
+before its first RPC); `distconf.dht.node_process` installs items 1 and 12 in every DHT child when it starts
+(and `distconf.dht.guard` item 1 again, for nodes it hardens). `distconf.rpc.protocol.loads_metadata`
+bounds its own tuple decoding and calls item 1 before decoding a registered extension type.
 
 1. `guard_msgpack_depth` wraps the classmethod ``MSGPackSerializer._decode_ext_types``
    (process-wide). *Why*: each tuple level is a msgpack extension that hivemind decodes
