@@ -52,10 +52,20 @@ from typing import Any
 from distconf.dht.hivemind_compat import _lock, _mark, _marked
 
 __all__ = ["COALESCE_LIMIT", "MAX_EXT_DEPTH", "P2P_DAEMON_NAME", "coalesce_p2p_writes", "guard_msgpack_depth",
-           "harden_peer_process", "isolate_p2p_daemon"]
+           "harden_peer_process", "isolate_p2p_daemon", "registered_ext_types"]
 
 MAX_EXT_DEPTH = 32
 """Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
+
+
+def registered_ext_types() -> dict[int, Any]:
+    """hivemind's registered msgpack extension types by code (the private ``MSGPackSerializer._ext_type_codes``).
+
+    Read by `distconf.rpc.protocol.loads_metadata`, which decodes metadata with its own bounded hook.
+    """
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return MSGPackSerializer._ext_type_codes
 
 
 def harden_peer_process() -> None:

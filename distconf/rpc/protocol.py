@@ -27,8 +27,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from distconf.dht.hivemind_compat import p2p_message_limits
-from distconf.dht.hivemind_rpc_compat import MAX_EXT_DEPTH, guard_msgpack_depth
-from distconf.dht.wire import WireError, check_shape
+from distconf.dht.hivemind_rpc_compat import MAX_EXT_DEPTH, guard_msgpack_depth, registered_ext_types
+from distconf.dht.wire import TUPLE_EXT_CODE, WireError, check_shape
 from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
 __all__ = [
@@ -172,14 +172,15 @@ def _ext_hook(unknown: list[int], code: int, data: bytes, depth: int = 1) -> Any
 
     Tuples nest at most `MAX_EXT_DEPTH` levels: each level is a nested C decode (a few hundred kill
     the process, see `distconf.dht.hivemind_rpc_compat`)."""
-    if code == MSGPackSerializer._TUPLE_EXT_TYPE_CODE:
+    if code == TUPLE_EXT_CODE:
         if depth > MAX_EXT_DEPTH:
             raise ProtocolError(f"metadata nests tuples more than {MAX_EXT_DEPTH} levels deep")
         hook = functools.partial(_ext_hook, unknown, depth=depth + 1)
         return tuple(msgpack.loads(data, ext_hook=hook, raw=False))
-    if code in MSGPackSerializer._ext_type_codes:
+    registered = registered_ext_types()
+    if code in registered:
         guard_msgpack_depth()  # its decoder nests through hivemind's own hook: bound that one too (idempotent)
-        return MSGPackSerializer._ext_type_codes[code].unpackb(data)
+        return registered[code].unpackb(data)
     unknown.append(code)
     return data
 
@@ -192,6 +193,8 @@ def loads_metadata(raw: bytes) -> dict[str, Any]:
     unknown: list[int] = []
     try:
         value = msgpack.loads(raw, ext_hook=functools.partial(_ext_hook, unknown), raw=False)
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if unknown:  # refused as a whole (hivemind's own hook would log one warning per value)

@@ -36,6 +36,7 @@ from distconf.rpc.protocol import (
 )
 from distconf.rpc.servicer import BlockServicer
 from distconf.server.compute import ServedBlock, backward_chain, forward_chain
+from distconf.server.logfilter import logged_refusal
 from distconf.server.memory import CacheBudget
 from distconf.server.scheduler import BatchLimits, ComputeScheduler
 from distconf.server.sessions import Sessions
@@ -237,12 +238,13 @@ class BlockHandler(BlockServicer):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
         """Forward through the chain named by ``request.uid``; reply ``[hidden]``."""
-        async with self._deadline("rpc_forward"):
-            metadata = self._metadata(request.metadata)
-            tensors = self._decode(request.uid, request.tensors, "rpc_forward")
-            out = await self._forward(request.uid, tensors, metadata)
-            self.stats["forward"] += 1
-            return runtime_pb2.ExpertResponse(tensors=[self.serialize_output(out)])
+        with logged_refusal("rpc_forward"):  # hivemind logs nothing for a unary call
+            async with self._deadline("rpc_forward"):
+                metadata = self._metadata(request.metadata)
+                tensors = self._decode(request.uid, request.tensors, "rpc_forward")
+                out = await self._forward(request.uid, tensors, metadata)
+                self.stats["forward"] += 1
+                return runtime_pb2.ExpertResponse(tensors=[self.serialize_output(out)])
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -257,12 +259,13 @@ class BlockHandler(BlockServicer):
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                            ) -> runtime_pb2.ExpertResponse:
         """Gradients w.r.t. inputs (and deep prompts); weights are never updated."""
-        async with self._deadline("rpc_backward"):
-            metadata = self._metadata(request.metadata)
-            tensors = self._decode(request.uid, request.tensors, "rpc_backward")
-            grads = await self._backward(request.uid, tensors, metadata)
-            self.stats["backward"] += 1
-            return runtime_pb2.ExpertResponse(tensors=serialize_tensors(grads, self.settings.dtype))
+        with logged_refusal("rpc_backward"):
+            async with self._deadline("rpc_backward"):
+                metadata = self._metadata(request.metadata)
+                tensors = self._decode(request.uid, request.tensors, "rpc_backward")
+                grads = await self._backward(request.uid, tensors, metadata)
+                self.stats["backward"] += 1
+                return runtime_pb2.ExpertResponse(tensors=serialize_tensors(grads, self.settings.dtype))
 
     async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -285,5 +288,6 @@ class BlockHandler(BlockServicer):
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Feed a previous server's outputs into one of this server's sessions (ignored if unknown)."""
-        self.sessions.route_push(request, context)
+        with logged_refusal("rpc_push"):
+            self.sessions.route_push(request, context)
         return runtime_pb2.ExpertResponse()
