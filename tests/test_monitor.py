@@ -110,8 +110,9 @@ def swarm():
                              ("_petals.models", "bad listing", {"num_blocks": -3}, 600),
                              ("_petals.models", "evil-model-hf", {"num_blocks": "many"}, 600)])
         monitor, running = start_monitor(client)
+        ids = {n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)}
         yield SimpleNamespace(a=a, b=b, c=c, client=client, cfg=cfg, url=running.url, monitor=monitor,
-                              attacker=attacker, ids={n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)})
+                              attacker=attacker, ids=ids)
     finally:
         if running is not None:
             running.stop()
