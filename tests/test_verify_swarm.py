@@ -187,6 +187,25 @@ def test_forward_check_catches_identity_liar(swarm: Swarm) -> None:
     assert_only_liar_named(model, liar, kind="forward")
 
 
+def test_backward_check_catches_identity_liar(swarm: Swarm) -> None:
+    """Gradients are spot-checked too: a backward through the identity liar gives the honest gradient."""
+    from distconf.client.sequential import run_backward
+
+    liar = swarm.use_liar("identity")
+    assert liar is not None
+    model = swarm.model(verify_fraction=1.0, ban_timeout=BAN)
+    manager = model.remote.manager
+    span = next(s for s in manager.update(force=True).spans if s.peer_id == liar.peer_id)
+    honest = next(s for s in manager.state.spans if s.peer_id != liar.peer_id)
+    x = torch.randn(2, 5, swarm.local.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    got, _ = run_backward(manager, [(span, x)], grad, None, model.remote.verifier)
+    want, _ = run_backward(manager, [(honest, x)], grad)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(got, grad)  # the identity liar's answer would be the incoming gradient
+    assert_only_liar_named(model, liar, kind="backward")
+
+
 # ------------------------------------------------------------------ bad replies: a failed server (issue 22)
 
 

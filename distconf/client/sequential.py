@@ -110,21 +110,26 @@ def run_forward(manager: SequenceManager, x: torch.Tensor, start: int = 0, end: 
 
 
 def run_backward(manager: SequenceManager, records: list[tuple[RemoteSpan, torch.Tensor]], grad: torch.Tensor,
-                 prompts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients w.r.t. the first span's inputs and the deep prompts, through ``records`` in reverse."""
+                 prompts: torch.Tensor | None = None, verifier: Verifier | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients w.r.t. the first span's inputs and the deep prompts, through ``records`` in reverse.
+
+    ``verifier``: spot-checks each hop's gradients (`Verifier.check_backward`), or None.
+    """
     grad_prompts = None if prompts is None else torch.zeros_like(prompts)
     for span, inputs in reversed(records):
-        grad = _backward_span(manager, span, inputs, grad, prompts, grad_prompts)
+        grad = _backward_span(manager, span, inputs, grad, prompts, grad_prompts, verifier)
     return grad, grad_prompts
 
 
 def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,
-                   prompts: torch.Tensor | None, grad_prompts: torch.Tensor | None) -> torch.Tensor:
+                   prompts: torch.Tensor | None, grad_prompts: torch.Tensor | None,
+                   verifier: Verifier | None = None) -> torch.Tensor:
     def attempt(n: int) -> torch.Tensor:
-        if n == 0:
+        if n == 0 and span.peer_id not in manager.banned():
             chain = [(span, inputs)]
-        else:  # re-route the span's blocks; recompute the inputs of each new hop
-            _, chain = run_forward(manager, inputs, span.start, span.end, prompts)
+        else:  # re-route the span's blocks (e.g. its server was caught since); recompute each new hop's inputs
+            _, chain = run_forward(manager, inputs, span.start, span.end, prompts, verifier)
         g = grad
         hop_prompt_grads = []
         for hop, hop_inputs in reversed(chain):
@@ -133,6 +138,8 @@ def _backward_span(manager: SequenceManager, span: RemoteSpan, inputs: torch.Ten
             except Exception as exc:
                 manager.on_failure(hop.peer_id, exc)
                 raise
+            if verifier is not None and verifier.enabled:
+                out = verifier.check_backward(hop, hop_inputs, g, prompts, out)
             hop_prompt_grad = _check_backward_reply(hop, out, hop_inputs, span_prompts(prompts, hop))
             g = out[0].to(grad.dtype)
             if hop_prompt_grad is not None:
@@ -177,14 +184,15 @@ class _RemoteBlocks(torch.autograd.Function):
         x = hidden_states.detach().cpu()
         sent_prompts = None if prompts is None else prompts.detach().cpu().to(x.dtype)
         out, records = run_forward(manager, x, prompts=sent_prompts, verifier=verifier)
-        ctx.manager, ctx.records, ctx.prompts = manager, records, sent_prompts
+        ctx.manager, ctx.records, ctx.prompts, ctx.verifier = manager, records, sent_prompts, verifier
         ctx.prompts_meta = None if prompts is None else (prompts.device, prompts.dtype)
         return out.to(hidden_states.device, hidden_states.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad, grad_prompts = run_backward(ctx.manager, ctx.records,
-                                          grad_output.detach().cpu().to(ctx.records[0][1].dtype), ctx.prompts)
+                                          grad_output.detach().cpu().to(ctx.records[0][1].dtype), ctx.prompts,
+                                          ctx.verifier)
         if grad_prompts is not None:
             grad_prompts = grad_prompts.to(*ctx.prompts_meta)
         return grad.to(grad_output.device, grad_output.dtype), grad_prompts, None, None

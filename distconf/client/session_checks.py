@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from distconf.client.span_calls import forward_span
 from distconf.client.verifier import VerificationError
 from distconf.client.verify_compare import update_difference
 from distconf.client.verify_events import VerificationEvent
@@ -120,8 +121,13 @@ def check_session(session: Any, step: int) -> list[tuple[int, VerificationEvent,
             check.passed(position)
             continue
         checker = check.shadow.peer_id
-        verdict = verifier.arbitrate(span_session.span, checker, inputs[:, :position], session.prompts, first,
-                                     primary, checked, step=step, kind="inference", tolerance=tolerance)
+        history = inputs[:, :position]
+
+        def recompute(third: Any, history: torch.Tensor = history, first: int = first) -> torch.Tensor:
+            return forward_span(session.manager, third, history, session.prompts)[:, first:]
+
+        verdict = verifier.arbitrate(span_session.span, checker, recompute, history[:, first:], first, primary,
+                                     checked, step=step, kind="inference", tolerance=tolerance)
         event = verdict.event
         if verdict.primary_guilty:
             owner = check.owner(event.position) or span_session.peer_id

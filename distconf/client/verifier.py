@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from distconf.client.span_calls import forward_span
+from distconf.client.span_calls import backward_span, forward_span
 from distconf.client.verify_compare import tolerance_for, update_difference
 from distconf.client.verify_events import VerificationEvent
 from distconf.dht import RemoteSpan, ServerState
@@ -167,7 +167,7 @@ class Verifier:
         self.listeners: list[Callable[[VerificationEvent], None]] = []
         self.checks = 0
         self._random = random.SystemRandom()
-        self._forward_calls = 0
+        self._calls = 0  # forward and backward calls seen (an event's step for them)
 
     @property
     def enabled(self) -> bool:
@@ -227,28 +227,28 @@ class Verifier:
                 logger.warning("verification listener %r failed: %r", listener, exc)
 
     # ------------------------------------------------------------------ settling a disagreement
-    def arbitrate(self, span: RemoteSpan, checker: str, inputs: torch.Tensor, prompts: torch.Tensor | None,
-                  first: int, primary: torch.Tensor, checked: torch.Tensor, *, step: int, kind: str,
-                  tolerance: float) -> Verdict:
+    def arbitrate(self, span: RemoteSpan, checker: str, recompute: Callable[[RemoteSpan], torch.Tensor],
+                  base: torch.Tensor, first: int, primary: torch.Tensor, checked: torch.Tensor, *, step: int,
+                  kind: str, tolerance: float) -> Verdict:
         """Ask a third server which of ``span``'s server and ``checker`` computed positions ``first..`` right.
 
-        ``inputs``: the span's inputs for positions ``0..`` (all of them: the third server
-        computes them from scratch with ``rpc_forward``); ``primary`` and ``checked``: the two
-        results for positions ``first..``. Raises `VerificationError` when no third server can
+        ``recompute(third)``: the third server's result for those positions (for a session, a
+        one-shot ``rpc_forward`` of the whole history); ``base``: what differences are measured
+        against (the span's inputs there, `update_difference`; zeros for gradients); ``primary``
+        and ``checked``: the two results. Raises `VerificationError` when no third server can
         answer or when it agrees with neither.
         """
         tried: set[str] = {span.peer_id, checker}
-        x = inputs[:, first:]
         for third in self.candidates(span, tried)[:3]:
             tried.add(third.peer_id)
             try:
-                reference = forward_span(self.manager, third, inputs, prompts)[:, first:]
+                reference = recompute(third)
             except Exception as exc:
                 self.manager.on_failure(third.peer_id, exc)
                 logger.debug("third server …%s failed: %r", third.peer_id[-6:], exc)
                 continue
-            to_primary = update_difference(x, reference, primary)
-            to_checker = update_difference(x, reference, checked)
+            to_primary = update_difference(base, reference, primary)
+            to_checker = update_difference(base, reference, checked)
             primary_ok = bool((to_primary <= tolerance).all())
             checker_ok = bool((to_checker <= tolerance).all())
             if primary_ok == checker_ok:
@@ -266,31 +266,67 @@ class Verifier:
             f"servers …{span.peer_id[-6:]} and …{checker[-6:]} disagree on blocks {span.start}..{span.end - 1} "
             f"and no third server settles it (asked: {len(tried) - 2})")
 
-    # ------------------------------------------------------------------ forward calls
-    def check_forward(self, span: RemoteSpan, x: torch.Tensor, out: torch.Tensor, prompts: torch.Tensor | None
-                      ) -> torch.Tensor:
-        """``out`` (``span``'s answer to ``x``), or the honest result if a spot check catches the server."""
-        self._forward_calls += 1
+    # ------------------------------------------------------------------ forward and backward calls
+    def check_call(self, span: RemoteSpan, compute: Callable[[RemoteSpan], torch.Tensor], base: torch.Tensor,
+                   out: torch.Tensor, kind: str) -> torch.Tensor:
+        """``out`` (``span``'s result), or the honest result if a spot check catches the server.
+
+        ``compute(server)``: the same call to another server (``rpc_forward`` or ``rpc_backward``);
+        ``base``: what differences are measured against (the inputs for hidden states, zeros for
+        gradients). Checked with probability ``verify_fraction``.
+        """
+        self._calls += 1
         if not self.draw():
             return out
         self.checks += 1
         for checker in self.candidates(span, {span.peer_id})[:3]:
             try:
-                checked = forward_span(self.manager, checker, x, prompts)
+                checked = compute(checker)
             except Exception as exc:
                 self.manager.on_failure(checker.peer_id, exc)
                 continue
             tolerance = self.tolerance(self.manager.server_dtype(span), self.manager.server_dtype(checker))
-            if bool((update_difference(x, checked, out) <= tolerance).all()):
+            if bool((update_difference(base, checked, out) <= tolerance).all()):
                 return out
-            verdict = self.arbitrate(span, checker.peer_id, x, prompts, 0, out, checked,
-                                     step=self._forward_calls - 1, kind="forward", tolerance=tolerance)
+            verdict = self.arbitrate(span, checker.peer_id, compute, base, 0, out, checked,
+                                     step=self._calls - 1, kind=kind, tolerance=tolerance)
             self.ban(verdict.guilty, until=time.monotonic() + float(self.config.ban_timeout))
             self.record(verdict.event)
             return checked if verdict.primary_guilty else out
         raise VerificationError(f"no independent server of the same form ({_form(span)[0]}, {_form(span)[1]}) "
                                 f"can check blocks {span.start}..{span.end - 1} (verify_fraction={self.fraction}; "
                                 f"set it to 0 to run unchecked)")
+
+    def check_forward(self, span: RemoteSpan, x: torch.Tensor, out: torch.Tensor, prompts: torch.Tensor | None
+                      ) -> torch.Tensor:
+        """`check_call` for a ``rpc_forward`` of ``x`` (with deep ``prompts``) that answered ``out``."""
+        return self.check_call(span, lambda server: forward_span(self.manager, server, x, prompts), x, out, "forward")
+
+    def check_backward(self, span: RemoteSpan, inputs: torch.Tensor, grad: torch.Tensor,
+                       prompts: torch.Tensor | None, out: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`check_call` for a ``rpc_backward`` reply ``out`` (the inputs' gradient, then the deep prompts')."""
+        if not out:
+            return out
+
+        def compute(server: RemoteSpan) -> torch.Tensor:
+            return _joined(backward_span(self.manager, server, inputs, grad, prompts), len(out))
+
+        joined = _joined(out, len(out))
+        honest = self.check_call(span, compute, torch.zeros_like(joined), joined, "backward")
+        if honest is joined:
+            return out
+        return [honest[0, i, :t.numel()].reshape(t.shape).to(t.dtype) for i, t in enumerate(out)]
+
+
+def _joined(grads: list[torch.Tensor], count: int) -> torch.Tensor:
+    """A backward reply as one ``[1, tensors, n]`` tensor, each tensor flattened into a row (padded with zeros),
+    so each is compared on its own (`update_difference` per row)."""
+    if len(grads) != count:
+        raise ConnectionError(f"a backward reply of {len(grads)} tensors, {count} expected")
+    joined = torch.zeros(1, count, max(g.numel() for g in grads))
+    for i, g in enumerate(grads):
+        joined[0, i, :g.numel()] = g.detach().float().reshape(-1)
+    return joined
 
 
 def _form(span: RemoteSpan) -> tuple[str | None, str | None]:
