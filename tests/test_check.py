@@ -66,6 +66,12 @@ BROKEN = [
      "block.position.rotary_class"),
     ("deepseek_v2", lambda t: t.replace("kv_cache:\n  num_kv_heads: 1\n  key_head_dim: kv_lora_rank\n"
                                         "  value_head_dim: qk_rope_head_dim\n", ""), "kv_groups"),
+    # per-sequence state: a wrong shape is named by its field
+    ("mamba2", lambda t: t.replace("state_size\", conv_kernel]", "state_size\", 2]"), "state.conv_shape"),
+    ("mamba2", lambda t: t.replace("[num_heads, head_dim, state_size]", "[num_heads, head_dim, n_groups]"),
+     "state.recurrent_shape"),
+    ("mamba2", lambda t: t.replace("    cache_argument: cache\n", "    cache_argument: cache_params_x\n"),
+     "block.call.cache_argument"),
 ]
 
 

@@ -18,14 +18,19 @@ from distconf.loader.presets import list_presets, preset_path
 CHECKED_IN_TEST_DRAFTING = {"Qwen/Qwen3-4B", "google/gemma-2-9b", "deepseek-ai/DeepSeek-V2-Lite",
                             "EleutherAI/gpt-neox-20b", "Qwen/Qwen3-30B-A3B", "microsoft/Phi-3-mini-4k-instruct"}
 
+NOT_DRAFTED_YET = {"mistralai/Mamba-Codestral-7B-v0.1"}
+"""Presets of families whose layers keep a per-sequence `state`: the drafter does not write a `state` section
+yet (issue 23); their hand-written family files pass `distconf check` (tests/test_check.py)."""
+
 
 def test_every_preset_is_checked_somewhere() -> None:
     assert CHECKED_IN_TEST_DRAFTING <= set(list_presets())
+    assert NOT_DRAFTED_YET <= set(list_presets())
     assert len(list_presets()) > len(CHECKED_IN_TEST_DRAFTING)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hub_id", sorted(set(list_presets()) - CHECKED_IN_TEST_DRAFTING))
+@pytest.mark.parametrize("hub_id", sorted(set(list_presets()) - CHECKED_IN_TEST_DRAFTING - NOT_DRAFTED_YET))
 def test_new_from_preset_passes_check(hub_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                       fresh_cache: None) -> None:
     family = "drafted_" + re.sub(r"[^a-z0-9]+", "_", hub_id.split("/")[1].lower()).strip("_")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
+from distconf.blocks.state import BlockStateCache
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
@@ -291,14 +292,20 @@ class BlockAdapter:
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Run the block on ``[batch, seq, hidden]`` hidden states.
 
-        ``layer_past`` is the ``(key, value)`` cache of earlier tokens (or None). Returns
+        ``layer_past`` is the ``(key, value)`` cache of earlier tokens (or None; for a family with a
+        ``state`` section, the ``(conv, recurrent)`` state of `distconf.blocks.state`). Returns
         the new hidden states and, if ``use_cache``, the cache including these tokens.
         ``rows``: each row's positions and padding, when rows of one call have different lengths.
         """
         settings = self._distconf
-        past = int(layer_past[0].shape[-2]) if layer_past is not None else 0
-        cache = (BlockKVCache(layer_past, settings.geometry.num_kv_heads, settings.layer_writes)
-                 if (use_cache or layer_past) else None)
+        cache: BlockKVCache | BlockStateCache | None
+        if type(self).family_spec.state is not None:  # per-sequence (conv, recurrent) state, no positions kept
+            past = 0
+            cache = BlockStateCache(layer_past) if (use_cache or layer_past) else None
+        else:
+            past = int(layer_past[0].shape[-2]) if layer_past is not None else 0
+            cache = (BlockKVCache(layer_past, settings.geometry.num_kv_heads, settings.layer_writes)
+                     if (use_cache or layer_past) else None)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
         output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]
         if isinstance(output, (tuple, list)):

@@ -59,8 +59,12 @@ def _default_head_dim(config: DistributedConfig) -> int:
 
 
 def kv_geometry(config: DistributedConfig) -> KVGeometry:
-    """The KV-cache geometry a block of ``config`` keeps per token (from its family file)."""
-    spec = type(config).family_spec.kv_cache
+    """The KV-cache geometry a block of ``config`` keeps per token (from its family file; all 0 for a
+    family whose layers keep a per-sequence ``state`` instead)."""
+    family = type(config).family_spec
+    if family.state is not None:  # a recurrent block: per-sequence state (distconf.blocks.state), no KV
+        return KVGeometry(0, 0, 0, 0)
+    spec = family.kv_cache
     heads = _value(config, "num_kv_heads", spec.num_kv_heads,
                    lambda: config.num_attention_heads // config.num_key_value_groups)
     key_dim = _value(config, "key_head_dim", spec.key_head_dim, lambda: _default_head_dim(config))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from distconf.blocks.build import build_block
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.quant import QUANT_BYTES, normalize_quant
+from distconf.blocks.state import state_geometry
 from distconf.loader.config_protocol import DistributedConfig
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "block_size_bytes", "block_param_count", "layer_param_counts", "kv_cache_bytes_per_token", "bytes_per_value",
-    "kv_geometry", "KVGeometry", "SIZE_MARGIN", "QUANT_BYTES", "layer_sizes",
+    "kv_geometry", "KVGeometry", "SIZE_MARGIN", "QUANT_BYTES", "layer_sizes", "state_bytes_per_sequence",
 ]
 
 SIZE_MARGIN = 1.01
@@ -131,3 +132,12 @@ def block_size_bytes(config: DistributedConfig, dtype: torch.dtype | None = None
 def kv_cache_bytes_per_token(config: DistributedConfig, dtype: torch.dtype | None = None) -> int:
     """Bytes one block keeps in its KV cache per token (per sequence), in ``dtype`` (default bfloat16)."""
     return int(kv_geometry(config).values_per_token * bytes_per_value(dtype))
+
+
+def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | None = None) -> int:
+    """Bytes of state one block keeps per sequence in ``dtype`` (the family's ``state`` section; 0 for KV blocks)."""
+    geometry = state_geometry(config)
+    if geometry is None:
+        return 0
+    recurrent_bytes = 4 if geometry.recurrent_float32 else bytes_per_value(dtype)
+    return int(geometry.conv_values * bytes_per_value(dtype) + geometry.recurrent_values * recurrent_bytes)

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         results.extend(check_family(target))
     rows = []
     for r in results:
-        kv = f"{_fmt(r.kv_declared)}/{_fmt(r.kv_actual)}"
+        kv = f"{_fmt(r.kv_declared)}/{_fmt(r.kv_actual)}" + (" per seq" if r.cache_unit == "sequence" else "")
         size = "ok" if r.size_declared is not None and r.size_declared == r.size_actual else "-"
         rows.append([
             r.family, r.variant if len(r.variant) <= 48 else r.variant[:45] + "...", _fmt(r.layers or None),

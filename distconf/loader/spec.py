@@ -9,12 +9,13 @@ import re
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER
 from distconf.loader.spec_block import BlockSpec, KVCacheSpec
+from distconf.loader.spec_state import StateSpec
 from distconf.loader.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
@@ -94,8 +95,10 @@ class FamilySpec(StrictModel):
                             description="The HF model_type this family serves (AutoDistributedConfig dispatch).")
     config_class: ClassPath = Field(description="The Hugging Face config class to extend.")
     block: BlockSpec
-    kv_groups: IntOrFormula = Field(
-        description="Query heads per KV head: an integer, or a formula over config fields."
+    kv_groups: IntOrFormula | None = Field(
+        default=None,
+        description="Query heads per KV head: an integer, or a formula over config fields. Required unless "
+                    "the family's layers keep a per-sequence state instead of a KV cache (`state`).",
     )
     petals_kv_groups: int | None = Field(
         default=None, ge=1, le=MAX_SPEC_INT,
@@ -104,6 +107,11 @@ class FamilySpec(StrictModel):
     )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec,
                                   description="How many values per token one block keeps in its KV cache.")
+    state: StateSpec | None = Field(
+        default=None,
+        description="Per-sequence state (convolution / recurrent) every layer keeps instead of a KV cache, "
+                    "sized per sequence rather than per token. Null: the layers keep a KV cache (kv_cache).",
+    )
     dht_prefix: DhtPrefixRule
     after_load: AfterLoad = Field(default_factory=AfterLoad)
     revisions: dict[str, str] = Field(
@@ -128,6 +136,12 @@ class FamilySpec(StrictModel):
                     f"revision of {excerpt(hub_id)} must be a 40-hex commit hash, got {excerpt(commit, 48)}")
         return value
 
+    @model_validator(mode="after")
+    def _kv_groups_needed(self) -> FamilySpec:
+        if self.kv_groups is None and self.state is None:
+            raise ValueError("kv_groups is required (only a family whose layers keep a `state` may omit it)")
+        return self
+
     def kv_groups_for(self, config: object) -> int:
         """Query heads per KV head of ``config``: ``kv_groups`` (an integer, or its formula evaluated).
 
@@ -135,6 +149,8 @@ class FamilySpec(StrictModel):
         raises `ConfigValueError` (quoting the values read, as short excerpts) otherwise.
         """
         value: Any = self.kv_groups
+        if value is None:  # a state family: no attention heads to group
+            return 1
         formula = value if isinstance(value, Formula) else None
         if formula is not None:
             try:

@@ -93,11 +93,12 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
     import torch
 
     from distconf.blocks.kvcache import BlockKVCache
+    from distconf.blocks.state import BlockStateCache
 
     got_cache: list[bool] = []
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
-        got_cache.append(any(isinstance(v, BlockKVCache) for v in (*args, *kwargs.values())))
+        got_cache.append(any(isinstance(v, (BlockKVCache, BlockStateCache)) for v in (*args, *kwargs.values())))
 
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]
     try:

@@ -24,6 +24,8 @@ class CheckResult:
     incremental_diff: float | None = None
     kv_declared: int | None = None
     kv_actual: int | None = None
+    cache_unit: str = "token"
+    """What kv_declared / kv_actual count bytes of: 'token' (KV cache) or 'sequence' (a recurrent state)."""
     size_declared: int | None = None
     size_actual: int | None = None
     shards: int = 0

@@ -1,4 +1,5 @@
-"""Step 4 of the check: the KV cache the blocks really hold, and their size, against the family's formulas."""
+"""Step 4 of the check: the KV cache (or per-sequence state) the blocks really hold, and their size, against
+the family's formulas."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from distconf.tools.checker.failures import CheckFailure, located_failure
 from distconf.tools.checker.reference import BATCH, SEQ_LEN
 from distconf.tools.checker.result import CheckResult
 
-__all__ = ["check_kv_cache", "check_block_sizes", "loaded_block_bytes"]
+__all__ = ["check_kv_cache", "check_state", "check_block_sizes", "loaded_block_bytes"]
 
 
 def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], result: CheckResult) -> None:
@@ -18,7 +19,11 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
     import torch
 
     from distconf.blocks.sizing import kv_cache_bytes_per_token
+    from distconf.blocks.state import keeps_state
 
+    if keeps_state(config):
+        check_state(cls, config, caches, result)
+        return
     declared = kv_cache_bytes_per_token(config, torch.float32)
     result.kv_declared = declared
     held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in caches]
@@ -80,3 +85,34 @@ def check_block_sizes(cls: type, config: DistributedConfig, blocks: list[Any], r
                                   f"the loaded block takes {actual}")
     result.size_declared = block_size_bytes(config, torch.float32)
     result.size_actual = max(loaded_block_bytes(b) for b in blocks)
+
+
+def check_state(cls: type, config: DistributedConfig, states: list[Any], result: CheckResult) -> None:
+    """Each block's ``(conv, recurrent)`` state must have the family's ``state`` shapes and dtypes per sequence.
+
+    ``result.kv_declared`` / ``kv_actual`` then hold bytes per sequence (not per token).
+    """
+    import torch
+
+    from distconf.blocks.sizing import state_bytes_per_sequence
+    from distconf.blocks.state import state_geometry
+
+    geometry = state_geometry(config)
+    assert geometry is not None
+    declared = state_bytes_per_sequence(config, torch.float32)
+    result.kv_declared, result.cache_unit = declared, "sequence"
+    expected = (("conv_shape", geometry.conv_shape), ("recurrent_shape", geometry.recurrent_shape))
+    for i, state in enumerate(states):
+        for (field, shape), held in zip(expected, state):
+            got = None if held is None else tuple(held.shape[1:])
+            if got != shape:
+                raise located_failure(cls, ("state", field), f"block {i} keeps a {field.split('_')[0]} state of "
+                                      f"shape {got} per sequence, the family declares {shape}")
+        if state[1] is not None and geometry.recurrent_float32 != (state[1].dtype == torch.float32):
+            raise located_failure(cls, ("state", "recurrent_dtype"), f"block {i} keeps its recurrent state in "
+                                  f"{state[1].dtype}")
+    held_bytes = [sum(t.numel() * t.element_size() for t in state if t is not None) // BATCH for state in states]
+    result.kv_actual = max(held_bytes)
+    if result.kv_actual != declared:
+        raise located_failure(cls, ("state",), f"blocks keep {result.kv_actual} bytes per sequence, the family "
+                              f"declares {declared}")

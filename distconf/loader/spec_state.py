@@ -1,0 +1,52 @@
+"""Family-file model of the per-sequence state a block keeps instead of a KV cache.
+
+Recurrent and state-space layers (convolution + SSM / linear-attention state) keep a
+fixed-size state per sequence, whatever its length: the family's ``state`` section gives
+its shapes as formulas over config fields, so a server sizes it (bytes per sequence, not
+per token), and the block's cache object hands it to the layer the way transformers'
+cache does (``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` /
+``update_recurrent_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from distconf.loader.spec_types import IntOrFormula, StrictModel
+
+__all__ = ["StateSpec"]
+
+
+class StateSpec(StrictModel):
+    """Per-sequence state of a recurrent block: a convolution window and/or a recurrent (SSM) state.
+
+    Every layer of the family keeps this state and no KV cache. Bytes per sequence per block =
+    ``prod(conv_shape) x bytes(block dtype) + prod(recurrent_shape) x bytes(recurrent_dtype)``.
+    ``distconf check`` verifies the shapes against what the layer really keeps.
+    """
+
+    conv_shape: list[IntOrFormula] | None = Field(
+        default=None, min_length=1,
+        description="Shape of the convolution state of one sequence (e.g. [channels, conv_kernel]), each entry "
+                    "an integer or a formula over config fields; the layer reads it with get_conv_state and "
+                    "writes it with update_conv_state. Null: the layer keeps no convolution state.",
+    )
+    recurrent_shape: list[IntOrFormula] | None = Field(
+        default=None, min_length=1,
+        description="Shape of the recurrent (SSM / linear-attention) state of one sequence (e.g. [num_heads, "
+                    "head_dim, state_size]); read with get_recurrent_state, written with update_recurrent_state "
+                    "(or in place). Null: the layer keeps no recurrent state.",
+    )
+    recurrent_dtype: Literal["block", "float32"] = Field(
+        default="block",
+        description="dtype the layer keeps its recurrent state in: 'block' (the block's dtype) or 'float32' "
+                    "(layers whose scan accumulates in float32 whatever the weights' dtype).",
+    )
+
+    @model_validator(mode="after")
+    def _some_state(self) -> StateSpec:
+        if self.conv_shape is None and self.recurrent_shape is None:
+            raise ValueError("state needs conv_shape, recurrent_shape or both")
+        return self
