@@ -8,8 +8,8 @@ A failure is classified by cause (the first error line matched against the class
 
 Examples:
   python benchmarks/sweep_architectures.py --out sweep.json             every type (takes long)
-  python benchmarks/sweep_architectures.py --only qwen2,mamba --out s.json
-  python benchmarks/sweep_architectures.py --skip moshi --timeout 120 --workdir /tmp/sweep
+  python benchmarks/sweep_architectures.py --only TYPE,TYPE --out s.json   some model_type values
+  python benchmarks/sweep_architectures.py --skip TYPE --timeout 120 --workdir /tmp/sweep
   python benchmarks/sweep_architectures.py --list                        the swept and excluded types, no run
 """
 
