@@ -1,0 +1,82 @@
+"""benchmarks/sweep_architectures.py: exclusions from transformers' metadata, the failure classes, the child runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_architectures.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("sweep_architectures", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def data(sweep):
+    return yaml.safe_load(sweep.DATA.read_text(encoding="utf-8"))
+
+
+def test_every_type_is_swept_or_excluded_with_a_reason(sweep, data) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+
+    types, excluded = sweep.swept_types(data)
+    assert sorted(types + list(excluded)) == sorted(causal)
+    assert all(reason.strip() for reason in excluded.values())
+    assert excluded["gpt-sw3"].startswith("alias") and "gpt2" in types
+    assert excluded["bart"].startswith("encoder-decoder") and excluded["bert"].startswith("bidirectional")
+    assert excluded["gemma3"].startswith("multimodal wrapper") and "gemma3_text" in types
+    assert "reformer" in types and "mllama" in types  # kept; a text model without its own causal-LM type
+
+
+@pytest.mark.parametrize(("text", "cause"), [
+    ("'BlockKVCache' object has no attribute 'get_conv_state'", "recurrent_state"),
+    ("  - no *Attention module inside MambaBlock; set attention_class by hand", "recurrent_state"),
+    ("'BlockKVCache' object has no attribute 'update_indexer'", "caches_beyond_kv"),
+    ("no ModuleList of 128 layers", "layer_stack"),
+    ("mat1 and mat2 shapes cannot be multiplied (2x64 and 256x24)", "hidden_not_bsh"),
+    ("forward() got an unexpected keyword argument 'cache'", "call_convention"),
+    ("layer 2 is a Inkling2FullDecoderLayer, not Inkling2SlidingDecoderLayer", "layer_class_per_type"),
+    ("KeyError: 'full_attention'", "positions_outside"),
+    ("blocks cache 4 KV heads but the family declares 2", "kv_geometry"),
+    ("AttributeError: 'Spec' object has no attribute 'family_source'", "tool_bug"),
+    ("distconf new: transformers cannot build the model of this config.json (...)", "defaults_do_not_build"),
+    ("something nobody has seen", "unclassified"),
+])
+def test_issue_errors_fall_in_their_class(sweep, data, text: str, cause: str) -> None:
+    assert sweep.classify(text, [], data["classes"])[0] == cause
+
+
+def test_config_hints_class_an_unmatched_failure(sweep, data) -> None:
+    hints = ["hidden_size", "layer_types=full_attention", "layer_types=linear_attention"]
+    assert sweep.classify("x [tiny]: shapes differ", hints, data["classes"])[0] == "recurrent_state"
+    assert sweep.classify("x [tiny]: shapes differ", ["hidden_size"], data["classes"])[0] == "unclassified"
+
+
+def test_first_error_is_the_checkers_line_else_the_raised_exception(sweep) -> None:
+    out = "table\nfam: layer kinds not listed\n"
+    err = "[transformers] noise\nfam [tiny]: fam.yaml:3:1: block.x: wrong\n"
+    assert sweep.first_error(out, err, "fam")[0] == "fam [tiny]: fam.yaml:3:1: block.x: wrong"
+    trace = "Traceback (most recent call last):\n  File \"x\", line 1\nValueError: bad value\n"
+    assert sweep.first_error("", trace, "fam") == ("ValueError: bad value", ["traceback"])
+    assert sweep.first_error(out, "", "fam")[0] == "fam: layer kinds not listed"
+
+
+def test_a_child_over_its_timeout_is_stopped_with_its_group(sweep, tmp_path) -> None:
+    start = time.monotonic()
+    cmd = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+           "'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"]
+    rc, out, _ = sweep.run_child(cmd, 2.0, tmp_path, tmp_path)
+    assert rc is None and "started" in out
+    assert time.monotonic() - start < 30
