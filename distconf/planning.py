@@ -119,7 +119,7 @@ def batch_activation_bytes(config: DistributedConfig, rows: int, new_tokens: int
     """
     hidden = int(config.hidden_size)
     intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
-    heads = int(config.num_attention_heads)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)  # 0: a recurrent block computes no scores
     tokens = rows * new_tokens
     scores = rows * heads * new_tokens * (past + new_tokens) * 4
     mlp = tokens * (4 * hidden + 3 * intermediate) * dtype_bytes(dtype)
@@ -165,6 +165,10 @@ class ServerPlan:
     petals_default_attn_cache_tokens: int
     petals_default_cache_bytes_per_block: int
     petals_default_num_blocks: int
+    state_bytes_per_sequence: int = 0
+    """Bytes of per-sequence state one block keeps (recurrent blocks; 0 for KV blocks)."""
+    state_sequences: int = 0
+    """Sequences whose state the cache holds per block: attn_cache_tokens // max_length, at least 1."""
 
     @property
     def total_block_bytes(self) -> int:
@@ -216,7 +220,8 @@ def plan_server(
 
     ``blocks = floor((memory - autograd reserve) / (block size + cache per block))``,
     capped at the layer count, where cache per block = KV bytes per token (correct
-    geometry, in ``dtype``) x ``attn_cache_tokens``.
+    geometry, in ``dtype``) x ``attn_cache_tokens``, plus, for blocks keeping a per-sequence
+    state, its bytes x ``attn_cache_tokens // default_max_length`` sequences (at least one).
 
     :param config: a distributed config (needs ``hidden_size``, ``num_hidden_layers``,
         ``num_key_value_groups`` and whatever the block sizing needs).
@@ -245,7 +250,10 @@ def plan_server(
                                                           device_type=device_type))
         if kv_bytes_per_token is None:
             kv_bytes_per_token = int(sizing.kv_cache_bytes_per_token(config, _torch_dtype(dtype_name)))
-    cache_per_block = kv_bytes_per_token * attn_cache_tokens
+    state_bytes = sizing.state_bytes_per_sequence(config, _torch_dtype(dtype_name))
+    # a state is kept per sequence: the budget's tokens count as sequences of the default max length
+    state_sequences = max(1, attn_cache_tokens // default_max_length(config)) if state_bytes else 0
+    cache_per_block = kv_bytes_per_token * attn_cache_tokens + state_bytes * state_sequences
     reserve = autograd_reserve_bytes(config, num_devices)
     layers = int(config.num_hidden_layers)
 
@@ -277,6 +285,8 @@ def plan_server(
         petals_default_attn_cache_tokens=petals_default_tokens,
         petals_default_cache_bytes_per_block=petals_default_cache,
         petals_default_num_blocks=fit(petals_default_cache),
+        state_bytes_per_sequence=state_bytes,
+        state_sequences=state_sequences,
     )
 
 

@@ -85,8 +85,9 @@ def test_batched_steps_equal_alone(family: str, variant: int) -> None:
     for session in sessions:
         assert session.batched.position == session.alone.position
         pos = session.alone.position
-        for kb, ka in zip(session.batched.keys, session.alone.keys):
-            assert close(kb[:, :, :pos], ka[:, :, :pos])
+        for b, kb, ka in zip(session.batched.blocks, session.batched.keys, session.alone.keys):
+            if not b.keeps_state:  # a recurrent block's session is computed alone (batch_key)
+                assert close(kb[:, :, :pos], ka[:, :, :pos])
 
 
 def test_one_part_is_the_alone_path() -> None:

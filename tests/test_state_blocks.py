@@ -133,3 +133,60 @@ def test_a_family_without_state_still_needs_kv_groups(tmp_path: Path) -> None:
                         lambda text: re.sub(r"\nstate:\n(  .*\n)+", "\n", text))
     with pytest.raises(FamilyValidationError, match="kv_groups"):
         load_family(path)
+
+
+# ---------------------------------------------------------------- a server's session over such blocks
+
+
+def _served(config: object, blocks: list[object]) -> list[object]:
+    from distconf.server.compute import ServedBlock
+
+    state = state_bytes_per_sequence(config, torch.float32)
+    return [ServedBlock(f"b.{i}", i, b, torch.float32, kv_geometry(config), 0, state) for i, b in enumerate(blocks)]
+
+
+def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
+    from distconf.server.batch_step import StepPart, batch_key
+    from distconf.server.compute import SessionCache
+
+    config, _, blocks = tiny
+    served = _served(config, blocks)
+    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected, _ = _steps(blocks, hidden, [7])
+    # the budget is charged per row (sequence), whatever max_length
+    per_row = 2 * served[0].state_bytes_per_sequence
+    assert SessionCache.nbytes(served, 3, 100) == SessionCache.nbytes(served, 3, 10) == 3 * per_row
+    cache = SessionCache(served, 3, 16)
+    cache.allocate()
+    outputs = [cache.step(hidden[:, :4], [None, None], None)]
+    outputs += [cache.step(hidden[:, i:i + 1], [None, None], None) for i in range(4, 7)]
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
+    # beam search: hypo_ids reorder the state rows
+    hypo_ids = torch.tensor([1, 1, 0])
+    nxt = torch.randn(3, 1, config.hidden_size)
+    out = cache.step(nxt, [None, None], hypo_ids)
+    ref, _ = _steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
+    torch.testing.assert_close(out, ref[:, 7:], rtol=1e-5, atol=1e-5)
+    # a rewind: refused except to where it stands or to 0 (which empties the state)
+    assert cache.rewind_refusal(8) is None and cache.rewind_refusal(0) is None
+    assert "cannot be cut back from position 8" in cache.rewind_refusal(5)
+    cache.restart(0)
+    again = cache.step(hidden, [None, None], None)
+    torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
+    # never batched with another session: its rows would be padded through the recurrence
+    other = SessionCache(served, 1, 16)
+    parts = [StepPart(c, hidden[:1, :1], [None, None]) for c in (cache, other)]
+    assert batch_key(parts[0]) != batch_key(parts[1])
+    cache.release()
+    assert cache.states == []
+
+
+def test_plan_counts_state_per_sequence() -> None:
+    from distconf.planning import default_max_length, plan_server
+
+    cls = load_family(FAMILY)
+    config = cls.from_json_file(str(preset_path("mistralai/Mamba-Codestral-7B-v0.1")))
+    plan = plan_server(config, "64GiB", "bfloat16", attn_cache_tokens=8192)
+    assert plan.kv_bytes_per_token == 0
+    assert plan.state_sequences == 8192 // default_max_length(config)
+    assert plan.cache_bytes_per_block == plan.state_bytes_per_sequence * plan.state_sequences > 0

@@ -47,7 +47,13 @@ class StepPart:
 
 def batch_key(part: StepPart) -> tuple[object, ...]:
     """Parts with equal keys may be computed together: the same blocks, and the same position
-    when the family's layers read positions from the cache length (``position.from_cache_length``)."""
+    when the family's layers read positions from the cache length (``position.from_cache_length``).
+
+    A session whose blocks keep a recurrent state is computed alone (its own key): rows padded
+    on the left would run through the recurrence and change its state.
+    """
+    if part.cache.keeps_state:
+        return ("alone", id(part.cache))
     blocks = part.cache.blocks
     spec = getattr(blocks[0].module, "family_spec", None) if blocks else None
     same_position = spec is not None and spec.block.position.from_cache_length

@@ -307,6 +307,7 @@ class BlockServer(SpanMoves):
         Its ``rpc_info`` reports ``weights_sha256`` and ``block_sha256`` (default: this server's).
         """
         from distconf.blocks.kvcache import kv_geometry
+        from distconf.blocks.sizing import state_bytes_per_sequence
         from distconf.loader.naming import block_uids
         from distconf.planning import autograd_reserve_bytes, batch_activation_bytes, default_max_length
         from distconf.server.compute import ServedBlock
@@ -318,7 +319,8 @@ class BlockServer(SpanMoves):
         o, config = self.options, self.config
         uids = block_uids(config.dht_prefix, start, start + len(modules))
         geometry = kv_geometry(config)
-        served = [ServedBlock(uid, start + i, m, self.dtype, geometry, self.kv_bytes_per_token)
+        state_bytes = state_bytes_per_sequence(config, self.dtype)
+        served = [ServedBlock(uid, start + i, m, self.dtype, geometry, self.kv_bytes_per_token, state_bytes)
                   for i, (uid, m) in enumerate(zip(uids, modules))]
         settings = HandlerSettings(
             dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,

@@ -1,7 +1,8 @@
 """What a server computes on its blocks: forward, backward and cached inference steps.
 
 Blocks follow the adapter's calling convention (``hidden, present = block(hidden,
-layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``).
+layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``; a
+recurrent block's ``(conv, recurrent)`` state per row instead, see `distconf.blocks.state`).
 Requests arrive and replies leave on the CPU; inputs move to the blocks' device (where the
 caches live too) and results come back, so a GPU server needs nothing else here.
 These functions are synchronous and run in the server's one compute thread, in the order
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.kvcache import KVGeometry
+from distconf.blocks.state import keeps_state
 
 __all__ = ["ServedBlock", "SessionCache", "add_prompt", "backward_chain", "forward_chain", "on_device"]
 
@@ -32,11 +34,18 @@ class ServedBlock:
     dtype: torch.dtype
     geometry: KVGeometry
     kv_bytes_per_token: int
+    state_bytes_per_sequence: int = 0
+    """Bytes of per-sequence state (a recurrent block's conv and SSM state, `distconf.blocks.state`)."""
     device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
         weight = next(iter(self.module.parameters()), None) if hasattr(self.module, "parameters") else None
         self.device = torch.device("cpu") if weight is None else weight.device
+
+    @property
+    def keeps_state(self) -> bool:
+        """The block keeps a per-sequence state (its family's ``state`` section), not a KV cache."""
+        return keeps_state(type(self.module))
 
 
 def on_device(blocks: Sequence[ServedBlock], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -89,7 +98,12 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
 
 @dataclass
 class SessionCache:
-    """The preallocated KV cache of one inference session: every block of its chain, ``batch x max_length``."""
+    """The preallocated KV cache of one inference session: every block of its chain, ``batch x max_length``.
+
+    A block that keeps a per-sequence state instead (`ServedBlock.keeps_state`) holds its
+    ``(conv, recurrent)`` state in ``states`` (None before the first token); its bytes were
+    reserved with the session (`nbytes`), the tensors come from the block's first step.
+    """
 
     blocks: Sequence[ServedBlock]
     batch: int
@@ -97,15 +111,39 @@ class SessionCache:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     position: int = 0
+    states: list[Any] = field(default_factory=list)
 
     @staticmethod
     def nbytes(blocks: Sequence[ServedBlock], batch: int, max_length: int) -> int:
-        """Bytes a session of ``batch x max_length`` tokens holds over ``blocks``."""
-        return sum(b.kv_bytes_per_token for b in blocks) * batch * max_length
+        """Bytes a session of ``batch x max_length`` tokens holds over ``blocks`` (KV per token, state per row)."""
+        return (sum(b.kv_bytes_per_token for b in blocks) * batch * max_length
+                + sum(b.state_bytes_per_sequence for b in blocks) * batch)
+
+    @property
+    def keeps_state(self) -> bool:
+        """Some block of the chain keeps a recurrent state (it cannot be cut back to an earlier position)."""
+        return any(b.keeps_state for b in self.blocks)
+
+    def rewind_refusal(self, position: int) -> str | None:
+        """Why the session cannot restart from ``position`` (None: it can).
+
+        A KV cache is cut back by position; a recurrent state holds every earlier token
+        folded together, so it can only restart where it stands or from the empty state (0).
+        """
+        if not self.keeps_state or position in (0, self.position):
+            return None
+        return (f"start_from_position={position} is refused: the blocks keep a recurrent state per sequence, "
+                f"which cannot be cut back from position {self.position} (only to 0 or {self.position}); "
+                "replay the tokens from 0 instead")
 
     def allocate(self) -> None:
-        """Allocate the cache tensors (zeros)."""
+        """Allocate the cache tensors (zeros); a state block's state starts empty (None)."""
+        self.states = [None] * len(self.blocks)
         for b in self.blocks:
+            if b.keeps_state:
+                self.keys.append(torch.zeros(0))
+                self.values.append(torch.zeros(0))
+                continue
             g = b.geometry
             self.keys.append(torch.zeros(self.batch, g.num_kv_heads, self.max_length, g.key_head_dim, dtype=b.dtype,
                                          device=b.device))
@@ -114,7 +152,13 @@ class SessionCache:
 
     def release(self) -> None:
         """Drop the cache tensors (a step computing at this moment keeps the lists it started with)."""
-        self.keys, self.values = [], []
+        self.keys, self.values, self.states = [], [], []
+
+    def restart(self, position: int) -> None:
+        """Continue from ``position`` (the caller checked `rewind_refusal`): 0 empties every state."""
+        if position == 0:
+            self.states = [None] * len(self.states)
+        self.position = position
 
     def reorder(self, hypo_ids: torch.Tensor | None) -> None:
         """Reorder the cached rows (beam search's ``hypo_ids``: row ``i`` becomes old row ``hypo_ids[i]``)."""
@@ -123,7 +167,12 @@ class SessionCache:
             return
         (hypo_ids,) = on_device(self.blocks, hypo_ids)
         with torch.inference_mode():
-            for k, v in zip(self.keys, self.values):
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                if self.blocks[i].keeps_state:
+                    state = self.states[i]
+                    if state is not None:
+                        self.states[i] = tuple(None if t is None else t[hypo_ids] for t in state)
+                    continue
                 k[:, :, :pos] = k[hypo_ids, :, :pos]
                 v[:, :, :pos] = v[hypo_ids, :, :pos]
 
@@ -136,10 +185,18 @@ class SessionCache:
         with torch.inference_mode():
             if n == 0:
                 return hidden.cpu()
-            for block, k, v, prompt in zip(self.blocks, self.keys, self.values, prompts):
+            old_states = self.states
+            states = list(old_states)  # taken only when every block succeeded: a failed step leaves no trace
+            for i, (block, k, v, prompt) in enumerate(zip(self.blocks, self.keys, self.values, prompts)):
+                if block.keeps_state:
+                    hidden, states[i] = block.module(add_prompt(hidden, prompt, pos), layer_past=states[i],
+                                                     use_cache=True)
+                    continue
                 past = (k[:, :, :pos], v[:, :, :pos]) if pos > 0 else None
                 hidden, present = block.module(add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
                 k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
                 v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
+        if self.states is old_states:  # not released meanwhile
+            self.states = states
         self.position = pos + n
         return hidden.cpu()

@@ -91,8 +91,10 @@ class BlockHandler(BlockServicer):
 
     @property
     def max_kv_bytes_per_token(self) -> int:
-        """KV bytes per token of the largest served block."""
-        return max(b.kv_bytes_per_token for b in self.ordered)
+        """KV bytes per token of the largest served block (a block keeping a per-sequence state: that
+        state spread over ``inference_max_length`` tokens, what a session charges per token of its length)."""
+        length = max(1, self.settings.inference_max_length)
+        return max(max(1, b.kv_bytes_per_token + -(-b.state_bytes_per_sequence // length)) for b in self.ordered)
 
     def cache_tokens_available(self) -> int:
         """Free cache bytes // KV bytes per token of one block (Petals 2.x's ``cache_tokens_available``)."""

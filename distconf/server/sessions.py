@@ -292,13 +292,16 @@ class Sessions:
         s = self.settings
         start = metadata_int(step.metadata, KEY_START_FROM_POSITION, low=0, high=cache.position, default=None)
         position = cache.position if start is None else start
+        refusal = cache.rewind_refusal(position)
+        if refusal is not None:
+            raise RequestError(refusal)
         n = step.hidden.shape[1]
         if position + n > cache.max_length:
             raise RequestError(f"Maximum length exceeded: prefix {position} + current {n} exceeds the "
                                f"session's max_length {cache.max_length}")
         step.prompts_per_block = check_prompts(step.prompts, len(cache.blocks), cache.batch, s.hidden_size,
                                                s.dtype, None)
-        cache.position = position
+        cache.restart(position)
         return await self.compute.step(cache, step.hidden, step.prompts_per_block, step.hypo_ids)
 
     # ------------------------------------------------------------------ outgoing pushes
