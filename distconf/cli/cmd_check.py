@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from distconf.cli.helptext import add_command
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from distconf.cli.table import format_table
     from distconf.loader.search import find_family_file, is_family_path, list_families
     from distconf.tools.checker import TOLERANCE, check_family
+    from distconf.tools.checker.failures import CheckFailure
+    from distconf.tools.checker.result import CheckResult
+    from distconf.tools.drafting.common import crash_line
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -61,7 +67,14 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = []
     for target in targets:
-        results.extend(check_family(target))
+        try:
+            results.extend(check_family(target))
+        except Exception as exc:  # a defect of the checker: one line naming the family, the traceback with -v
+            logger.debug("distconf check %s crashed", target, exc_info=True)
+            result = CheckResult(str(target), "-")
+            result.failure = CheckFailure("<check>", f"the check itself failed: {crash_line(exc)} (a checker "
+                                          "bug: please report it; -v prints the traceback)", str(target))
+            results.append(result)
     rows = []
     for r in results:
         kv = f"{_fmt(r.kv_declared)}/{_fmt(r.kv_actual)}" + (" per seq" if r.cache_unit == "sequence" else "")

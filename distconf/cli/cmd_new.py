@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from distconf.errors import FamilyValidationError
     from distconf.loader.source import read_family_file
     from distconf.tools.drafting import DraftingError, draft_family, read_config_json
+    from distconf.tools.drafting.common import crash_line, one_line
 
     output = _output_path(args.family, args.out)
     if output.suffix not in (".yaml", ".yml") or output.stem != args.family:
@@ -96,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
         config = read_config_json(args.from_config)
         draft = draft_family(args.family, config, run_tiny=not args.no_run)
     except DraftingError as exc:
-        print(f"distconf new: {exc}", file=sys.stderr)
+        print(f"distconf new: {one_line(str(exc))}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a defect of the drafter or of transformers: one line, the traceback with -v
+        logger.debug("distconf new %s crashed", args.family, exc_info=True)
+        print(f"distconf new: cannot draft {args.family!r} from {args.from_config}: {crash_line(exc)} "
+              "(a drafter bug: please report it; -v prints the traceback)", file=sys.stderr)
         return 1
     text = draft.to_yaml(schema_path=_schema_reference(output))
     output.parent.mkdir(parents=True, exist_ok=True)

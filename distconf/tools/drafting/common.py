@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DraftingError", "FAMILY_NAME_PATTERN", "check_family_name", "read_config_json", "class_path",
-           "module_path", "is_int", "quiet_transformers", "field_value", "MISSING"]
+           "module_path", "is_int", "quiet_transformers", "field_value", "MISSING", "one_line", "crash_line"]
 
 MISSING = object()
 
@@ -45,7 +45,11 @@ def field_value(config: Any, name: str, default: Any = None) -> Any:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    """Read a model's ``config.json`` (a file, or a folder holding one)."""
+    """Read a model's ``config.json`` (a file, or a folder holding one), as transformers reads it.
+
+    transformers writes the floats JSON cannot hold (infinities, NaN) as ``{"__float__": "Infinity"}``
+    objects and decodes them when it reads a config; so does this.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -59,7 +63,36 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise DraftingError(f"{path}: not valid JSON: {exc.msg} (line {exc.lineno})") from None
     if not isinstance(data, dict):
         raise DraftingError(f"{path}: a config.json must be a JSON object")
-    return data
+    return _decode_special_floats(data)
+
+
+_TAGGED_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_special_floats(obj: Any) -> Any:
+    """``obj`` with transformers' tagged floats (``{"__float__": "Infinity"}``) decoded, at any depth."""
+    if isinstance(obj, dict):
+        tag = obj.get("__float__")
+        if len(obj) == 1 and isinstance(tag, str) and tag in _TAGGED_FLOATS:
+            return _TAGGED_FLOATS[tag]
+        return {k: _decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_special_floats(v) for v in obj]
+    return obj
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (its lines joined by "; ", blanks dropped)."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def crash_line(exc: BaseException) -> str:
+    """One line for an unexpected exception: its type, message, and where it was raised (file:line, function)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (raised at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {one_line(str(exc)) or 'no message'}{where}"
 
 
 def class_path(cls: type) -> str:

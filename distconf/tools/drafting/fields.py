@@ -109,8 +109,9 @@ def role_of(key: str, value: Any, names: FieldNames, *, moe: bool = False) -> st
     An anchor's standard name (``hidden_size`` ...), or one of: ``kv_heads``,
     ``token_id``, ``experts``, ``experts_per_token``, ``shared_experts``,
     ``expert_groups``, ``head_count``, ``window``, ``positions``, ``vocab_size``,
-    ``layer_count``, ``rope`` (a rotary-parameters mapping), ``size`` (decided by
-    its words and value).
+    ``layer_pattern`` (a period or an offset of a pattern of layers: kept as is, the tiny
+    layers being the first of the pattern), ``layer_count``, ``rope`` (a
+    rotary-parameters mapping), ``size`` (decided by its words and value).
     """
     standard = names.standard(key)
     if standard in ANCHOR_NAMES:
@@ -122,16 +123,21 @@ def role_of(key: str, value: Any, names: FieldNames, *, moe: bool = False) -> st
         return "kv_heads"
     if "token" in words and words & {"id", "ids", "index"}:
         return "token_id"
+    if words & _PATTERN_WORDS and not words & SIZE_WORDS:
+        return "layer_pattern"  # before experts: "expert_layer_period" is a period, not a number of experts
     if words & {"experts", "expert"} and not words & SIZE_WORDS:
         if words & {"tok", "token", "tokens", "topk", "k"}:
             return "experts_per_token"
         return "shared_experts" if "shared" in words else "experts"
+    if key.lower().split("_")[-1] in ("layer", "layers") and not words & SIZE_WORDS and "heads" not in words:
+        return "layer_count"  # "max_window_layers" counts layers, whatever else its name says
     for role, role_words in _WORD_ROLES:
         if words & role_words and (role != "expert_groups" or moe):
             return role
     return "size"
 
 
+_PATTERN_WORDS = frozenset({"period", "offset", "step", "interval", "freq", "frequency", "every"})
 # first match wins: a field "hidden_size_per_layer" is a size, "sliding_window_size" a window
 _WORD_ROLES = (
     ("expert_groups", frozenset({"group", "groups"})),

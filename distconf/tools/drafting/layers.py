@@ -2,8 +2,9 @@
 
 A per-layer field is a list with one entry per layer (its length is the number of
 layers; transformers' standard ``layer_types`` may also be a shorter repeating
-pattern); a layer-index field is a list of layer numbers, and a layer-keyed field a
-mapping from layer numbers to settings, whose names speak of layers. Each real layer
+pattern); a layer-index field is a list of distinct layer numbers whose name speaks of layers or
+indices (even when it lists every layer), and a layer-keyed field a mapping from layer
+numbers to settings, whose name speaks of layers. Each real layer
 has a signature: its entries in the per-layer fields that take few values (types,
 flags), whether it is in each layer-index list, its layer-keyed settings, the layer
 type the config class derives and the modules the layer is built of. The tiny model
@@ -80,8 +81,12 @@ def _is_per_layer(key: str, value: Any, layers: int, names: FieldNames) -> bool:
     return len(value) == layers or (names.standard(key) == "layer_types" and layers % len(value) == 0)
 
 
+_INDEX_WORDS = frozenset({"layer", "layers", "idx", "idxs", "indices", "indexes"})
+
+
 def _is_index_list(key: str, value: Any, layers: int, names: FieldNames) -> bool:
-    if not isinstance(value, list) or not names.words(key) & {"layer", "layers"}:
+    """A list of distinct layer numbers, named so (``dense_layers``, ``full_attn_idxs``)."""
+    if not isinstance(value, list) or not names.words(key) & _INDEX_WORDS:
         return False
     return all(is_int(v) and 0 <= v < layers for v in value) and len(set(value)) == len(value)
 

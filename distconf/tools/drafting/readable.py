@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,13 +52,36 @@ def _changes_fields(config_class: type, key: str, value: Any, reference: dict[st
     return changed != reference
 
 
+def _non_finite(value: Any) -> bool:
+    """True when ``value`` holds an infinity or a NaN (which a family file, like JSON, cannot hold)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, Mapping):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value == default``, lists equal to tuples, NaN equal to NaN."""
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return len(value) == len(default) and all(_same(v, d) for v, d in zip(value, default))
+    if isinstance(value, float) and isinstance(default, float) and math.isnan(value) and math.isnan(default):
+        return True
+    return bool(value == default)
+
+
 def architecture_fields(tiny: Mapping[str, Any], config_class: type, facts: list[str],
-                        model_reads: frozenset[str] = frozenset()) -> dict[str, Any]:
+                        model_reads: frozenset[str] = frozenset(),
+                        review: list[str] | None = None) -> dict[str, Any]:
     """``tiny`` without the fields the architecture does not read and null / false defaults, sorted.
 
     Read are the fields of ``config_class``, the names it converts, and ``model_reads``
     (the attributes the modeling code reads, declared or not). A note naming the
-    fields left out is appended to ``facts``.
+    fields left out is appended to ``facts``. A field holding an infinity or a NaN is
+    left out too (a family file cannot hold one): noted in ``facts`` when it is the
+    class default, in ``review`` when it is not.
     """
     try:
         with quiet_transformers():
@@ -70,6 +94,16 @@ def architecture_fields(tiny: Mapping[str, Any], config_class: type, facts: list
     default_values = defaults.to_dict()
     kept, unread = {}, []
     for key, value in tiny.items():
+        if _non_finite(value):
+            default = default_values.get(key, getattr(defaults, key, None))
+            if _same(value, default):
+                facts.append(f"{key} is left to {config_class.__name__}'s default {default!r} (a family file "
+                             "cannot hold an infinity or a NaN)")
+            elif review is not None:
+                review.append(f"{key} is {value!r} in the config.json: a family file cannot hold an infinity or a "
+                              f"NaN, so tiny_config leaves it to the class default {default!r}; check that it "
+                              "does not matter")
+            continue
         if key not in fields and not _changes_fields(config_class, key, value, reference, base):
             unread.append(key)
         elif not ((value is None or value is False) and key in default_values and default_values[key] is value):

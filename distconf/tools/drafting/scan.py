@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import DraftingError, quiet_transformers
+from distconf.tools.drafting.common import DraftingError, crash_line, quiet_transformers
 
 __all__ = ["ModelScan", "meta_model", "scan_model", "layer_signature", "forward_parameters", "find_layer_list",
            "config_reads"]
@@ -47,18 +47,23 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
     """The full config and the causal-LM model built from it on the meta device (no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         with quiet_transformers():
             full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
     except Exception as exc:  # report the transformers message as is
         raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
+    if type(full) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers "
+                            "(AutoModelForCausalLM does not map it)")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(full)
-    except ValueError as exc:
-        raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers: "
-                            f"{str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # transformers' own code fails on these values: say where, in one line
+        raise DraftingError(f"transformers cannot build the model of this config.json (its values, or "
+                            f"{config_class.__name__}'s defaults for the fields it leaves out, do not fit the "
+                            f"modeling code): {crash_line(exc)}") from None
     return full, model
 
 

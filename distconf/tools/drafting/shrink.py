@@ -157,6 +157,8 @@ class _Shrinker:
             return min(value, 1)
         if role == "layer_count":
             return scale.layer_count(value, self.plan.tiny_layers)
+        if role == "layer_pattern":
+            return value
         if role == "head_count":
             return profile.heads if value == anchors.heads else (
                 scale.kv_heads(value) if anchors.heads and value < anchors.heads else value)

@@ -40,7 +40,7 @@ def fit_tiny_config(plan: TinyPlan, profile: TinyProfile, review: list[str], fac
     """
     tiny, notes = _deepen(plan, profile)
     review.extend(notes)
-    return architecture_fields(tiny, plan.config_class, facts, plan.model_reads)
+    return architecture_fields(tiny, plan.config_class, facts, plan.model_reads, review)
 
 
 def _deepen(plan: TinyPlan, profile: TinyProfile) -> tuple[dict[str, Any], list[str]]:

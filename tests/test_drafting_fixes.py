@@ -1,0 +1,115 @@
+"""Drafter bugs found by sweeping transformers' causal-LM model types (issue 23), each pinned.
+
+Configs are real transformers config classes' defaults (``save_pretrained`` of
+``AutoConfig.for_model``), read back as ``distconf new`` reads them. Only shrinking and
+the CLI's error path run here (no tiny model is built, except by the CLI tests).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from distconf.cli import main
+from distconf.tools.drafting import read_config_json, shrink_config
+from distconf.tools.drafting.fields import FieldNames, role_of
+
+
+def _defaults(model_type: str, folder: Path, **overrides: object) -> dict:
+    """The config.json transformers writes for ``model_type``'s defaults, read back by the drafter."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **overrides).save_pretrained(folder / model_type)
+    return read_config_json(folder / model_type)
+
+
+def _builds(model_type: str, config: dict) -> object:
+    """The transformers config of a shrunk ``config`` (raises when the class refuses it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **config)
+
+
+def test_config_json_infinity_is_read_as_transformers_writes_it(tmp_path: Path) -> None:
+    # before: time_step_limit stayed [0.0, {"__float__": "Infinity"}] and Mamba2Config refused it
+    config = _defaults("mamba2", tmp_path)
+    assert "__float__" in (tmp_path / "mamba2" / "config.json").read_text()
+    low, high = config["time_step_limit"]
+    assert low == 0.0 and math.isinf(high)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"model_type": "x", "a": {"b": [{"__float__": "-Infinity"}, {"__float__": "NaN"}]},'
+                      ' "c": {"__float__": 1}}')
+    data = read_config_json(nested)
+    assert math.isinf(data["a"]["b"][0]) and data["a"]["b"][0] < 0 and math.isnan(data["a"]["b"][1])
+    assert data["c"] == {"__float__": 1}  # not a tag transformers writes: left as it is
+
+
+def test_a_non_finite_default_is_left_out_of_the_draft(tmp_path: Path) -> None:
+    from transformers import Mamba2Config
+
+    from distconf.tools.drafting.readable import architecture_fields
+
+    facts: list[str] = []
+    review: list[str] = []
+    kept = architecture_fields({"time_step_limit": [0.0, math.inf], "hidden_size": 64}, Mamba2Config, facts,
+                               review=review)
+    assert "time_step_limit" not in kept and kept["hidden_size"] == 64
+    assert any("time_step_limit" in fact and "default" in fact for fact in facts) and not review
+    architecture_fields({"time_step_limit": [1.0, math.inf]}, Mamba2Config, facts, review=review)
+    assert any("time_step_limit" in item for item in review)  # not the default: a reviewer must look
+
+
+def test_an_index_list_that_names_every_layer_stays_an_index_list(tmp_path: Path) -> None:
+    # before: lfm2's full_attn_idxs (every layer) was cut like a per-layer list into [0, 0, 0, 0, 0, 0]
+    tiny = shrink_config(_defaults("lfm2", tmp_path))
+    assert tiny["full_attn_idxs"] == list(range(tiny["num_hidden_layers"]))
+    some = _defaults("lfm2", tmp_path, full_attn_idxs=[2, 5, 8, 10, 12, 14], layer_types=None)
+    some.pop("layer_types", None)
+    tiny = shrink_config(some)
+    config = _builds("lfm2", tiny)
+    assert "full_attention" in config.layer_types and "conv" in config.layer_types
+
+
+def test_periods_and_offsets_of_layer_patterns_are_kept(tmp_path: Path) -> None:
+    # before: jamba's attn_layer_period 8 became 1 (offset 1 not below period 1), expert_layer_period 2 became 4
+    raw = _defaults("jamba", tmp_path)
+    tiny = shrink_config(raw)
+    for key in ("attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset"):
+        assert tiny[key] == raw[key], key
+    _builds("jamba", tiny)
+    names = FieldNames.of(None)
+    assert role_of("decoder_sparse_step", 1, names) == "layer_pattern"
+    assert role_of("time_step_rank", 256, names) == "size"  # a rank is a width, whatever "step" says
+
+
+def test_a_count_of_layers_is_not_a_window(tmp_path: Path) -> None:
+    # before: max_window_layers 62 (of 62 layers) became the tiny window 4, on a 2-layer model
+    raw = _defaults("dots1", tmp_path)
+    tiny = shrink_config(raw)
+    assert raw["max_window_layers"] == raw["num_hidden_layers"]
+    assert tiny["max_window_layers"] == tiny["num_hidden_layers"]
+    assert role_of("max_window_layers", 28, FieldNames.of(None)) == "layer_count"
+
+
+def test_new_reports_a_model_transformers_cannot_build_in_one_line(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # before: dots1's defaults crashed `distconf new` with a 40-line traceback
+    _defaults("dots1", tmp_path)
+    code = main(["new", "dots1", "--from-config", str(tmp_path / "dots1"), "--out", str(tmp_path / "out") + "/"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "transformers cannot build the model" in err and "raised at modeling_dots1.py:" in err
+
+
+def test_new_reports_a_rejected_config_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _defaults("jamba", tmp_path)
+    path = tmp_path / "jamba" / "config.json"
+    text = path.read_text()
+    path.write_text(text.replace('"attn_layer_offset": 4', '"attn_layer_offset": 9'))  # the class refuses it
+    code = main(["new", "jamba", "--from-config", str(tmp_path / "jamba"), "--out", str(tmp_path / "out") + "/"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "rejects this config.json" in err and "attention layer offset" in err
