@@ -12,7 +12,7 @@ from typing import Any
 
 from distconf.errors import FamilyValidationError
 from distconf.loader.config_protocol import DistributedConfig
-from distconf.tools.checker.failures import located_failure
+from distconf.tools.checker.failures import located_failure, validation_failure
 from distconf.tools.checker.reference import Reference
 
 __all__ = ["attention_class", "check_layer_tensors", "load_blocks", "check_attention_gets_cache",
@@ -23,8 +23,8 @@ def attention_class(cls: type) -> type:
     """The family's attention class, or a failure at ``block.attention_class``."""
     try:
         return cls.attn_class  # type: ignore[attr-defined]
-    except FamilyValidationError as exc:
-        raise located_failure(cls, ("block", "attention_class"), str(exc)) from None
+    except FamilyValidationError as exc:  # its problem is located there already: its message, not its location twice
+        raise validation_failure(exc) from None
 
 
 def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path]) -> None:
