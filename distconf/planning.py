@@ -251,8 +251,10 @@ def plan_server(
         if kv_bytes_per_token is None:
             kv_bytes_per_token = int(sizing.kv_cache_bytes_per_token(config, _torch_dtype(dtype_name)))
     state_bytes = sizing.state_bytes_per_sequence(config, _torch_dtype(dtype_name))
-    # a state is kept per sequence: the budget's tokens count as sequences of the default max length
-    state_sequences = max(1, attn_cache_tokens // default_max_length(config)) if state_bytes else 0
+    # a state is kept per sequence: it gets the memory a K/V cache of attn_cache_tokens would take at this hidden
+    # size (counting sequences of the default max length would leave a server room for one or two sessions)
+    kv_equivalent = 2 * int(config.hidden_size) * _torch_dtype(dtype_name).itemsize * attn_cache_tokens
+    state_sequences = max(1, kv_equivalent // state_bytes) if state_bytes else 0
     cache_per_block = kv_bytes_per_token * attn_cache_tokens + state_bytes * state_sequences
     reserve = autograd_reserve_bytes(config, num_devices)
     layers = int(config.num_hidden_layers)
