@@ -11,6 +11,7 @@ Examples:
   python benchmarks/sweep_architectures.py --only TYPE,TYPE --out s.json   some model_type values
   python benchmarks/sweep_architectures.py --skip TYPE --timeout 120 --workdir /tmp/sweep
   python benchmarks/sweep_architectures.py --list                        the swept and excluded types, no run
+  python benchmarks/sweep_architectures.py --reclassify sweep.json --out sweep.json   after editing the classes
 """
 
 from __future__ import annotations
@@ -221,16 +222,46 @@ def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outco
         if rc is None:
             outcome.cause, outcome.error = "timeout", f"{stage} took over {args.timeout:.0f} s"
             break
-        outcome.error, outcome.evidence = first_error(out, err, family)
-        text = "\n".join((outcome.error, review))
-        outcome.cause, matched = classify(text, config_hint_text(folder / "config.json"), classes)
-        if matched:
-            outcome.evidence.append(matched)
+        explain(outcome, out, err, review, folder, classes)
         break
     else:
         outcome.status = "pass"
     outcome.seconds = round(time.monotonic() - start, 1)
     return outcome
+
+
+def explain(outcome: Outcome, out: str, err: str, review: str, folder: Path, classes: dict) -> None:
+    """Set a failed step's first error line, evidence and class from its output."""
+    family = folder.name
+    outcome.error, outcome.evidence = first_error(out, err, family)
+    text = "\n".join((outcome.error, review))
+    outcome.cause, matched = classify(text, config_hint_text(folder / "config.json"), classes)
+    if matched:
+        outcome.evidence.append(matched)
+
+
+def read_log(path: Path) -> tuple[str, str]:
+    """(stdout, stderr) of a step log written by ``sweep_one``."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    body = text.split("\n", 2)[2] if text.count("\n") >= 2 else ""
+    out, _, err = body.partition("\n--- stderr\n")
+    return out, err
+
+
+def reclassify(path: Path, classes: dict) -> tuple[dict, list[Outcome]]:
+    """Classify a finished (or partial) result file's failures again from the step logs in its workdir."""
+    result = json.loads(path.read_text(encoding="utf-8"))
+    workdir = Path(result["workdir"])
+    outcomes = [Outcome(**record) for record in result["results"]]
+    for outcome in outcomes:
+        if outcome.status != "fail" or outcome.stage not in ("new", "check") or outcome.cause == "timeout":
+            continue
+        folder = workdir / re.sub(r"[^a-z0-9_]", "_", outcome.model_type.lower())
+        new_out, _ = read_log(folder / "new.log")
+        review = "\n".join(ln for ln in new_out.splitlines() if ln.startswith("  - ") or "layer kinds" in ln)
+        explain(outcome, *read_log(folder / f"{outcome.stage}.log"), review, folder, classes)
+    keys = ("results", "swept", "passed", "excluded", "per_class")
+    return {k: v for k, v in result.items() if k not in keys}, outcomes
 
 
 def tree_state(source: Path) -> dict:
@@ -293,6 +324,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--source", type=Path, default=REPO,
                         help="distconf source tree to measure (default: this checkout); e.g. an export of one "
                              "commit: git archive HEAD | tar -x -C DIR; git rev-parse HEAD > DIR/.sweep-commit")
+    parser.add_argument("--reclassify", type=Path, metavar="RESULT_JSON",
+                        help="classify the failures of a result file again from its workdir's logs (no run); "
+                             "writes --out if given")
     parser.add_argument("--list", action="store_true", help="print the swept and excluded types and exit")
     return parser.parse_args(argv)
 
@@ -304,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     data = yaml.safe_load(DATA.read_text(encoding="utf-8"))
     classes = data["classes"]
+    if args.reclassify:
+        meta, outcomes = reclassify(args.reclassify, classes)
+        if args.out:
+            write_result(args.out, meta, outcomes, classes)
+        print_summary(outcomes, classes, bool(meta.get("partial")))
+        return 0
     types, excluded = swept_types(data)
     outcomes = [Outcome(t, "excluded", reason=r) for t, r in sorted(excluded.items())]
     if args.only:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -80,3 +81,17 @@ def test_a_child_over_its_timeout_is_stopped_with_its_group(sweep, tmp_path) -> 
     rc, out, _ = sweep.run_child(cmd, 2.0, tmp_path, tmp_path)
     assert rc is None and "started" in out
     assert time.monotonic() - start < 30
+
+
+def test_reclassify_reads_the_step_logs_again(sweep, data, tmp_path) -> None:
+    folder = tmp_path / "fam"
+    folder.mkdir()
+    (folder / "check.log").write_text("$ distconf check\nrc=1\ntable\n--- stderr\n"
+                                      "fam [tiny]: f.yaml:1:1: block: no ModuleList of 8 layers\n", "utf-8")
+    record = {"model_type": "fam", "status": "fail", "stage": "check", "cause": "unclassified", "error": "?"}
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"workdir": str(tmp_path), "partial": False, "results": [record]}), "utf-8")
+    meta, outcomes = sweep.reclassify(result, data["classes"])
+    assert meta == {"workdir": str(tmp_path), "partial": False}
+    assert outcomes[0].cause == "layer_stack"
+    assert outcomes[0].error == "fam [tiny]: f.yaml:1:1: block: no ModuleList of 8 layers"
