@@ -30,3 +30,56 @@ def test_check_of_an_invalid_file_is_one_located_failure(tmp_path, fresh_cache, 
     assert main(["check", str(path)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"{path}:" in err, err
+
+
+LFM2_ALL_ATTENTION = """\
+family: lfm2_attention_only
+model_type: lfm2
+config_class: transformers.Lfm2Config
+block:
+  layer_class: transformers.models.lfm2.modeling_lfm2.Lfm2DecoderLayer
+  attention_class: transformers.models.lfm2.modeling_lfm2.Lfm2Attention
+  prefix: model.layers
+  base_model_prefix: model
+  position:
+    rotary_class: transformers.models.lfm2.modeling_lfm2.Lfm2RotaryEmbedding
+  mask:
+    layer_types_field: layer_types
+    layer_kinds:
+      full_attention: causal
+kv_groups: num_attention_heads // num_key_value_heads
+dht_prefix:
+  name: repo
+tiny_config:
+  hidden_size: 64
+  intermediate_size: 128
+  num_attention_heads: 4
+  num_hidden_layers: 2
+  num_key_value_heads: 2
+  full_attn_idxs: [0, 1]
+  max_position_embeddings: 128
+  vocab_size: 256
+"""
+
+
+def test_check_refuses_a_family_that_never_runs_a_layer_type_of_its_architecture(tmp_path, fresh_cache) -> None:
+    # before: lfm2's default config is all attention, so `check` passed without ever running a conv layer
+    path = tmp_path / "lfm2_attention_only.yaml"
+    path.write_text(LFM2_ALL_ATTENTION, encoding="utf-8")
+    results = check_family(path)
+    failure = next(r.failure for r in results if not r.ok)
+    assert failure.field == "block.mask.layer_kinds" and "'conv'" in str(failure), str(failure)
+    assert str(path) in str(failure)
+
+
+def test_check_refuses_sliding_layers_no_variant_runs(tmp_path, fresh_cache) -> None:
+    # qwen3's presets have no sliding layers, its architecture has: a family without a sliding variant fails
+    path = write_family(tmp_path, "qwen3", "qwen3_nosliding", lambda t: t.split("  variants:")[0])
+    from distconf.loader import load_family
+    from distconf.tools.checker.failures import CheckFailure
+    from distconf.tools.checker.kinds import check_coverage
+
+    with pytest.raises(CheckFailure) as caught:
+        check_coverage(load_family(path))
+    assert caught.value.field == "tiny_config" and "layer_types=sliding_attention" in str(caught.value)
+    check_coverage(load_family("qwen3"))  # the built-in family runs them

@@ -113,3 +113,22 @@ def test_new_reports_a_rejected_config_in_one_line(tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "rejects this config.json" in err and "attention layer offset" in err
+
+
+def test_a_variant_per_layer_type_the_architecture_names(tmp_path: Path) -> None:
+    # before: lfm2's all-attention defaults and qwen3's windowless presets drafted no variant with conv / sliding layers
+    from transformers import Lfm2Config, Qwen3Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2DecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from distconf.tools.drafting.named_variants import named_type_variants
+
+    tiny = shrink_config(_defaults("lfm2", tmp_path))
+    _, found = named_type_variants(Lfm2Config, Lfm2DecoderLayer, tiny, [])
+    assert [(t, v["layer_types"][-1]) for t, v in found] == [("conv", "conv")]
+    tiny = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}
+    where, found = named_type_variants(Qwen3Config, Qwen3DecoderLayer, tiny, [])
+    assert "modeling_qwen3" in where
+    (layer_type, values), = found
+    assert layer_type == "sliding_attention" and values["sliding_window"] == 4 and values["use_sliding_window"]
+    assert named_type_variants(Qwen3Config, Qwen3DecoderLayer, tiny, [values])[1] == []  # covered: nothing more

@@ -13,7 +13,9 @@ A layer's kind is a set of labels, all found generically (no family knowledge):
 
 The real config is each shipped preset of the family's ``model_type``; for a family
 without one, the family's config class built from the tiny config's own values (its
-patterns and per-layer settings) at full depth. `check_coverage` fails at ``tiny_config``
+patterns and per-layer settings) at full depth. A layer type the architecture's modeling
+code names but no real config has counts too (`named_kinds`): a default config that is
+all attention does not hide the convolution layers of its architecture. `check_coverage` fails at ``tiny_config``
 naming the kinds no tiny variant runs.
 """
 
@@ -83,8 +85,8 @@ def _structure(config: DistributedConfig, layer_idx: int) -> set[str]:
     return {f"{name}:{type(child).__name__}" for name, child in block.named_children()}
 
 
-def layer_kinds(config: DistributedConfig) -> list[frozenset[str]]:
-    """The kind (set of labels) of every layer of ``config`` (a distributed config instance)."""
+def layer_kinds(config: DistributedConfig, first: int | None = None) -> list[frozenset[str]]:
+    """The kind (set of labels) of every layer of ``config`` (a distributed config instance), or its first ``first``."""
     from distconf.blocks.adapter import layer_settings
     from distconf.blocks.build import block_class_for
 
@@ -92,7 +94,7 @@ def layer_kinds(config: DistributedConfig) -> list[frozenset[str]]:
     block_cls = block_class_for(config)
     lists = _per_layer_lists(config, layers)
     kinds = []
-    for i in range(layers):
+    for i in range(layers if first is None else min(first, layers)):
         settings = layer_settings(block_cls, config, i)
         position = "rotary" if settings.rotary_class else "alibi" if settings.alibi_function else "none"
         labels = {f"mask={settings.mask_kind}", f"position={position}"}
@@ -151,7 +153,26 @@ def coverage(cls: type) -> LayerKinds:
         raise located_failure(cls, ("config_class",), f"cannot build the real config (a preset of model_type "
                               f"{cls.family_spec.model_type!r}) to list its layer kinds: "  # type: ignore[attr-defined]
                               f"{type(exc).__name__}: {exc}") from None
-    return compare_kinds(reals, tiny_configs(cls))
+    result = compare_kinds(reals, tiny_configs(cls))
+    _add_named_layer_types(cls, reals, result)
+    return result
+
+
+def _add_named_layer_types(cls: type, reals: list[tuple[str, Any]], result: LayerKinds) -> None:
+    """Kinds of the layer types the architecture names that no real config has (`named_kinds`)."""
+    from distconf.errors import FamilyValidationError
+    from distconf.tools.checker.named_kinds import named_layer_type_configs
+
+    for name, config in named_layer_type_configs(cls, reals):
+        try:
+            kinds = layer_kinds(config, first=1)
+        except FamilyValidationError as exc:
+            problem = exc.problems[0] if exc.problems else None
+            raise located_failure(cls, ("block", "mask", "layer_kinds"), f"the architecture has layers of {name}, "
+                                  f"which the family cannot build: {problem.message if problem else exc}; map "
+                                  "the type, and make a tiny variant run it") from None
+        for label in kinds[0]:
+            result.real.setdefault(label, name)
 
 
 def compare_kinds(reals: list[tuple[str, Any]], tinies: list[tuple[str, Any]]) -> LayerKinds:

@@ -10,6 +10,7 @@ from distconf.tools.drafting.common import DraftingError, check_family_name, cla
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
+from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
@@ -93,9 +94,11 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:
         draft.review.append("no num_attention_heads field: set kv_groups by hand")
     plan = tiny_plan(config, config_class, draft.attn_implementation, full, scan)
+    layer_class = scan.layer_class
     del model, scan
     draft.tiny_config = fit_tiny_config(plan, TINY, draft.review, draft.facts)
     variants = [("tiny", plan, {}), *_sibling_variants(draft, plan)]
+    variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
         _verify_tiny(draft, variants)
     return draft
@@ -113,6 +116,20 @@ def _sibling_variants(draft: FamilyDraft, plan: TinyPlan) -> list[_Variant]:
                        f"layers are of other kinds ({', '.join(hub_id for hub_id, _, _ in found)}); the first, "
                        "empty one is this config")
     return [(hub_id, sibling_plan, values) for hub_id, values, sibling_plan in found]
+
+
+def _named_type_variants(draft: FamilyDraft, plan: TinyPlan, layer_class: type) -> list[_Variant]:
+    """Variants for the layer types the modeling code names that no variant builds (written into tiny_config)."""
+    base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
+    where, found = named_type_variants(plan.config_class, layer_class, base,
+                                       list(draft.tiny_config.get("variants", [])))
+    if not found:
+        return []
+    draft.tiny_config["variants"] = [*draft.tiny_config.get("variants", [{}]), *(values for _, values in found)]
+    draft.facts.append(f"tiny_config has a variant per layer type named by {where} that the config.json does not "
+                       f"build ({', '.join(layer_type for layer_type, _ in found)}): `distconf check` runs every "
+                       "layer type of the architecture")
+    return [(f"layer type {layer_type}", plan, values) for layer_type, values in found]
 
 
 def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
