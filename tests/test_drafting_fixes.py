@@ -132,3 +132,19 @@ def test_a_variant_per_layer_type_the_architecture_names(tmp_path: Path) -> None
     (layer_type, values), = found
     assert layer_type == "sliding_attention" and values["sliding_window"] == 4 and values["use_sliding_window"]
     assert named_type_variants(Qwen3Config, Qwen3DecoderLayer, tiny, [values])[1] == []  # covered: nothing more
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"])
+def test_state_space_heads_keep_their_width(tmp_path: Path, model_type: str) -> None:
+    # before: num_heads 128 stayed while head_dim shrank ("hidden_size * expand (128) must equal num_heads *
+    # head_dim (2048)"); mamba_d_ssm 1024 stayed beside a 64-wide model
+    from distconf.tools.drafting.fields import config_class_for
+    from distconf.tools.drafting.shrink import head_pairs
+
+    raw = _defaults(model_type, tmp_path)
+    tiny = shrink_config(raw)
+    pairs = head_pairs(raw, FieldNames.of(config_class_for(raw)))
+    assert pairs, "no (heads, head size) pair found"
+    for heads, size in pairs:
+        assert tiny[heads] * tiny[size] * raw["hidden_size"] == raw[heads] * raw[size] * tiny["hidden_size"]
+    _builds(model_type, tiny)  # the class's own consistency checks pass

@@ -5,7 +5,9 @@ measures (`role_of`): the anchor sizes go to the tiny profile (hidden 64, 4 head
 vocab 256 ...), KV heads keep the attention kind (MHA, GQA, MQA), fields sized like a
 head scale with the head size, widths scale with the hidden size, counts and indices of
 layers and per-layer lists are cut to the same tiny layers (`plan_layers`), windows
-shrink below the tokens a check runs. Checkpoint and runtime fields are dropped.
+shrink below the tokens a check runs, and a count of heads other than the attention's
+keeps its product with the size of one head a width (``mamba_n_heads * mamba_d_head`` is
+``expand * hidden``; `head_pairs`). Checkpoint and runtime fields are dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from distconf.tools.drafting.layers import LayerPlan, plan_layers
 from distconf.tools.drafting.profile import TINY, Scale, TinyProfile
 from distconf.tools.drafting.rope import shrink_rope
 
-__all__ = ["shrink_config", "shrink_with_plan", "CHECKPOINT_KEYS"]
+__all__ = ["shrink_config", "shrink_with_plan", "head_pairs", "CHECKPOINT_KEYS"]
 
 # Fields every transformers config may carry that describe a checkpoint or a runtime, not an architecture.
 CHECKPOINT_KEYS = frozenset({
@@ -80,9 +82,49 @@ def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None,
     out = {key: shrinker.field(key, value) for key, value in source.items() if key not in plan.keyed}
     shrinker.top.update(out)
     out.update({key: shrinker.field(key, source[key]) for key in plan.keyed})
+    for heads, head_size in head_pairs(source, names):
+        _keep_heads_width(out, source, heads, head_size, Scale(profile, anchors))
     if "quantization_config" in config:
         review.append("the checkpoint is quantized (quantization_config); the tiny model is not.")
     return {key: value for key, value in out.items() if value is not _DROP}, plan
+
+
+_HEAD_PAIR_WORDS = frozenset({"n", "num", "number", "heads", "head", "dim", "d", "headdim", "size"})
+
+
+def _prefix(words: frozenset[str]) -> frozenset[str]:
+    return words - _HEAD_PAIR_WORDS
+
+
+def head_pairs(config: Mapping[str, Any], names: FieldNames) -> list[tuple[str, str]]:
+    """``(heads, head size)`` field pairs other than the attention anchors (``mamba_n_heads``, ``mamba_d_head``).
+
+    A count of heads and the size of one of them, named with the same other words: their
+    product is a width (an inner dimension the class checks against ``expand * hidden``).
+    """
+    counts = {key: _prefix(frozenset(key.lower().split("_"))) for key, value in config.items()
+              if is_int(value) and "heads" in key.lower().split("_")
+              and names.standard(key) not in ("num_attention_heads", "num_key_value_heads")
+              and role_of(key, value, names) == "head_count"}
+    sizes = {key: _prefix(frozenset(key.lower().split("_"))) for key, value in config.items()
+             if is_int(value) and {"head", "headdim"} & set(key.lower().split("_"))
+             and {"dim", "d", "headdim", "size"} & set(key.lower().split("_"))}
+    pairs = []
+    for count, words in counts.items():
+        match = [size for size, size_words in sizes.items() if size_words == words]
+        if len(match) == 1:
+            pairs.append((count, match[0]))
+    return pairs
+
+
+def _keep_heads_width(out: dict[str, Any], source: Mapping[str, Any], heads: str, head_size: str,
+                      scale: Scale) -> None:
+    """Make ``heads * head_size`` of the tiny config the real product scaled like the hidden size."""
+    width = scale.width(source[heads] * source[head_size])
+    size = out.get(head_size)
+    if width is None or not is_int(size) or size <= 0 or width % size:
+        return
+    out[heads] = max(1, width // size)
 
 
 @dataclass
@@ -170,7 +212,7 @@ class _Shrinker:
         """A field known by its value and words: a part of a head scales with the head, a width with hidden."""
         words = self.names.words(key)
         named = bool(words & SIZE_WORDS)
-        if named and "head" in words:
+        if named and words & {"head", "headdim"}:
             return self.scale.head_ratio(value)
         head = self.scale.head_sized(value)
         if head is not None:
