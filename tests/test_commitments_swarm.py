@@ -125,7 +125,10 @@ def test_a_client_with_the_manifest_routes_through_the_honest_server_only(
     assert "announces no per-block weight digests" in plain
     assert set(model.remote.manager.commitments.refused) == {swarm.l, swarm.n}
     # a refused server is no spot-check checker either (checkers are chosen among usable servers)
-    assert [s.peer_id for s in model.remote.verifier.candidates(0, 4, set())] == [swarm.h]
+    honest = next(s for s in model.remote.manager.state.spans if s.peer_id == swarm.h)
+    assert [s.peer_id for s in model.remote.verifier.candidates(honest, set())] == [swarm.h]  # itself, no other
+    others = {s.peer_id for s in model.remote.manager.state.spans} - {swarm.h}
+    assert others == {swarm.l, swarm.n}  # announced, but refused: never a checker
 
 
 def test_refused_servers_stay_refused_when_the_honest_one_is_left_out(swarm: Swarm) -> None:
