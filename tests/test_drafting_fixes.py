@@ -148,3 +148,13 @@ def test_state_space_heads_keep_their_width(tmp_path: Path, model_type: str) -> 
     for heads, size in pairs:
         assert tiny[heads] * tiny[size] * raw["hidden_size"] == raw[heads] * raw[size] * tiny["hidden_size"]
     _builds(model_type, tiny)  # the class's own consistency checks pass
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "starcoder2"])
+def test_a_preset_with_a_sliding_window_gets_a_variant(tmp_path: Path, model_type: str) -> None:
+    # before: the class defaults have no window, the shipped preset has one: check refused mask=sliding_window
+    from distconf.tools.drafting import draft_family
+
+    draft = draft_family(model_type, _defaults(model_type, tmp_path), run_tiny=False)
+    assert draft.tiny_config.get("sliding_window") is None
+    assert any(v.get("sliding_window") == 4 for v in draft.tiny_config["variants"]), draft.tiny_config

@@ -14,7 +14,8 @@ import json
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.common import field_value, is_int
+from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.probe import layer_kinds, meta_layer_kinds
 from distconf.tools.drafting.profile import TINY
 from distconf.tools.drafting.scan import meta_model, scan_model
@@ -77,15 +78,27 @@ def sibling_variants(config: Mapping[str, Any], base_tiny: Mapping[str, Any], co
     ``covered`` (the kinds the tiny models build so far) is updated in place.
     """
     variants = []
+    windows = _windows(base_tiny, config_class)
     for hub_id, data in sibling_presets(config):
         full, model = meta_model(config_class, data)
         text = full.get_text_config() if hasattr(full, "get_text_config") else full
         scan = scan_model(model, field_value(text, "num_hidden_layers"))
         plan = tiny_plan(data, config_class, attn_implementation, full, scan)
         del model, scan
-        if plan.real_kinds <= covered:
+        if plan.real_kinds <= covered and _windows(data, config_class) <= windows:
             continue
         tiny = fit_tiny_config(plan, TINY, [], [])
         variants.append((hub_id, variant_values(base_tiny, tiny, config_class), plan))
         covered |= meta_layer_kinds(config_class, tiny, attn_implementation) or plan.real_kinds
+        windows |= _windows(tiny, config_class)
     return variants
+
+
+_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")  # transformers' standard names of mask windows
+
+
+def _windows(config: Mapping[str, Any], config_class: type) -> set[str]:
+    """The mask windows ``config`` sets (a sliding window, attention chunks): other mask kinds than causal."""
+    names = FieldNames.of(config_class)
+    return {names.standard(k) for k, v in config.items()
+            if names.standard(k) in _WINDOW_FIELDS and is_int(v) and v > 0}
