@@ -158,3 +158,16 @@ def test_a_preset_with_a_sliding_window_gets_a_variant(tmp_path: Path, model_typ
     draft = draft_family(model_type, _defaults(model_type, tmp_path), run_tiny=False)
     assert draft.tiny_config.get("sliding_window") is None
     assert any(v.get("sliding_window") == 4 for v in draft.tiny_config["variants"]), draft.tiny_config
+
+
+def test_a_model_reading_layer_types_through_its_layers_gets_a_per_layer_mask(tmp_path: Path) -> None:
+    # before: dory's model maps masks by decoder_layer.attention_type (its forward never says layer_types): the
+    # draft said "sliding on every layer" with a rotary per layer type, and did not validate
+    from distconf.loader.source import read_family_file
+    from distconf.tools.drafting import draft_family
+
+    draft = draft_family("dory", _defaults("dory", tmp_path), run_tiny=False)
+    assert draft.mask.get("layer_types_field") == "layer_types" and draft.position["rotary_layer_type_argument"]
+    path = tmp_path / "dory.yaml"
+    path.write_text(draft.to_yaml(schema_path="x"), encoding="utf-8")
+    read_family_file(path)  # validates

@@ -103,7 +103,10 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
     layer_types = field_value(config, "layer_types")
     has_window = field_value(config, "sliding_window", MISSING) is not MISSING
     window = field_value(config, "sliding_window")
-    if isinstance(layer_types, (list, tuple)) and layer_types and ("layer_types" in source or not source):
+    # the model may read each layer's type through the layer (``decoder_layer.attention_type``), not in forward
+    per_layer = "layer_types" in source or not source or bool(draft.position.get("rotary_layer_type_argument")) \
+        or "layer_types" in _module_source(type(base_model))
+    if isinstance(layer_types, (list, tuple)) and layer_types and per_layer:
         draft.mask = _layer_types_rule([str(t) for t in layer_types], config, draft.review)
         counts = ", ".join(f"{layer_types.count(t)} {t}" for t in dict.fromkeys(layer_types))
         draft.facts.append(f"mask per layer from layer_types ({counts}); sliding_window={window}")
@@ -114,6 +117,14 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
                                "q-window+1 .. q)")
     elif has_window and not source:
         draft.review.append("the config has sliding_window; check whether every layer slides (mask.kind)")
+
+
+def _module_source(cls: type) -> str:
+    try:
+        module = inspect.getmodule(cls)
+        return inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def _layer_types_rule(types: list[str], config: Any, review: list[str]) -> dict[str, Any]:
