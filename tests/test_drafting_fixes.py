@@ -171,3 +171,32 @@ def test_a_model_reading_layer_types_through_its_layers_gets_a_per_layer_mask(tm
     path = tmp_path / "dory.yaml"
     path.write_text(draft.to_yaml(schema_path="x"), encoding="utf-8")
     read_family_file(path)  # validates
+
+
+def test_the_config_argument_is_the_parameter_that_takes_the_config() -> None:
+    # before: openai-gpt's Block(n_positions, config, scale) drafted config_argument: n_positions
+    from transformers.models.openai.modeling_openai import Block
+
+    from distconf.tools.drafting.render import FamilyDraft
+    from distconf.tools.drafting.sections import draft_constructor
+
+    draft = FamilyDraft(family="x", model_type="openai-gpt", config_class="c", layer_class="l",
+                        attention_class=None, prefix="h", base_model_prefix=None)
+    draft_constructor(draft, Block)
+    assert draft.constructor.get("config_argument", "config") == "config"
+    assert any("n_positions" in item for item in draft.review)  # a required argument to map by hand
+
+
+def test_a_kv_size_is_guessed_only_from_fields_that_mean_it() -> None:
+    # before: 2 cached KV heads matched num_experts_per_tok: 2 on both tiny models (num_kv_heads: num_experts_per_tok)
+    from transformers import Qwen3MoeConfig
+
+    from distconf.tools.drafting.kv import _candidates
+
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2,
+                            num_experts=4, head_dim=16, moe_intermediate_size=16, max_position_embeddings=16)
+    raw = {"num_experts_per_tok": 2, "num_key_value_heads": 4, "max_position_embeddings": 16}
+    assert _candidates(config, 2, raw, counts_heads=True) == []
+    assert _candidates(config, 4, raw, counts_heads=True)[0] == "num_key_value_heads"
+    assert "max_position_embeddings" not in _candidates(config, 16, raw)
+    assert "head_dim" in _candidates(config, 16, raw)

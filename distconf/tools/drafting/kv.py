@@ -17,7 +17,7 @@ from typing import Any
 
 from distconf.loader.formula import Formula, FormulaError, evaluate_on
 from distconf.tools.drafting.common import field_value, is_int
-from distconf.tools.drafting.fields import FieldNames, role_of
+from distconf.tools.drafting.fields import SIZE_WORDS, FieldNames, role_of
 from distconf.tools.drafting.probe import TinyRun
 
 __all__ = ["kv_groups_formula", "KVLayout", "kv_layout", "formula_value"]
@@ -111,7 +111,7 @@ def _groups_from_cache(layout: KVLayout, cached: int, heads: int, expected: int 
     elif cached == heads:
         layout.kv_groups = 1
     else:
-        found = _formula_for(cached, tiny, raw, probe, lambda run: run.shape[0] if run.shape else None)
+        found = _formula_for(cached, tiny, raw, probe, lambda run: run.shape[0] if run.shape else None, True)
         layout.kv_groups = f"num_attention_heads // {found}" if isinstance(found, str) else heads // cached
     layout.from_cache = (f"kv_groups {layout.kv_groups!s} follows the {cached} KV head(s) the tiny model caches"
                          + (f" (the config's KV-heads field gives {expected})" if expected else ""))
@@ -127,7 +127,7 @@ def _explicit_geometry(layout: KVLayout, shape: tuple[int, int, int, int], tiny:
     section: dict[str, Any] = {}
     for key, value, index in (("num_kv_heads", k_heads, 0), ("key_head_dim", k_dim, 1), ("value_head_dim", v_dim, 3)):
         found = 1 if value == 1 and index == 0 else _formula_for(
-            value, tiny, raw, probe, lambda run, i=index: run.shape[i] if run.shape else None)
+            value, tiny, raw, probe, lambda run, i=index: run.shape[i] if run.shape else None, index == 0)
         section[key] = found
         if not isinstance(found, str) and not (value == 1 and index == 0):
             layout.review.append(f"no config field gives the {value} of kv_cache.{key} on two tiny models; the "
@@ -137,23 +137,45 @@ def _explicit_geometry(layout: KVLayout, shape: tuple[int, int, int, int], tiny:
                         "fields that give the cached sizes on two differently shaped tiny models")
 
 
-def _candidates(config: Any, value: int, raw: Mapping[str, Any]) -> list[str]:
-    """Fields (then simple formulas) equal to ``value`` on ``config``: the config.json's own fields first."""
+_HEAD_COUNT_ROLES = frozenset({"num_key_value_heads", "kv_heads", "head_count", "num_attention_heads"})
+_WIDTH_ROLES = frozenset({"head_dim", "size", "hidden_size"})
+
+
+def _means(key: str, value: Any, names: FieldNames, counts_heads: bool) -> bool:
+    """``key`` is a field that can mean a number of heads (``counts_heads``) or a head width, by its names.
+
+    A field equal to the measured value by coincidence (``num_experts_per_tok``, ``n_positions``)
+    is not a guess.
+    """
+    role = role_of(key, value, names)
+    if counts_heads:
+        return role in _HEAD_COUNT_ROLES
+    return role in _WIDTH_ROLES and bool(names.words(key) & (SIZE_WORDS | {"head"}))
+
+
+def _candidates(config: Any, value: int, raw: Mapping[str, Any], counts_heads: bool = False) -> list[str]:
+    """Fields (then simple formulas) equal to ``value`` on ``config`` whose names mean such a size.
+
+    The config.json's own fields first.
+    """
+    names = FieldNames.of(type(config))
     found = [key for key in raw if not key.startswith("_") and is_int(field_value(config, key))
              and field_value(config, key) == value]
-    if is_int(field_value(config, "head_dim")) and field_value(config, "head_dim") == value:
-        found.append("head_dim")
-    if formula_value(_NATURAL_HEAD_DIM, config) == value:
-        found.append(_NATURAL_HEAD_DIM)
+    if not counts_heads:
+        if is_int(field_value(config, "head_dim")) and field_value(config, "head_dim") == value:
+            found.append("head_dim")
+        if formula_value(_NATURAL_HEAD_DIM, config) == value:
+            found.append(_NATURAL_HEAD_DIM)
     found += [name for name, v in sorted(config.to_dict().items())
               if is_int(v) and v == value and not name.startswith("_") and "token" not in name]
-    return list(dict.fromkeys(found))
+    return [key for key in dict.fromkeys(found)
+            if key == _NATURAL_HEAD_DIM or _means(key, field_value(config, key), names, counts_heads)]
 
 
 def _formula_for(value: int, tiny: TinyRun, raw: Mapping[str, Any], probe: Callable[[], TinyRun | None],
-                 measure: Callable[[TinyRun], int | None]) -> str | int:
+                 measure: Callable[[TinyRun], int | None], counts_heads: bool = False) -> str | int:
     """The first candidate giving ``value`` on the tiny model and the probe's measure on the probe model."""
-    candidates = _candidates(tiny.config, value, raw)
+    candidates = _candidates(tiny.config, value, raw, counts_heads)
     second = probe() if candidates else None
     if second is not None and (target := measure(second)) is not None:
         candidates = [c for c in candidates if formula_value(c, second.config) == target]

@@ -38,17 +38,33 @@ def draft_constructor(draft: FamilyDraft, layer_class: type) -> None:
     except (TypeError, ValueError):
         params = []
     names = [p.name for p in params]
-    if names and names[0] != "config":
-        draft.constructor["config_argument"] = names[0]
+    config_name = _config_parameter(params)
+    if config_name is None and names:
+        draft.review.append(f"{layer_class.__name__}() takes no parameter that is a config ({', '.join(names)}): "
+                            "set block.constructor.config_argument")
+    elif config_name is not None and config_name != "config":
+        draft.constructor["config_argument"] = config_name
     idx_name = next((n for n in _LAYER_IDX_ARGUMENTS if n in names), None)
     if idx_name is None:
         draft.constructor["layer_idx_argument"] = None
     elif idx_name != "layer_idx":
         draft.constructor["layer_idx_argument"] = idx_name
-    required = [p.name for p in params[1:] if p.default is p.empty and p.name != idx_name]
+    required = [p.name for p in params if p.default is p.empty and p.name not in (idx_name, config_name or names[0])]
     if required:
         draft.review.append(f"{layer_class.__name__}() also requires {', '.join(required)}: add them under "
                             "block.constructor.extra as formulas over config fields")
+
+
+def _config_parameter(params: list[inspect.Parameter]) -> str | None:
+    """The constructor parameter that takes the config: named so, or annotated with a config class."""
+    for p in params:
+        if p.name == "config" or p.name.endswith("_config") or p.name in ("cfg", "configuration"):
+            return p.name
+    for p in params:
+        annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        if "Config" in str(annotation):
+            return p.name
+    return None
 
 
 def draft_call(draft: FamilyDraft, layer_class: type) -> dict[str, inspect.Parameter]:
