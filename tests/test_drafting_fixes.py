@@ -200,3 +200,19 @@ def test_a_kv_size_is_guessed_only_from_fields_that_mean_it() -> None:
     assert _candidates(config, 4, raw, counts_heads=True)[0] == "num_key_value_heads"
     assert "max_position_embeddings" not in _candidates(config, 16, raw)
     assert "head_dim" in _candidates(config, 16, raw)
+
+
+@pytest.mark.parametrize(("model_type", "limit"), [("blt", 2_000_000), ("phi4_multimodal", 2_000_000)])
+def test_nested_sub_configs_are_shrunk(tmp_path: Path, model_type: str, limit: int) -> None:
+    # before: blt's patcher / encoder / global / decoder configs and phi4_multimodal's vision and audio configs kept
+    # their real sizes: "tiny" models of 1.56 G and 870 M parameters
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny = shrink_config(_defaults(model_type, tmp_path))
+    config = _builds(model_type, tiny)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < limit
+    if model_type == "blt":  # a size named after a sibling sub-config is that sub-config's tiny size
+        assert tiny["encoder_config"]["hidden_size_global"] == tiny["global_config"]["hidden_size"]

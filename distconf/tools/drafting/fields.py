@@ -25,7 +25,7 @@ ANCHOR_NAMES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "nu
                 "moe_intermediate_size")
 # words naming a width (a tensor dimension) in a field name
 SIZE_WORDS = frozenset({"size", "dim", "dims", "rank", "inner", "intermediate", "hidden", "width", "channels",
-                        "embd", "embed", "ffn", "ssm", "headdim", "state"})
+                        "embd", "embed", "ffn", "ssm", "headdim", "state", "channel"})
 
 
 def config_class_for(config: Mapping[str, Any]) -> type | None:

@@ -84,9 +84,35 @@ def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None,
     out.update({key: shrinker.field(key, source[key]) for key in plan.keyed})
     for heads, head_size in head_pairs(source, names):
         _keep_heads_width(out, source, heads, head_size, Scale(profile, anchors))
+    _match_sub_config_sizes(out)
     if "quantization_config" in config:
         review.append("the checkpoint is quantized (quantization_config); the tiny model is not.")
     return {key: value for key, value in out.items() if value is not _DROP}, plan
+
+
+_SUB_CONFIG_ANCHORS = frozenset({"hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"})
+
+
+def _is_sub_config(value: Any) -> bool:
+    """A mapping that is a config of its own: a ``model_type``, or two anchor sizes of its own."""
+    if not isinstance(value, Mapping):
+        return False
+    if isinstance(value.get("model_type"), str):
+        return True
+    names = FieldNames.of(config_class_for(value))
+    return sum(names.standard(k) in _SUB_CONFIG_ANCHORS and is_int(v) for k, v in value.items()) >= 2
+
+
+def _match_sub_config_sizes(out: dict[str, Any]) -> None:
+    """A size named after a sub-config (``hidden_size_global``) is that sub-config's tiny size (``global_config``)."""
+    subs = {key[: -len("_config")]: value for key, value in out.items()
+            if key.endswith("_config") and _is_sub_config(value)}
+    for holder in [out, *subs.values()]:
+        for key in list(holder):
+            for name, sub in subs.items():
+                anchor = key[: -len(name) - 1] if key.endswith(f"_{name}") else None
+                if anchor and is_int(holder[key]) and is_int(sub.get(anchor)):
+                    holder[key] = sub[anchor]
 
 
 _HEAD_PAIR_WORDS = frozenset({"n", "num", "number", "heads", "head", "dim", "d", "headdim", "size"})
@@ -148,6 +174,9 @@ class _Shrinker:
             return {k: self.override(v) for k, v in self.plan.rekey(value).items()}
         if role == "rope":
             return shrink_rope(value, self.scale, self.review)
+        if _is_sub_config(value):  # a nested model (vision, audio, patcher ...): shrunk by its own anchors
+            return shrink_config(value, self.review, profile=self.scale.profile,
+                                 config_class=config_class_for(value))
         if role == "token_id":
             return self.token_id(key, value)
         return self.scalar(key, role, value)
