@@ -216,3 +216,22 @@ def test_nested_sub_configs_are_shrunk(tmp_path: Path, model_type: str, limit: i
     assert sum(p.numel() for p in model.parameters()) < limit
     if model_type == "blt":  # a size named after a sibling sub-config is that sub-config's tiny size
         assert tiny["encoder_config"]["hidden_size_global"] == tiny["global_config"]["hidden_size"]
+
+
+def test_allow_skip_false_when_the_attention_reads_the_mask() -> None:
+    # before: doge's attention combines the mask with a dynamic mask of its own; the draft let sdpa skip it
+    # (block 0 differed from the model by 0.7)
+    from transformers.models.doge.modeling_doge import DogeAttention, DogeDecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+    from distconf.tools.drafting.render import FamilyDraft
+    from distconf.tools.drafting.sections import draft_mask_skip
+
+    def drafted(*classes: type) -> dict:
+        draft = FamilyDraft(family="x", model_type="x", config_class="c", layer_class="l", attention_class=None,
+                            prefix="model.layers", base_model_prefix=None)
+        draft_mask_skip(draft, *classes)
+        return draft.mask
+
+    assert drafted(DogeAttention, DogeDecoderLayer) == {"allow_skip": False}
+    assert drafted(LlamaAttention, LlamaDecoderLayer) == {}

@@ -19,6 +19,7 @@ from distconf.tools.drafting.sections import (
     draft_call,
     draft_constructor,
     draft_mask,
+    draft_mask_skip,
     draft_model_inputs,
     draft_position,
 )
@@ -89,6 +90,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     params = draft_call(draft, scan.layer_class)
     draft_position(draft, scan, params, full)
     draft_mask(draft, text, scan.base_model)
+    draft_mask_skip(draft, scan.attention_class, scan.layer_class)
     draft_model_inputs(draft, scan, params)
     draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:

@@ -7,7 +7,9 @@ device, and from the config: the names a layer takes (``cache`` / ``layer_past``
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +18,7 @@ from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
 
-__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_model_inputs"]
+__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_mask_skip", "draft_model_inputs"]
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "past_key_value")
 _LAYER_IDX_ARGUMENTS = ("layer_idx", "layer_id", "layer_number", "layer_index")
@@ -133,6 +135,35 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
                                "q-window+1 .. q)")
     elif has_window and not source:
         draft.review.append("the config has sliding_window; check whether every layer slides (mask.kind)")
+
+
+def draft_mask_skip(draft: FamilyDraft, *classes: type | None) -> None:
+    """``block.mask.allow_skip: false`` when the layer or its attention reads the mask's values or shape.
+
+    Such code (``attention_mask.dtype``, ``attention_mask[...]``: a mask it combines with
+    one of its own) needs the mask materialized: a plain causal mask skipped for sdpa
+    (None + is_causal) would drop what it adds.
+    """
+    for cls in classes:
+        found = _reads_mask(cls) if cls is not None else None
+        if found:
+            draft.mask["allow_skip"] = False
+            draft.facts.append(f"{cls.__name__} reads the mask itself ({found}): the mask is always "
+                               "materialized (allow_skip: false)")
+            return
+
+
+def _reads_mask(cls: type) -> str | None:
+    """The first ``attention_mask.<attr>`` or ``attention_mask[...]`` in ``cls``'s source, if any."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.value, ast.Name) \
+                and node.value.id == "attention_mask":
+            return ast.unparse(node)
+    return None
 
 
 def _module_source(cls: type) -> str:
