@@ -83,3 +83,20 @@ def test_check_refuses_sliding_layers_no_variant_runs(tmp_path, fresh_cache) -> 
         check_coverage(load_family(path))
     assert caught.value.field == "tiny_config" and "layer_types=sliding_attention" in str(caught.value)
     check_coverage(load_family("qwen3"))  # the built-in family runs them
+
+
+def test_kv_geometry_per_layer_kind_is_named_not_blamed_on_layer_writes(tmp_path, fresh_cache) -> None:
+    # before: "blocks cache 4 KV heads but the family declares 2 (the layer writes every KV head once per query
+    # head: set kv_cache.layer_writes: repeat_interleave)" for mimo_v2_flash, whose sliding layers cache 2x the heads
+    from transformers import AutoConfig
+
+    from distconf.tools.drafting import draft_family, read_config_json
+
+    AutoConfig.for_model("mimo_v2_flash").save_pretrained(tmp_path / "cfg")
+    draft = draft_family("mimo_v2_flash", read_config_json(tmp_path / "cfg"))
+    assert any("KV geometry differs per layer kind" in item for item in draft.review), draft.review
+    path = tmp_path / "mimo_v2_flash.yaml"
+    path.write_text(draft.to_yaml(schema_path="x"), encoding="utf-8")
+    failure = next(r.failure for r in check_family(path) if not r.ok)
+    assert failure.field == "kv_cache" and "differs per layer kind" in str(failure), str(failure)
+    assert "repeat_interleave" not in str(failure)

@@ -18,6 +18,7 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
     """Bytes per token each block caches must equal ``kv_cache_bytes_per_token``; else name the wrong field."""
     import torch
 
+    from distconf.blocks.kvcache import kv_geometry
     from distconf.blocks.sizing import kv_cache_bytes_per_token
     from distconf.blocks.state import keeps_state
 
@@ -31,6 +32,13 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
     result.kv_actual = held[worst]
     if held[worst] != declared:
         key, value = caches[worst]
+        heads = [int(k.shape[1]) for k, _ in caches]
+        if len(set(heads)) > 1:  # no single kv_cache section fits: say so rather than blame one of its fields
+            per_block = ", ".join(f"block {i}: {h}" for i, h in enumerate(heads))
+            raise located_failure(cls, ("kv_cache",), f"blocks cache different numbers of KV heads per layer "
+                                  f"({per_block}; the family declares {kv_geometry(config).num_kv_heads} for "
+                                  "every layer): the KV geometry differs per layer kind, which one kv_cache "
+                                  "section cannot declare")
         raise _geometry_failure(cls, config, key, value, held[worst], declared)
 
 
@@ -41,7 +49,7 @@ def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any
 
     geometry = kv_geometry(config)
     if key.shape[1] != geometry.num_kv_heads:
-        return _kv_heads_failure(cls, config, key.shape[1], geometry.num_kv_heads)
+        return _kv_heads_failure(cls, config, key.shape[1], geometry.num_kv_heads, key)
     if key.shape[-1] != geometry.key_head_dim:
         return located_failure(cls, ("kv_cache", "key_head_dim"), f"blocks cache keys of {key.shape[-1]} values "
                                f"per head, declared {geometry.key_head_dim}")
@@ -52,11 +60,24 @@ def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any
                            f"blocks cache {actual} bytes per token, the family declares {declared}")
 
 
-def _kv_heads_failure(cls: type, config: DistributedConfig, cached: int, declared: int) -> CheckFailure:
+def _repeated(key: Any, kv_heads: int) -> bool:
+    """The cached key heads are ``kv_heads`` heads each repeated once per query head of its group."""
+    import torch
+
+    batch, heads, tokens, dim = key.shape
+    if kv_heads < 1 or heads % kv_heads:
+        return False
+    grouped = key.reshape(batch, kv_heads, heads // kv_heads, tokens, dim)
+    return bool(torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)))
+
+
+def _kv_heads_failure(cls: type, config: DistributedConfig, cached: int, declared: int,
+                      key: Any = None) -> CheckFailure:
     """Blocks cache ``cached`` KV heads, the family declares ``declared``: blame kv_cache or kv_groups."""
     kv_cache = cls.family_spec.kv_cache  # type: ignore[attr-defined]
     loc = ("kv_cache", "num_kv_heads") if kv_cache.num_kv_heads is not None else ("kv_groups",)
-    if cached == config.num_attention_heads and declared < cached and kv_cache.layer_writes == "kv_heads":
+    if cached == config.num_attention_heads and declared < cached and kv_cache.layer_writes == "kv_heads" \
+            and (key is None or _repeated(key, declared)):
         hint = " (the layer writes every KV head once per query head: set kv_cache.layer_writes: repeat_interleave)"
     elif kv_cache.num_kv_heads is None and cached < declared:
         hint = (" (if the attention caches a compressed or latent representation, declare "

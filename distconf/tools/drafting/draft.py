@@ -151,6 +151,7 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
                                     "not recognised; shrink it in tiny_config")
         real_kinds |= plan.real_kinds
         tiny_kinds |= tiny.kinds
+        _per_layer_geometry(draft, prefix, tiny)
         groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
         layouts.append(VariantKV(name, tiny.config,
                                  kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
@@ -163,6 +164,17 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         draft.kv_groups, draft.kv_cache = layout.kv_groups, layout.kv_cache
         draft.facts.extend(layout.facts)
         draft.review.extend(layout.review)
+
+
+def _per_layer_geometry(draft: FamilyDraft, prefix: str, tiny: TinyRun) -> None:
+    """A review note when the layers of one tiny model cache K/V of different shapes (one kv_cache cannot say it)."""
+    shapes = [s for s in tiny.layer_shapes if s is not None]
+    if len(set(shapes)) > 1:
+        per_layer = ", ".join(f"layer {i}: {s[0]} x {s[1]} / {s[2]} x {s[3]}"
+                              for i, s in enumerate(tiny.layer_shapes) if s is not None)
+        draft.review.append(f"{prefix}the layers cache keys / values of different shapes (KV heads x head size; "
+                            f"{per_layer}): the KV geometry differs per layer kind, which one kv_cache section "
+                            "cannot declare (`distconf check` refuses it); the kv_cache written is the last layer's")
 
 
 def _probe(plan: TinyPlan, attn_implementation: str) -> Any:

@@ -25,6 +25,8 @@ class TinyRun:
     key: Any | None = None
     value: Any | None = None
     kinds: set[Hashable] = field(default_factory=set)
+    layer_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
+    """The cached (key heads, key head size, value heads, value head size) of every layer, in order."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -94,7 +96,19 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
     key, value = _last_cache(result)
-    return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config))
+    return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
+                   layer_shapes=_layer_shapes(result))
+
+
+def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:
+    """(key heads, key size, value heads, value size) each layer of a transformers Cache holds (None: not K/V)."""
+    shapes: list[tuple[int, ...] | None] = []
+    for layer in getattr(getattr(result, "past_key_values", None), "layers", None) or []:
+        key, value = getattr(layer, "keys", None), getattr(layer, "values", None)
+        ok = all(getattr(t, "dim", lambda: 0)() == 4 for t in (key, value))
+        shapes.append((int(key.shape[1]), int(key.shape[-1]), int(value.shape[1]), int(value.shape[-1]))
+                      if ok else None)
+    return shapes
 
 
 def _last_cache(result: Any) -> tuple[Any, Any]:
