@@ -100,3 +100,22 @@ def test_kv_geometry_per_layer_kind_is_named_not_blamed_on_layer_writes(tmp_path
     failure = next(r.failure for r in check_family(path) if not r.ok)
     assert failure.field == "kv_cache" and "differs per layer kind" in str(failure), str(failure)
     assert "repeat_interleave" not in str(failure)
+
+
+def test_an_unmapped_layer_type_is_a_located_failure(tmp_path, fresh_cache) -> None:
+    # the issue saw an AttributeError (family_source) here; building the block and checking it both name the field
+    from distconf.blocks import build_block
+    from distconf.errors import FamilyValidationError
+    from distconf.loader import load_family
+
+    path = write_family(tmp_path, "qwen2", "qwen2_unmapped", lambda t: t.replace(
+        "  max_window_layers: 1\n", "  max_window_layers: 1\n  layer_types: [full_attention, linear_attention, "
+        "full_attention]\n"))
+    cls = load_family(path)
+    config = cls(**{k: v for k, v in cls.family_spec.tiny_config.items() if k != "variants"})
+    with pytest.raises(FamilyValidationError) as caught:
+        build_block(config, 1)
+    problem = caught.value.problems[0]
+    assert problem.field == "block.mask.layer_kinds" and "'linear_attention'" in problem.message
+    failure = next(r.failure for r in check_family(path) if not r.ok)
+    assert failure.field == "block.mask.layer_kinds", str(failure)
