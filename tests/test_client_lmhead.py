@@ -68,7 +68,8 @@ def test_chunked_head_equals_plain_head(family: str) -> None:
             with torch.no_grad():
                 logits[chunked] = model(input_ids=ids, use_cache=False).logits
         plain, chunked_logits = logits[False], logits[True]
-        assert plain.dtype == chunked_logits.dtype == dtype, family
+        assert plain.dtype == chunked_logits.dtype, family
+        assert plain.dtype in (dtype, torch.float32), family  # some models return float32 logits whatever the dtype
         assert chunked_logits.shape == (*ids.shape, config.vocab_size)
         if dtype == torch.float32:
             torch.testing.assert_close(chunked_logits, plain, rtol=1e-5, atol=1e-5)

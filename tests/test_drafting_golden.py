@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_drafting_presets import NOT_DRAFTED_YET
 
 from distconf.loader.spec import SCHEMA_ID
 from distconf.tools.drafting import draft_family, read_config_json
@@ -34,7 +35,7 @@ PRESETS = REPO / "presets"
 GOLDEN = REPO / "tests" / "golden" / "drafts"
 VERSION_FILE = GOLDEN / "transformers_version.txt"
 UPDATE = os.environ.get("DISTCONF_UPDATE_GOLDEN") == "1"
-PRESET_NAMES = sorted(p.stem for p in PRESETS.glob("*.json"))
+PRESET_NAMES = sorted(p.stem for p in PRESETS.glob("*.json") if p.stem.replace("--", "/", 1) not in NOT_DRAFTED_YET)
 
 # (preset, key) -> why the draft may differ from the built-in family there
 KNOWN_DIFFERENCES = {
