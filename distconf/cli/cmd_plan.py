@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     if plan.num_blocks == 0:
         print(f"Not even one block fits in {_gib(memory)}.", file=sys.stderr)
         return 1
+    if plan.state_bytes_per_sequence:  # a recurrent state per sequence, not K/V per token
+        print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; each block keeps a state of "
+              f"{plan.state_bytes_per_sequence:,} bytes per sequence instead of K/V, room for "
+              f"{plan.state_sequences:,} sequences (the memory {plan.attn_cache_tokens:,} tokens of K/V would take).")
+        return 0
     print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; the attention cache holds "
           f"{plan.cache_tokens:,} tokens for each block (max batch size / inference length {plan.max_length}).")
     return 0
