@@ -36,6 +36,13 @@ DATA = Path(__file__).with_suffix(".yaml")
 NOISE = re.compile(r"^\[transformers\]|Warning|warnings\.warn|^\s*$|^  warnings|FutureWarning")
 
 
+META_BUILD = """
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+with torch.device("meta"):
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+"""
+
 
 @dataclass
 class Outcome:
@@ -222,7 +229,7 @@ def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outco
         if rc is None:
             outcome.cause, outcome.error = "timeout", f"{stage} took over {args.timeout:.0f} s"
             break
-        explain(outcome, out, err, review, folder, classes)
+        explain(outcome, out, err, review, folder, classes, args.timeout)
         break
     else:
         outcome.status = "pass"
@@ -230,10 +237,21 @@ def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outco
     return outcome
 
 
-def explain(outcome: Outcome, out: str, err: str, review: str, folder: Path, classes: dict) -> None:
-    """Set a failed step's first error line, evidence and class from its output."""
+def explain(outcome: Outcome, out: str, err: str, review: str, folder: Path, classes: dict,
+            timeout: float) -> None:
+    """Set a failed step's first error line, evidence and class from its output.
+
+    When the draft failed, transformers alone is tried first: if its own model class cannot be built from the
+    defaults (on the meta device), that is the cause (a passing draft means they built).
+    """
     family = folder.name
     outcome.error, outcome.evidence = first_error(out, err, family)
+    if outcome.stage == "new":
+        rc, bout, berr = run_child([sys.executable, "-c", META_BUILD, str(folder)], timeout, folder, folder)
+        if rc not in (0, None):
+            outcome.cause = "defaults_do_not_build"
+            outcome.evidence.append("transformers' meta-device build: " + first_error(bout, berr, family)[0])
+            return
     text = "\n".join((outcome.error, review))
     outcome.cause, matched = classify(text, config_hint_text(folder / "config.json"), classes)
     if matched:
@@ -248,7 +266,7 @@ def read_log(path: Path) -> tuple[str, str]:
     return out, err
 
 
-def reclassify(path: Path, classes: dict) -> tuple[dict, list[Outcome]]:
+def reclassify(path: Path, classes: dict, timeout: float) -> tuple[dict, list[Outcome]]:
     """Classify a finished (or partial) result file's failures again from the step logs in its workdir."""
     result = json.loads(path.read_text(encoding="utf-8"))
     workdir = Path(result["workdir"])
@@ -259,7 +277,7 @@ def reclassify(path: Path, classes: dict) -> tuple[dict, list[Outcome]]:
         folder = workdir / re.sub(r"[^a-z0-9_]", "_", outcome.model_type.lower())
         new_out, _ = read_log(folder / "new.log")
         review = "\n".join(ln for ln in new_out.splitlines() if ln.startswith("  - ") or "layer kinds" in ln)
-        explain(outcome, *read_log(folder / f"{outcome.stage}.log"), review, folder, classes)
+        explain(outcome, *read_log(folder / f"{outcome.stage}.log"), review, folder, classes, timeout)
     keys = ("results", "swept", "passed", "excluded", "per_class")
     return {k: v for k, v in result.items() if k not in keys}, outcomes
 
@@ -339,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     data = yaml.safe_load(DATA.read_text(encoding="utf-8"))
     classes = data["classes"]
     if args.reclassify:
-        meta, outcomes = reclassify(args.reclassify, classes)
+        meta, outcomes = reclassify(args.reclassify, classes, args.timeout)
         if args.out:
             write_result(args.out, meta, outcomes, classes)
         print_summary(outcomes, classes, bool(meta.get("partial")))

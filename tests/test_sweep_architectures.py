@@ -91,7 +91,18 @@ def test_reclassify_reads_the_step_logs_again(sweep, data, tmp_path) -> None:
     record = {"model_type": "fam", "status": "fail", "stage": "check", "cause": "unclassified", "error": "?"}
     result = tmp_path / "result.json"
     result.write_text(json.dumps({"workdir": str(tmp_path), "partial": False, "results": [record]}), "utf-8")
-    meta, outcomes = sweep.reclassify(result, data["classes"])
+    meta, outcomes = sweep.reclassify(result, data["classes"], 60.0)
     assert meta == {"workdir": str(tmp_path), "partial": False}
     assert outcomes[0].cause == "layer_stack"
     assert outcomes[0].error == "fam [tiny]: f.yaml:1:1: block: no ModuleList of 8 layers"
+
+
+def test_a_draft_failing_on_defaults_transformers_cannot_build_is_theirs(sweep, data, tmp_path) -> None:
+    folder = tmp_path / "dbrx"
+    folder.mkdir()
+    assert sweep.write_defaults("dbrx", folder) == ""
+    outcome = sweep.Outcome("dbrx", "fail", stage="new")
+    sweep.explain(outcome, "", "Traceback (most recent call last):\nAttributeError: no rope_theta\n", "", folder,
+                  data["classes"], 120.0)
+    assert outcome.cause == "defaults_do_not_build"
+    assert any("meta-device build" in item for item in outcome.evidence)
