@@ -9,7 +9,8 @@ import re
 from types import SimpleNamespace
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
@@ -136,11 +137,23 @@ class FamilySpec(StrictModel):
                     f"revision of {excerpt(hub_id)} must be a 40-hex commit hash, got {excerpt(commit, 48)}")
         return value
 
-    @model_validator(mode="after")
-    def _kv_groups_needed(self) -> FamilySpec:
-        if self.kv_groups is None and self.state is None:
-            raise ValueError("kv_groups is required (only a family whose layers keep a `state` may omit it)")
-        return self
+    @model_validator(mode="wrap")
+    @classmethod
+    def _kv_groups_needed(cls, data: Any, handler: Any) -> Any:
+        """Only a family whose layers keep a `state` may omit kv_groups: reported as the field missing, at its
+        place, along with the file's other problems."""
+        missing = isinstance(data, dict) and data.get("kv_groups") is None and data.get("state") is None
+        problems: list[InitErrorDetails] = []
+        try:
+            result = handler(data)
+        except ValidationError as exc:
+            if not missing:
+                raise
+            problems = [_again(e) for e in exc.errors()]
+        if missing:
+            problems.append(InitErrorDetails(type="missing", loc=("kv_groups",), input=data))
+            raise ValidationError.from_exception_data(cls.__name__, problems)
+        return result
 
     def kv_groups_for(self, config: object) -> int:
         """Query heads per KV head of ``config``: ``kv_groups`` (an integer, or its formula evaluated).
@@ -197,3 +210,11 @@ class FamilySpec(StrictModel):
         """Name of the synthesized class, ``Distributed<Name>Config``."""
         name = self.display_name or "".join(part.capitalize() for part in self.family.split("_"))
         return f"Distributed{name}Config"
+
+
+def _again(error: Any) -> InitErrorDetails:
+    """A pydantic error, as the details to raise it again with (its type, place, input and message kept)."""
+    kind = error["type"]
+    if kind not in ("missing", "extra_forbidden"):
+        kind = PydanticCustomError(kind, error["msg"].replace("{", "{{").replace("}", "}}"))
+    return InitErrorDetails(type=kind, loc=error["loc"], input=error.get("input"))
