@@ -14,16 +14,12 @@ from collections.abc import Sequence
 import torch
 from hivemind.proto import runtime_pb2
 
-from distconf.rpc.protocol import deserialize_tensors
+from distconf.rpc.protocol import buffer_problem, deserialize_tensors
 
 __all__ = ["BadReply", "REPLY_DTYPES", "checked_tensor", "checked_reply", "max_reply_bytes"]
 
-REPLY_DTYPES: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-    "float32": (torch.float32, (4,)),
-    "float16": (torch.float16, (2,)),
-    "bfloat16": (torch.bfloat16, (2, 4)),  # hivemind sends bfloat16 without compression as float32 bytes
-}
-"""Dtype names a reply may carry, with their dtype and the bytes per value the buffer may hold."""
+REPLY_DTYPES = ("float32", "float16", "bfloat16")
+"""Dtype names a reply's hidden states or gradients may carry (their bytes on the wire: `WIRE_ITEMSIZE`)."""
 
 _OVERHEAD = 64 * 1024  # message framing and metadata around the tensors
 
@@ -41,16 +37,12 @@ def _check_header(proto: runtime_pb2.Tensor, shape: tuple[int, ...], who: str, w
     got = tuple(proto.size)
     if got != shape:
         raise BadReply(f"{who} returned {what} of shape {list(got)} for {list(shape)}")
-    known = REPLY_DTYPES.get(proto.dtype)
-    if known is None:
+    if proto.dtype not in REPLY_DTYPES:
         raise BadReply(f"{who} returned {what} of dtype {proto.dtype[:40]!r} (expected one of "
                        f"{', '.join(REPLY_DTYPES)})")
-    numel = math.prod(shape)
-    if proto.compression == runtime_pb2.CompressionType.NONE:
-        if len(proto.buffer) not in {numel * width for width in known[1]}:
-            raise BadReply(f"{who} returned {what} of {len(proto.buffer)} bytes for {numel} {proto.dtype} values")
-    elif len(proto.buffer) > 4 * numel + _OVERHEAD:
-        raise BadReply(f"{who} returned {what} of {len(proto.buffer)} bytes for {numel} values")
+    problem = buffer_problem(proto, math.prod(shape))
+    if problem is not None:
+        raise BadReply(f"{who} returned {what} of {len(proto.buffer)} bytes: its {proto.dtype} tensor {problem}")
 
 
 def checked_tensor(tensor: torch.Tensor, shape: Sequence[int], who: str, what: str = "a tensor") -> torch.Tensor:

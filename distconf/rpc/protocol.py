@@ -32,6 +32,7 @@ from distconf.dht.wire import TUPLE_EXT_CODE, WireError, check_shape
 from distconf.loader.naming import chain_uid, parse_block_uid, split_chain
 
 __all__ = [
+    "COMPRESSED_SLACK", "WIRE_ITEMSIZE", "buffer_problem",
     "CACHE_TOKENS_AVAILABLE", "DEFAULT_MAX_MSG_SIZE", "DUMMY", "DUMMY_INT64", "HANDLER_CLASS_NAME",
     "KEY_ACTIVE_ADAPTER", "KEY_ALLOC_TIMEOUT", "KEY_ARGS_STRUCTURE", "KEY_MAX_LENGTH", "KEY_NEXT_SERVERS",
     "KEY_OUTPUT_COMPRESSION", "KEY_POINTS", "KEY_PUSH_FROM", "KEY_PUSHED", "KEY_SESSION_ID", "KEY_START_FROM_POSITION",
@@ -215,6 +216,30 @@ _PLAIN_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float
 (bfloat16 and the rest go through hivemind, which has its own rules for them)."""
 _PLAIN_NAMES = {name: dtype for dtype, name in _PLAIN_DTYPES.items()}
 _NONE = runtime_pb2.CompressionType.NONE
+
+
+WIRE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int64": 8}
+"""Bytes per element of a tensor sent without compression, by dtype name (hivemind sends bfloat16 as float32):
+the dtypes a block request or reply may carry."""
+COMPRESSED_SLACK = 4096
+"""Bytes a compressed tensor may carry beyond 4 per element (quantile and blockwise codes keep tables)."""
+
+
+def buffer_problem(tensor: runtime_pb2.Tensor, numel: int) -> str | None:
+    """What is wrong with ``tensor``'s buffer for ``numel`` values of its dtype and compression, read from its
+    header before anything is decoded, as a predicate ("needs N bytes, its buffer has M"); None if nothing."""
+    itemsize = WIRE_ITEMSIZE.get(tensor.dtype)
+    if itemsize is None:
+        return f"has dtype {tensor.dtype[:40]!r} (expected one of {', '.join(WIRE_ITEMSIZE)})"
+    length = len(tensor.buffer)
+    if tensor.compression == _NONE:
+        if length != numel * itemsize:
+            return f"needs {numel * itemsize} bytes, its buffer has {length}"
+    elif tensor.compression not in runtime_pb2.CompressionType.values():
+        return f"has unknown compression {tensor.compression}"
+    elif length > 4 * numel + COMPRESSED_SLACK:
+        return f"has {length} compressed bytes, more than {numel} values can need"
+    return None
 
 
 def _serialize_one(t: torch.Tensor, compression: int) -> runtime_pb2.Tensor:

@@ -15,16 +15,13 @@ from dataclasses import dataclass
 
 from hivemind.proto import runtime_pb2
 
+from distconf.rpc.protocol import WIRE_ITEMSIZE, buffer_problem
 from distconf.server.validation import RequestError
 
 __all__ = ["ACCEPTED_DTYPES", "WireBudget", "check_headers", "header_numel"]
 
-ACCEPTED_DTYPES = {"float16": 2, "bfloat16": 4, "float32": 4, "float64": 8, "int64": 8}
-"""Dtype names a request's tensors may have, with their bytes per element on the wire without compression
-(hivemind sends bfloat16 as float32). Hidden states and prompts are floating; ``hypo_ids`` are int64."""
-_NONE = runtime_pb2.CompressionType.NONE
-_COMPRESSED_SLACK = 4096
-"""Bytes a compressed tensor may carry beyond 4 per element (quantile and blockwise codes keep tables)."""
+ACCEPTED_DTYPES = WIRE_ITEMSIZE
+"""Dtype names a request's tensors may have (hidden states and prompts are floating; ``hypo_ids`` int64)."""
 _MAX_DIMS = 8
 
 
@@ -46,25 +43,16 @@ def header_numel(tensor: runtime_pb2.Tensor) -> int:
     return math.prod(size)
 
 
-def _itemsize(tensor: runtime_pb2.Tensor) -> int:
-    itemsize = ACCEPTED_DTYPES.get(tensor.dtype)
-    if itemsize is None:
+def _check_dtype(tensor: runtime_pb2.Tensor) -> None:
+    if tensor.dtype not in ACCEPTED_DTYPES:
         raise RequestError(f"a tensor has dtype {tensor.dtype[:40]!r}; this server takes "
                            f"{', '.join(ACCEPTED_DTYPES)}")
-    return itemsize
 
 
-def _check_buffer(tensor: runtime_pb2.Tensor, numel: int, itemsize: int) -> None:
-    length = len(tensor.buffer)
-    if tensor.compression == _NONE:
-        if length != numel * itemsize:
-            raise RequestError(f"a {tensor.dtype} tensor of shape {list(tensor.size)} needs {numel * itemsize} "
-                               f"bytes, its buffer has {length}")
-    elif tensor.compression not in runtime_pb2.CompressionType.values():
-        raise RequestError(f"unknown compression {tensor.compression}")
-    elif length > 4 * numel + _COMPRESSED_SLACK:
-        raise RequestError(f"a compressed tensor of shape {list(tensor.size)} has {length} bytes, more than it "
-                           "can need")
+def _check_buffer(tensor: runtime_pb2.Tensor, numel: int) -> None:
+    problem = buffer_problem(tensor, numel)
+    if problem is not None:
+        raise RequestError(f"a {tensor.dtype[:40]} tensor of shape {list(tensor.size)[:_MAX_DIMS]} {problem}")
 
 
 def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, whole: bool = True) -> int:
@@ -75,7 +63,7 @@ def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, 
     """
     total = 0
     for tensor in tensors:
-        itemsize = _itemsize(tensor)
+        _check_dtype(tensor)
         numel = header_numel(tensor)
         size = tuple(tensor.size)
         if budget.max_tokens is not None and len(size) == 3 and size[0] * size[1] > budget.max_tokens:
@@ -86,5 +74,5 @@ def check_headers(tensors: Iterable[runtime_pb2.Tensor], budget: WireBudget, *, 
             raise RequestError(f"{budget.what} carries more than {budget.max_numel} tensor elements, the most it "
                                "may need")
         if whole:
-            _check_buffer(tensor, numel, itemsize)
+            _check_buffer(tensor, numel)
     return total
