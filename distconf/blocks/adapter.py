@@ -7,7 +7,10 @@ tensors load directly, and is called the same way for every family::
     hidden_states, cache = block(hidden_states, layer_past=cache, use_cache=True)
 
 ``hidden_states`` is ``[batch, seq, hidden]``; ``cache`` is ``(key, value)``, each
-``[batch, num_kv_heads, tokens, head_dim]``, holding only the real KV heads. Positions
+``[batch, num_kv_heads, tokens, head_dim]``, holding only the real KV heads; a layer that keeps a
+per-sequence state (`distconf.blocks.state`) has ``(conv, recurrent)`` instead, one that keeps
+both ``(key, value, conv, recurrent)``, and one that keeps nothing None
+(`distconf.blocks.layer_types`). Positions
 (rotary or ALiBi), the mask and the layer's keyword names all come from the family
 file's ``block`` section, read directly from the spec; `LayerSettings` holds only what
 is resolved once per layer (its mask kind, window, position functions, KV geometry).
@@ -21,9 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.hf_compat import build_attention_mask
+from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
+from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type
 from distconf.blocks.state import BlockStateCache
-from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.source import FamilySource
@@ -65,23 +69,15 @@ class LayerSettings:
     geometry: KVGeometry
     layer_writes: str
     alibi_takes_device: bool = False
+    keeps_kv: bool = True
+    keeps_state: bool = False
+    one_token_steps: bool = False
+    """The layer reads its state only in one-token steps (``state.continuation: one_token``)."""
 
     @property
     def alibi_in_mask(self) -> bool:
         """ALiBi is folded into a float mask (and the mask is then always materialized)."""
         return self.spec.position.alibi_in_mask and self.alibi_function is not None
-
-
-def _layer_type(config: DistributedConfig, field: str | None, layer_idx: int) -> str | None:
-    if field is None:
-        return None
-    types = getattr(config, field, None)
-    if types is None:
-        return None
-    try:
-        return str(types[layer_idx])
-    except (IndexError, TypeError):
-        raise ConfigValueError(f"{field}={types!r} has no entry for layer {layer_idx}") from None
 
 
 def _source(block_cls: type) -> FamilySource:
@@ -100,14 +96,14 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
     """Resolve the family file's ``block`` section for layer ``layer_idx`` of ``config``."""
     spec = block_cls.family_spec
     block, position, mask = spec.block, spec.block.position, spec.block.mask
-    layer_type = _layer_type(config, mask.layer_types_field, layer_idx)
+    kind_of_layer = layer_type(config, layer_idx)
     kind = mask.kind
-    if layer_type is not None:
-        if layer_type not in mask.layer_kinds:
+    if kind_of_layer is not None:
+        if kind_of_layer not in mask.layer_kinds:
             raise _source(block_cls).error(
                 ("block", "mask", "layer_kinds"),
-                f"layer {layer_idx} has type {layer_type!r}, which block.mask.layer_kinds does not map")
-        kind = mask.layer_kinds[layer_type]
+                f"layer {layer_idx} has type {kind_of_layer!r}, which block.mask.layer_kinds does not map")
+        kind = mask.layer_kinds[kind_of_layer]
     window = chunk = None
     if kind == "sliding_window":
         window = _evaluate(block_cls, ("block", "mask", "sliding_window"), mask.sliding_window, config)
@@ -131,9 +127,11 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
     return LayerSettings(
         spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window, chunk_size=chunk,
         rotary_class=rotary_class,
-        rotary_layer_type=layer_type if position.rotary_layer_type_argument else None,
-        alibi_function=alibi_function, geometry=kv_geometry(config), layer_writes=spec.kv_cache.layer_writes,
+        rotary_layer_type=kind_of_layer if position.rotary_layer_type_argument else None,
+        alibi_function=alibi_function, geometry=kv_geometry(config, layer_idx), layer_writes=spec.kv_cache.layer_writes,
         alibi_takes_device=_takes(alibi_function, "device"),
+        keeps_kv=keeps_kv_at(config, layer_idx), keeps_state=keeps_state_at(config, layer_idx),
+        one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
     )
 
 
@@ -158,6 +156,22 @@ def prepare_config(config: DistributedConfig) -> None:
         config._attn_implementation = (spec.block.attn_implementation if spec else None) or "sdpa"
     if getattr(config, "_experts_implementation", "unset") is None:
         config._experts_implementation = "eager"  # a standalone layer gets no dispatch from a model
+
+
+def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool,
+                ) -> tuple[tuple[Any, Any] | None, tuple[Any, Any] | None]:
+    """The K/V part and the state part of a block's past (either None when absent or all None)."""
+    if layer_past is None:
+        return None, None
+    if keeps_kv and keeps_state:
+        kv, state = tuple(layer_past[:2]), tuple(layer_past[2:4])
+    elif keeps_kv:
+        kv, state = tuple(layer_past[:2]), None
+    else:
+        kv, state = None, tuple(layer_past[:2])
+    kv = None if kv is None or kv[0] is None else kv
+    state = None if state is None or all(t is None for t in state) else state
+    return kv, state  # type: ignore[return-value]
 
 
 class BlockAdapter:
@@ -277,7 +291,8 @@ class BlockAdapter:
             kwargs[call.position_ids_argument] = position_ids
         if settings.rotary_class is not None and call.position_embeddings_argument:
             kwargs[call.position_embeddings_argument] = self._rotary(hidden_states, position_ids)
-        mask = self._mask(hidden_states, past, padding_mask) if call.mask_argument else None
+        wants_mask = call.mask_argument and settings.mask_kind != "none"
+        mask = self._mask(hidden_states, past, padding_mask) if wants_mask else None
         alibi = None
         if settings.alibi_function is not None:
             alibi, mask = self._alibi(hidden_states, past, mask, padding_mask)
@@ -287,28 +302,44 @@ class BlockAdapter:
             kwargs[call.mask_argument] = mask
         return kwargs
 
-    def forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, ...] | None = None,
                 use_cache: bool = False, rows: RowLayout | None = None,
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """Run the block on ``[batch, seq, hidden]`` hidden states.
 
-        ``layer_past`` is the ``(key, value)`` cache of earlier tokens (or None; for a family with a
-        ``state`` section, the ``(conv, recurrent)`` state of `distconf.blocks.state`). Returns
-        the new hidden states and, if ``use_cache``, the cache including these tokens.
+        ``layer_past`` is the cache of earlier tokens (or None): ``(key, value)`` for a layer that keeps
+        K/V, ``(conv, recurrent)`` for one that keeps a per-sequence state (`distconf.blocks.state`),
+        ``(key, value, conv, recurrent)`` for one that keeps both. Returns the new hidden states and,
+        if ``use_cache``, the cache including these tokens (None for a layer that keeps nothing).
         ``rows``: each row's positions and padding, when rows of one call have different lengths.
         """
         settings = self._distconf
-        cache: BlockKVCache | BlockStateCache | None
-        if type(self).family_spec.state is not None:  # per-sequence (conv, recurrent) state, no positions kept
-            past = 0
-            cache = BlockStateCache(layer_past) if (use_cache or layer_past) else None
-        else:
-            past = int(layer_past[0].shape[-2]) if layer_past is not None else 0
-            cache = (BlockKVCache(layer_past, settings.geometry.num_kv_heads, settings.layer_writes)
-                     if (use_cache or layer_past) else None)
+        if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
+                and hidden_states.shape[1] > 1):
+            return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
+        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state)
+        past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
+        cache: BlockKVCache | BlockStateCache | BlockHybridCache | None = None
+        if use_cache or layer_past is not None:
+            kv = (BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes)
+                  if settings.keeps_kv else None)
+            state = BlockStateCache(state_past) if settings.keeps_state else None
+            cache = BlockHybridCache(kv, state) if (kv is not None and state is not None) else (kv or state)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
         output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]
         if isinstance(output, (tuple, list)):
             output = output[0]
         present = cache.present if (use_cache and cache is not None) else None
         return output, present
+
+    def _one_token_at_a_time(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, ...],
+                             use_cache: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """A multi-token step after an earlier state, as one-token steps (the layer continues only those)."""
+        import torch
+
+        outputs = []
+        past: tuple[torch.Tensor, ...] | None = layer_past
+        for t in range(hidden_states.shape[1]):
+            out, past = self.forward(hidden_states[:, t:t + 1], layer_past=past, use_cache=True)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), (past if use_cache else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distconf.blocks.layer_types import any_layer_keeps_kv, keeps_kv_at
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
@@ -58,11 +59,14 @@ def _default_head_dim(config: DistributedConfig) -> int:
     return config.hidden_size // config.num_attention_heads
 
 
-def kv_geometry(config: DistributedConfig) -> KVGeometry:
-    """The KV-cache geometry a block of ``config`` keeps per token (from its family file; all 0 for a
-    family whose layers keep a per-sequence ``state`` instead)."""
+def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGeometry:
+    """The KV-cache geometry block ``layer_idx`` of ``config`` keeps per token (from its family file); all 0
+    for a layer that keeps none (a recurrent or MLP-only layer, `distconf.blocks.layer_types`).
+
+    Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no layer keeps K/V).
+    """
     family = type(config).family_spec
-    if family.state is not None:  # a recurrent block: per-sequence state (distconf.blocks.state), no KV
+    if not any_layer_keeps_kv(config) or (layer_idx is not None and not keeps_kv_at(config, layer_idx)):
         return KVGeometry(0, 0, 0, 0)
     spec = family.kv_cache
     heads = _value(config, "num_kv_heads", spec.num_kv_heads,

@@ -129,14 +129,20 @@ def block_size_bytes(config: DistributedConfig, dtype: torch.dtype | None = None
     return int(sizes[layer_idx] * SIZE_MARGIN)
 
 
-def kv_cache_bytes_per_token(config: DistributedConfig, dtype: torch.dtype | None = None) -> int:
-    """Bytes one block keeps in its KV cache per token (per sequence), in ``dtype`` (default bfloat16)."""
-    return int(kv_geometry(config).values_per_token * bytes_per_value(dtype))
+def kv_cache_bytes_per_token(config: DistributedConfig, dtype: torch.dtype | None = None,
+                             layer_idx: int | None = None) -> int:
+    """Bytes block ``layer_idx`` keeps in its KV cache per token (per sequence), in ``dtype`` (default bfloat16).
+
+    Without ``layer_idx``: what a K/V-keeping block of the family keeps (0 if none does).
+    """
+    return int(kv_geometry(config, layer_idx).values_per_token * bytes_per_value(dtype))
 
 
-def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | None = None) -> int:
-    """Bytes of state one block keeps per sequence in ``dtype`` (the family's ``state`` section; 0 for KV blocks)."""
-    geometry = state_geometry(config)
+def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | None = None,
+                             layer_idx: int | None = None) -> int:
+    """Bytes of state block ``layer_idx`` keeps per sequence in ``dtype`` (the family's ``state`` section; 0 for a
+    block that keeps none). Without ``layer_idx``: what a state-keeping block of the family keeps."""
+    geometry = state_geometry(config, layer_idx)
     if geometry is None:
         return 0
     recurrent_bytes = 4 if geometry.recurrent_float32 else bytes_per_value(dtype)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from distconf.blocks.layer_types import keeps_state_at
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
@@ -41,7 +42,8 @@ class StateGeometry:
 
 
 def keeps_state(config: DistributedConfig | type) -> bool:
-    """Whether the blocks of ``config`` (or of a config class) keep a per-sequence state, not a KV cache."""
+    """Whether some blocks of ``config`` (or of a config class) keep a per-sequence state (the family has a
+    ``state`` section); which ones: `distconf.blocks.layer_types.keeps_state_at`."""
     cls = config if isinstance(config, type) else type(config)
     spec = getattr(cls, "family_spec", None)
     return spec is not None and spec.state is not None
@@ -64,11 +66,12 @@ def _shape(config: DistributedConfig, field: str, entries: list[int | Formula] |
     return tuple(out)
 
 
-def state_geometry(config: DistributedConfig) -> StateGeometry | None:
-    """The per-sequence state a block of ``config`` keeps (from its family file), or None for KV blocks."""
+def state_geometry(config: DistributedConfig, layer_idx: int | None = None) -> StateGeometry | None:
+    """The per-sequence state block ``layer_idx`` of ``config`` keeps (from its family file), or None for a layer
+    that keeps none. Without ``layer_idx``: the state of the family's state-keeping layers (None: no state)."""
     spec = getattr(type(config), "family_spec", None)
     state = spec.state if spec is not None else None
-    if state is None:
+    if state is None or (layer_idx is not None and not keeps_state_at(config, layer_idx)):
         return None
     return StateGeometry(_shape(config, "conv_shape", state.conv_shape),
                          _shape(config, "recurrent_shape", state.recurrent_shape),

@@ -155,6 +155,24 @@ class FamilySpec(StrictModel):
             raise ValidationError.from_exception_data(cls.__name__, problems)
         return result
 
+    @model_validator(mode="after")
+    def _cache_kinds_named(self) -> FamilySpec:
+        """``state.layer_kinds`` and ``kv_cache.layer_kinds`` name layer types the mask section maps."""
+        mask = self.block.mask
+        for where, kinds in (("state", self.state.layer_kinds if self.state else None),
+                             ("kv_cache", self.kv_cache.layer_kinds)):
+            if kinds is None:
+                continue
+            if mask.layer_types_field is None:
+                raise ValueError(f"{where}.layer_kinds needs block.mask.layer_types_field (the config field "
+                                 "listing each layer's type)")
+            unknown = [k for k in kinds if k not in mask.layer_kinds]
+            if unknown:
+                mapped = ", ".join(map(repr, mask.layer_kinds))
+                raise ValueError(f"{where}.layer_kinds names {', '.join(map(repr, unknown))}, which "
+                                 f"block.mask.layer_kinds does not map (it maps {mapped})")
+        return self
+
     def kv_groups_for(self, config: object) -> int:
         """Query heads per KV head of ``config``: ``kv_groups`` (an integer, or its formula evaluated).
 

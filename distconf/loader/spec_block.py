@@ -19,7 +19,7 @@ __all__ = [
 
 _PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
-MaskKind = Literal["causal", "sliding_window", "chunked"]
+MaskKind = Literal["causal", "sliding_window", "chunked", "none"]
 
 
 class ConstructorSpec(StrictModel):
@@ -145,8 +145,9 @@ class MaskSpec(StrictModel):
     kind: MaskKind = Field(
         default="causal",
         description="Mask of every layer not covered by layer_types_field: 'causal', 'sliding_window' "
-                    "(causal and at most `sliding_window` tokens back), or 'chunked' (causal within "
-                    "consecutive blocks of `chunk_size` tokens).",
+                    "(causal and at most `sliding_window` tokens back), 'chunked' (causal within "
+                    "consecutive blocks of `chunk_size` tokens), or 'none' (the layer attends to nothing: a "
+                    "recurrent, convolution or MLP-only layer, which gets None as its mask).",
     )
     sliding_window: FormulaText | None = Field(
         default=None,
@@ -268,6 +269,12 @@ class KVCacheSpec(StrictModel):
         default=None,
         description="Override of the whole count (e.g. latent attention caching kv_lora_rank + "
                     "qk_rope_head_dim); when set the head fields are only used to lay out the cache.",
+    )
+    layer_kinds: list[str] | None = Field(
+        default=None, min_length=1,
+        description="Layer types (values of block.mask.layer_types_field) whose layers keep a KV cache, in a "
+                    "family whose layers differ (recurrent, hybrid, MLP-only layers). Null: every layer that "
+                    "keeps no `state` (every layer of a family without a state section).",
     )
     layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
         default="kv_heads",

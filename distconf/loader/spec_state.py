@@ -22,7 +22,8 @@ __all__ = ["StateSpec"]
 class StateSpec(StrictModel):
     """Per-sequence state of a recurrent block: a convolution window and/or a recurrent (SSM) state.
 
-    Every layer of the family keeps this state and no KV cache. Bytes per sequence per block =
+    Every layer of the family keeps this state and no KV cache, unless ``layer_kinds`` names the
+    layer types that do (a hybrid family). Bytes per sequence per block =
     ``prod(conv_shape) x bytes(block dtype) + prod(recurrent_shape) x bytes(recurrent_dtype)``.
     ``distconf check`` verifies the shapes against what the layer really keeps.
     """
@@ -43,6 +44,19 @@ class StateSpec(StrictModel):
         default="block",
         description="dtype the layer keeps its recurrent state in: 'block' (the block's dtype) or 'float32' "
                     "(layers whose scan accumulates in float32 whatever the weights' dtype).",
+    )
+
+    layer_kinds: list[str] | None = Field(
+        default=None, min_length=1,
+        description="Layer types (values of block.mask.layer_types_field) whose layers keep this state, in a "
+                    "hybrid family (the others keep a KV cache, see kv_cache.layer_kinds, or nothing). Null: "
+                    "every layer keeps it.",
+    )
+    continuation: Literal["any_length", "one_token"] = Field(
+        default="any_length",
+        description="How the layer continues from an earlier state: 'any_length' (a step of several tokens "
+                    "starts from the state, as chunked scans do) or 'one_token' (the layer reads its state "
+                    "only in one-token steps; the block then feeds a longer step one token at a time).",
     )
 
     @model_validator(mode="after")

@@ -105,6 +105,9 @@ def step_together(parts: Sequence[StepPart]) -> list[torch.Tensor]:
             for p, rows, own in zip(parts, spans, prompts):
                 if own[b] is not None:
                     hidden[rows, :p.length] = add_prompt(hidden[rows, :p.length], own[b], p.cache.position)
+            if not block.keeps_kv:  # an MLP-only layer of a hybrid family: nothing to cache
+                hidden, _ = block.module(hidden, use_cache=True, rows=layout)
+                continue
             layer_past = None
             if past > 0:
                 k0, v0 = caches[0][0][b], caches[0][1][b]

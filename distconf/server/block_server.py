@@ -307,7 +307,7 @@ class BlockServer(SpanMoves):
         Its ``rpc_info`` reports ``weights_sha256`` and ``block_sha256`` (default: this server's).
         """
         from distconf.blocks.kvcache import kv_geometry
-        from distconf.blocks.sizing import state_bytes_per_sequence
+        from distconf.blocks.sizing import kv_cache_bytes_per_token, state_bytes_per_sequence
         from distconf.loader.naming import block_uids
         from distconf.planning import autograd_reserve_bytes, batch_activation_bytes, default_max_length
         from distconf.server.compute import ServedBlock
@@ -318,9 +318,9 @@ class BlockServer(SpanMoves):
 
         o, config = self.options, self.config
         uids = block_uids(config.dht_prefix, start, start + len(modules))
-        geometry = kv_geometry(config)
-        state_bytes = state_bytes_per_sequence(config, self.dtype)
-        served = [ServedBlock(uid, start + i, m, self.dtype, geometry, self.kv_bytes_per_token, state_bytes)
+        served = [ServedBlock(uid, start + i, m, self.dtype, kv_geometry(config, start + i),
+                              kv_cache_bytes_per_token(config, self.dtype, start + i),
+                              state_bytes_per_sequence(config, self.dtype, start + i))
                   for i, (uid, m) in enumerate(zip(uids, modules))]
         settings = HandlerSettings(
             dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,

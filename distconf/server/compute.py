@@ -2,7 +2,8 @@
 
 Blocks follow the adapter's calling convention (``hidden, present = block(hidden,
 layer_past=(k, v), use_cache=True)``, caches ``[batch, kv_heads, tokens, head_dim]``; a
-recurrent block's ``(conv, recurrent)`` state per row instead, see `distconf.blocks.state`).
+recurrent block's ``(conv, recurrent)`` state per row instead, ``(k, v, conv, recurrent)`` for a
+block keeping both, see `distconf.blocks.adapter`).
 Requests arrive and replies leave on the CPU; inputs move to the blocks' device (where the
 caches live too) and results come back, so a GPU server needs nothing else here.
 These functions are synchronous and run in the server's one compute thread, in the order
@@ -19,7 +20,6 @@ from typing import Any
 import torch
 
 from distconf.blocks.kvcache import KVGeometry
-from distconf.blocks.state import keeps_state
 
 __all__ = ["ServedBlock", "SessionCache", "add_prompt", "backward_chain", "forward_chain", "on_device"]
 
@@ -44,8 +44,15 @@ class ServedBlock:
 
     @property
     def keeps_state(self) -> bool:
-        """The block keeps a per-sequence state (its family's ``state`` section), not a KV cache."""
-        return keeps_state(type(self.module))
+        """The block keeps a per-sequence state (its family's ``state`` section, for this layer's type)."""
+        settings = getattr(self.module, "_distconf", None)
+        return bool(settings is not None and settings.keeps_state)
+
+    @property
+    def keeps_kv(self) -> bool:
+        """The block keeps a K/V cache (False for a recurrent or MLP-only layer)."""
+        settings = getattr(self.module, "_distconf", None)
+        return settings is None or settings.keeps_kv
 
 
 def on_device(blocks: Sequence[ServedBlock], *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -100,9 +107,10 @@ def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_out
 class SessionCache:
     """The preallocated KV cache of one inference session: every block of its chain, ``batch x max_length``.
 
-    A block that keeps a per-sequence state instead (`ServedBlock.keeps_state`) holds its
-    ``(conv, recurrent)`` state in ``states`` (None before the first token); its bytes were
-    reserved with the session (`nbytes`), the tensors come from the block's first step.
+    A block that keeps a per-sequence state (`ServedBlock.keeps_state`, alone or next to K/V) holds
+    its ``(conv, recurrent)`` state in ``states`` (None before the first token); its bytes were
+    reserved with the session (`nbytes`), the tensors come from the block's first step. A block
+    that keeps no K/V has empty ``keys``/``values`` entries.
     """
 
     blocks: Sequence[ServedBlock]
@@ -140,7 +148,7 @@ class SessionCache:
         """Allocate the cache tensors (zeros); a state block's state starts empty (None)."""
         self.states = [None] * len(self.blocks)
         for b in self.blocks:
-            if b.keeps_state:
+            if not b.keeps_kv:
                 self.keys.append(torch.zeros(0))
                 self.values.append(torch.zeros(0))
                 continue
@@ -172,6 +180,7 @@ class SessionCache:
                     state = self.states[i]
                     if state is not None:
                         self.states[i] = tuple(None if t is None else t[hypo_ids] for t in state)
+                if not self.blocks[i].keeps_kv:
                     continue
                 k[:, :, :pos] = k[hypo_ids, :, :pos]
                 v[:, :, :pos] = v[hypo_ids, :, :pos]
@@ -188,14 +197,17 @@ class SessionCache:
             old_states = self.states
             states = list(old_states)  # taken only when every block succeeded: a failed step leaves no trace
             for i, (block, k, v, prompt) in enumerate(zip(self.blocks, self.keys, self.values, prompts)):
-                if block.keeps_state:
-                    hidden, states[i] = block.module(add_prompt(hidden, prompt, pos), layer_past=states[i],
-                                                     use_cache=True)
-                    continue
-                past = (k[:, :, :pos], v[:, :, :pos]) if pos > 0 else None
+                kv = (k[:, :, :pos], v[:, :, :pos]) if (block.keeps_kv and pos > 0) else (None, None)
+                state = tuple(states[i]) if (block.keeps_state and states[i] is not None) else (None, None)
+                past = (*kv, *state) if block.keeps_kv and block.keeps_state else (kv if block.keeps_kv else state)
                 hidden, present = block.module(add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
-                k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
-                v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
+                if present is None:
+                    continue
+                if block.keeps_state:
+                    states[i] = tuple(present[-2:])
+                if block.keeps_kv:
+                    k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
+                    v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
         if self.states is old_states:  # not released meanwhile
             self.states = states
         self.position = pos + n

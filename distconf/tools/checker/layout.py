@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from distconf.blocks.layer_types import any_layer_keeps_kv
 from distconf.errors import FamilyValidationError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure, validation_failure
@@ -59,6 +60,18 @@ def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path])
         raise located_failure(cls, ("block", "prefix"), f"tensors beyond the last layer: {beyond[:3]}")
 
 
+def _holds_attention(block: Any) -> bool:
+    """Whether ``block`` must contain ``block.attention_class``: every block keeping K/V, and in a family whose
+    layers keep only a state, every block (its recurrent mixer is then the class given the cache)."""
+    settings = block._distconf
+    return settings.keeps_kv or not any_layer_keeps_kv(type(block).config_class)
+
+
+def first_attention_block(blocks: list[Any]) -> Any:
+    """The first block that contains the attention class (`check_attention_gets_cache` probes it)."""
+    return next((b for b in blocks if _holds_attention(b)), blocks[0])
+
+
 def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: type) -> list[Any]:
     """Load every block from the checkpoint through the family file; compare parameter counts."""
     import torch
@@ -74,7 +87,7 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
                 raise located_failure(cls, ("block",), f"{exc} (buffers the layer computes itself are not in "
                                       "checkpoints; transformers' model class must initialize them)") from None
             raise located_failure(cls, tuple((exc.field or "block.prefix").split(".")), str(exc)) from None
-        if not any(isinstance(m, attn_class) for m in block.modules()):
+        if _holds_attention(block) and not any(isinstance(m, attn_class) for m in block.modules()):
             found = sorted({type(m).__name__ for m in block.modules() if "atten" in type(m).__name__.lower()})
             raise located_failure(cls, ("block", "attention_class"),
                                   f"no {attn_class.__name__} inside block {i} (attention-like modules: "
@@ -92,13 +105,15 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
     """The attention class must be the module the KV cache is handed to (not just any submodule)."""
     import torch
 
+    from distconf.blocks.hybrid_cache import BlockHybridCache
     from distconf.blocks.kvcache import BlockKVCache
     from distconf.blocks.state import BlockStateCache
 
     got_cache: list[bool] = []
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
-        got_cache.append(any(isinstance(v, (BlockKVCache, BlockStateCache)) for v in (*args, *kwargs.values())))
+        caches = (BlockKVCache, BlockStateCache, BlockHybridCache)
+        got_cache.append(any(isinstance(v, caches) for v in (*args, *kwargs.values())))
 
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]
     try:

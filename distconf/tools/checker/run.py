@@ -16,6 +16,7 @@ from distconf.tools.checker.layout import (
     check_attention_gets_cache,
     check_layer_tensors,
     check_meta_build,
+    first_attention_block,
     load_blocks,
 )
 from distconf.tools.checker.reference import build_reference, record_layer_io, save_sharded, tiny_variants
@@ -43,7 +44,7 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
         check_layer_tensors(cls, reference, files)
         blocks = load_blocks(cls, directory, reference, attn_class)
     result.params_per_block = sum(p.numel() for p in blocks[0].parameters())
-    check_attention_gets_cache(cls, blocks[0], attn_class, reference.config.hidden_size)
+    check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.hidden_size)
 
     ref_in, ref_out = record_layer_io(reference)
     compare_full(cls, blocks, ref_in, ref_out, result)

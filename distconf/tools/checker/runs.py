@@ -41,6 +41,12 @@ def run_in_steps(blocks: list[Any], hidden: Any, sizes: list[int]) -> tuple[Any,
     return torch.cat(outputs, dim=1), caches
 
 
+def _keeps_something(block: Any) -> bool:
+    """The block's layer keeps K/V or a state (`distconf.blocks.layer_types`); an MLP-only layer keeps nothing."""
+    settings = getattr(block, "_distconf", None)
+    return settings is None or settings.keeps_kv or settings.keeps_state
+
+
 def compare_full(cls: type, blocks: list[Any], ref_in: Any, ref_out: list[Any], result: CheckResult) -> None:
     """Each block on its layer's reference input, full sequence, no cache."""
     import torch
@@ -66,10 +72,11 @@ def compare_cached(cls: type, blocks: list[Any], ref_in: Any, ref_out: list[Any]
 
     with torch.no_grad():
         incremental, caches = run_in_steps(blocks, ref_in, [1] * SEQ_LEN)
-        if any(c is None for c in caches):
+        empty = [i for i, c in enumerate(caches) if c is None and _keeps_something(blocks[i])]
+        if empty:
             keyword = cls.family_spec.block.call.cache_argument  # type: ignore[attr-defined]
             raise located_failure(cls, ("block", "call", "cache_argument"),
-                                  f"block {caches.index(None)} kept no KV cache: the layer never wrote to the "
+                                  f"block {empty[0]} kept no KV cache: the layer never wrote to the "
                                   f"cache passed as {keyword}=...; its forward takes the cache under another keyword")
         chunked, _ = run_in_steps(blocks, ref_in, list(CHUNKS))
         chained = ref_in  # full-sequence chain through our blocks, for a like-for-like comparison

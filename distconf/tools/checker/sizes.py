@@ -15,31 +15,59 @@ __all__ = ["check_kv_cache", "check_state", "check_block_sizes", "loaded_block_b
 
 
 def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], result: CheckResult) -> None:
-    """Bytes per token each block caches must equal ``kv_cache_bytes_per_token``; else name the wrong field."""
+    """Bytes per token each K/V block caches must equal ``kv_cache_bytes_per_token``, and each state block's state
+    must have the family's ``state`` shapes; else name the wrong field. Which block keeps which:
+    `distconf.blocks.layer_types` (a hybrid family has both kinds, an MLP-only layer neither)."""
     import torch
 
     from distconf.blocks.kvcache import kv_geometry
+    from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
     from distconf.blocks.sizing import kv_cache_bytes_per_token
-    from distconf.blocks.state import keeps_state
 
-    if keeps_state(config):
-        check_state(cls, config, caches, result)
+    kv_layers = [i for i in range(len(caches)) if keeps_kv_at(config, i)]
+    state_layers = [i for i in range(len(caches)) if keeps_state_at(config, i)]
+    for i in kv_layers + state_layers:
+        where = ("kv_cache", "layer_kinds") if i in kv_layers else ("state", "layer_kinds")
+        part = _kv_part(config, i, caches[i]) if i in kv_layers else _state_part(config, i, caches[i])
+        if part is None or all(t is None for t in part):
+            raise located_failure(cls, where, f"block {i} kept no {'K/V' if i in kv_layers else 'state'}, "
+                                  f"though the family file says its layer type keeps one")
+    if state_layers:
+        check_state(cls, config, [_state_part(config, i, caches[i]) for i in state_layers], result)
+        if not kv_layers:
+            return
+        result.notes.append(f"state: {result.kv_declared:,} bytes per sequence on {len(state_layers)} of "
+                            f"{len(caches)} blocks")
+        result.cache_unit = "token"
+    kv_caches = [_kv_part(config, i, caches[i]) for i in kv_layers]
+    if not kv_caches:
+        result.kv_declared = result.kv_actual = 0
         return
     declared = kv_cache_bytes_per_token(config, torch.float32)
     result.kv_declared = declared
-    held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in caches]
-    worst = max(range(len(caches)), key=lambda i: abs(held[i] - declared))
+    held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in kv_caches]
+    worst = max(range(len(kv_caches)), key=lambda i: abs(held[i] - declared))
     result.kv_actual = held[worst]
     if held[worst] != declared:
-        key, value = caches[worst]
-        heads = [int(k.shape[1]) for k, _ in caches]
+        key, value = kv_caches[worst]
+        heads = [int(k.shape[1]) for k, _ in kv_caches]
         if len(set(heads)) > 1:  # no single kv_cache section fits: say so rather than blame one of its fields
-            per_block = ", ".join(f"block {i}: {h}" for i, h in enumerate(heads))
+            per_block = ", ".join(f"block {kv_layers[i]}: {h}" for i, h in enumerate(heads))
             raise located_failure(cls, ("kv_cache",), f"blocks cache different numbers of KV heads per layer "
                                   f"({per_block}; the family declares {kv_geometry(config).num_kv_heads} for "
                                   "every layer): the KV geometry differs per layer kind, which one kv_cache "
                                   "section cannot declare")
         raise _geometry_failure(cls, config, key, value, held[worst], declared)
+
+
+def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
+    """The ``(key, value)`` of a block's cache (the first two entries, whatever else it keeps)."""
+    return None if cache is None else tuple(cache[:2])
+
+
+def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
+    """The ``(conv, recurrent)`` of a block's cache (its last two entries)."""
+    return None if cache is None else tuple(cache[-2:])
 
 
 def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any, actual: int,
@@ -119,7 +147,7 @@ def check_state(cls: type, config: DistributedConfig, states: list[Any], result:
     from distconf.blocks.state import state_geometry
 
     geometry = state_geometry(config)
-    assert geometry is not None
+    assert geometry is not None  # the caller checks only families with a state section
     declared = state_bytes_per_sequence(config, torch.float32)
     result.kv_declared, result.cache_unit = declared, "sequence"
     expected = (("conv_shape", geometry.conv_shape), ("recurrent_shape", geometry.recurrent_shape))
