@@ -134,12 +134,33 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
         raise type(config).family_source.error(("block", "constructor"),
                           f"{getattr(cls, 'layer_class', cls).__name__}({', '.join(kwargs)}) failed: {exc}"
                           ) from None
+    add_model_buffers(block, config, buffers_device if str(device) == "meta" and buffers_device is not None
+                      else device)
     if dtype is not None:
         block = block.to(dtype)
     if str(device) == "meta" and buffers_device is not None:
         materialize_buffers(block, config, buffers_device)
     block.eval()
     return block
+
+
+def add_model_buffers(block: Any, config: DistributedConfig, device: Any) -> None:
+    """Register the buffers the model gives each layer after building it (``block.model_buffers``)."""
+    import torch
+
+    source = type(config).family_source
+    for path, function_path in type(config).family_spec.block.model_buffers.items():
+        loc = ("block", "model_buffers", path)
+        function = resolve_object(source, loc, function_path)
+        owner_name, _, name = path.rpartition(".")
+        try:
+            owner = block.get_submodule(owner_name) if owner_name else block
+            value = function(config)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise source.error(loc, f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(value, torch.Tensor):
+            raise source.error(loc, f"{function_path} returned {type(value).__name__}, not a tensor")
+        owner.register_buffer(name, value.to(device), persistent=False)
 
 
 def materialize_buffers(block: Any, config: DistributedConfig, device: Any = "cpu") -> list[str]:

@@ -231,6 +231,13 @@ class BlockSpec(StrictModel):
     constructor: ConstructorSpec = Field(
         default_factory=ConstructorSpec, description="Arguments of the layer's constructor."
     )
+    model_buffers: dict[str, ClassPath] = Field(
+        default_factory=dict,
+        description="Buffers the model registers on each layer after building it (not in checkpoints): "
+                    "'submodule.buffer' (a path inside the layer) -> a function of the config returning the "
+                    "tensor (e.g. mamba.mup_vector: a module's compute_mup_vector). The block registers them "
+                    "the same way, as non-persistent buffers.",
+    )
     call: CallSpec = Field(default_factory=CallSpec, description="Keyword arguments of the layer's forward.")
     position: PositionSpec = Field(
         default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
