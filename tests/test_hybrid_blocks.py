@@ -180,3 +180,32 @@ def test_a_model_buffer_function_that_is_not_there_is_located(tmp_path: Path) ->
 
     with pytest.raises(FamilyValidationError, match=r"block.model_buffers.mamba.mup_vector"):
         build_block(cls(**hf_config.to_dict()), 0)
+
+
+def test_a_layer_class_per_layer_type(tmp_path: Path) -> None:
+    """``block.layer_classes``: jamba's attention layers and Mamba layers are two decoder-layer classes."""
+    import pickle
+
+    import distconf.blocks.build as build
+
+    config, model, blocks = _tiny("jamba", tmp_path / "jamba")
+    names = [type(b).layer_class.__name__ for b in blocks]
+    assert names == ["JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"] * 2
+    assert getattr(build, type(blocks[1]).__name__) is type(blocks[1])  # found by name, as pickle does
+    assert type(pickle.loads(pickle.dumps(blocks[1]))) is type(blocks[1])
+    ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    records = record_layers(model, config, ids, use_cache=False)
+    stepped, _ = _steps(blocks, records[0][0], [4, 2, 1, 2])  # Mamba layers continue one token at a time
+    torch.testing.assert_close(stepped, records[-1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_layer_class_for_a_type_is_located(tmp_path: Path) -> None:
+    from distconf.tools.checker import check_family
+
+    path = write_family(tmp_path, "jamba", "jamba_swapped",
+                        lambda t: t.replace("full_attention: transformers.models.jamba.modeling_jamba."
+                                            "JambaAttentionDecoderLayer",
+                                            "full_attention: transformers.models.jamba.modeling_jamba."
+                                            "JambaMambaDecoderLayer"))
+    (result,) = check_family(path)
+    assert result.failure is not None and result.failure.field.startswith("block.layer_classes"), result.failure

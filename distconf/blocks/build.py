@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.hf_compat import initialize_computed_buffers, non_persistent_buffers
+from distconf.blocks.layer_types import layer_type
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.once import OncePerKey
@@ -36,22 +37,35 @@ def _class_name(config_cls: type) -> str:
     return (name[: -len("Config")] if name.endswith("Config") else name) + "Block"
 
 
-def make_block_class(config_cls: type) -> type:
-    """The block class of a distributed config class (synthesized once per config class)."""
-    return _block_classes.get(config_cls, lambda: _synthesize_block_class(config_cls))
+def make_block_class(config_cls: type, layer_type: str | None = None) -> type:
+    """The block class of a distributed config class (synthesized once per config class); with ``layer_type``,
+    the block class of that layer type when ``block.layer_classes`` gives it its own decoder-layer class."""
+    layer_classes = config_cls.family_spec.block.layer_classes  # type: ignore[attr-defined]
+    if layer_type is None or layer_type not in layer_classes:
+        return _block_classes.get(config_cls, lambda: _synthesize_block_class(config_cls))
+    return _typed_block_classes.get((config_cls, layer_type),
+                                    lambda: _synthesize_block_class(config_cls, layer_type))
 
 
-def _synthesize_block_class(config_cls: type) -> type:
+_typed_block_classes: OncePerKey[tuple[type, str], type] = OncePerKey()
+
+
+def _synthesize_block_class(config_cls: type, layer_type: str | None = None) -> type:
     spec = config_cls.family_spec  # type: ignore[attr-defined]
-    layer_class = resolve_object(config_cls.family_source, ("block", "layer_class"), spec.block.layer_class)
+    loc: tuple[str, ...] = ("block", "layer_class")
+    path = spec.block.layer_class
+    if layer_type is not None:
+        loc, path = ("block", "layer_classes", layer_type), spec.block.layer_classes[layer_type]
+    layer_class = resolve_object(config_cls.family_source, loc, path)
     if not isinstance(layer_class, type):
-        raise config_cls.family_source.error(("block", "layer_class"), f"{spec.block.layer_class} is not a class")
+        raise config_cls.family_source.error(loc, f"{path} is not a class")
     import torch
 
     if not issubclass(layer_class, torch.nn.Module):
-        raise config_cls.family_source.error(("block", "layer_class"),
-                                             f"{spec.block.layer_class} is not a torch.nn.Module")
+        raise config_cls.family_source.error(loc, f"{path} is not a torch.nn.Module")
     name = _class_name(config_cls)
+    if layer_type is not None:
+        name = f"{name[:-len('Block')]}_{layer_class.__name__}_Block"
     cls = type(name, (BlockAdapter, layer_class), {
         "__module__": __name__,
         "__qualname__": name,
@@ -65,14 +79,20 @@ def _synthesize_block_class(config_cls: type) -> type:
 
 
 def __getattr__(name: str) -> type:
-    """Resolve ``Distributed<Name>Block`` on first use (so pickle finds block classes)."""
+    """Resolve ``Distributed<Name>Block`` (and ``Distributed<Name>_<LayerClass>_Block``, a layer type's own
+    class) on first use, so pickle finds block classes."""
     if name.startswith("Distributed") and name.endswith("Block"):
+        base, _, layer_name = name[: -len("Block")].rstrip("_").partition("_")  # a per-layer-type class
         try:
-            config_cls = load_family_by_class_name(name[: -len("Block")] + "Config")
+            config_cls = load_family_by_class_name(base + "Config")
         except LookupError:
             pass
         else:
-            return make_block_class(config_cls)
+            for kind, path in config_cls.family_spec.block.layer_classes.items():
+                if layer_name and path.rsplit(".", 1)[-1] == layer_name:
+                    return make_block_class(config_cls, kind)
+            if not layer_name:
+                return make_block_class(config_cls)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -126,6 +146,8 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
     if not isinstance(layer_idx, int) or layer_idx < 0 or (isinstance(num_layers, int) and layer_idx >= num_layers):
         raise IndexError(f"layer_idx={layer_idx!r} out of range for num_hidden_layers={num_layers!r}")
     cls = block_class_for(config)
+    if type(config).family_spec.block.layer_classes:
+        cls = make_block_class(type(config), layer_type(config, layer_idx))
     kwargs = constructor_kwargs(config, layer_idx)
     try:
         with torch.device(device):

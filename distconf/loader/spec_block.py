@@ -198,6 +198,12 @@ class BlockSpec(StrictModel):
     """The decoder layer a server hosts as one block, where its weights live, and how it is run."""
 
     layer_class: ClassPath = Field(description="Decoder-layer class a server instantiates for one block.")
+    layer_classes: dict[str, ClassPath] = Field(
+        default_factory=dict,
+        description="Layer type (value of mask.layer_types_field) -> decoder-layer class, for models whose "
+                    "layers of different types are different classes (e.g. an attention layer class and a "
+                    "state-space layer class); layers of other types are layer_class.",
+    )
     adapter: ClassPath = Field(
         default="distconf.blocks.make_block_class",
         description="Factory building the served block class from the distributed config class; the "
@@ -243,6 +249,12 @@ class BlockSpec(StrictModel):
         default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
     )
     mask: MaskSpec = Field(default_factory=MaskSpec, description="Attention mask kind, per layer if needed.")
+
+    @model_validator(mode="after")
+    def _layer_types_for_classes(self) -> BlockSpec:
+        if self.layer_classes and self.mask.layer_types_field is None:
+            raise ValueError("layer_classes needs mask.layer_types_field (the config field listing each layer's type)")
+        return self
 
     @model_validator(mode="after")
     def _layer_types_for_rotary(self) -> BlockSpec:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distconf.blocks.layer_types import any_layer_keeps_kv
+from distconf.blocks.build import make_block_class
+from distconf.blocks.layer_types import any_layer_keeps_kv, layer_type
 from distconf.errors import FamilyValidationError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure, validation_failure
@@ -33,7 +34,6 @@ def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path])
     from distconf.blocks.weights import layer_keys
 
     spec = cls.family_spec  # type: ignore[attr-defined]
-    layer_class = cls.block_class.layer_class  # type: ignore[attr-defined]
     config = reference.config
     claimed: set[str] = set()
     for i in range(reference.layers):
@@ -42,8 +42,11 @@ def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path])
             raise located_failure(cls, ("block", "prefix"),
                                   f"the model has no module at {spec.block.prefix}.{i} (nor with/without the base "
                                   f"prefix {spec.block.base_model_prefix!r})")
+        kind = layer_type(config, i) if spec.block.layer_classes else None
+        layer_class = make_block_class(cls, kind).layer_class
         if not isinstance(hf_layer, layer_class):
-            raise located_failure(cls, ("block", "layer_class"), f"the model's layer {i} is a "
+            where = ("block", "layer_classes", kind) if kind in spec.block.layer_classes else ("block", "layer_class")
+            raise located_failure(cls, where, f"the model's layer {i} is a "
                                   f"{type(hf_layer).__name__}, not {layer_class.__name__}")
         _, names = layer_keys(files, config, i)
         overlap = claimed.intersection(names)

@@ -82,9 +82,16 @@ def compare_cached(cls: type, blocks: list[Any], ref_in: Any, ref_out: list[Any]
         chained = ref_in  # full-sequence chain through our blocks, for a like-for-like comparison
         for block in blocks:
             chained, _ = block(chained)
-    diff = max(max_rel_diff(run, ref_out[-1]) for run in (incremental, chunked, chained))
+    diffs = [max_rel_diff(run, ref_out[-1]) for run in (incremental, chunked, chained)]
+    diff = max(diffs)
     result.incremental_diff = diff
     if diff > TOLERANCE:
+        state = cls.family_spec.state  # type: ignore[attr-defined]
+        if state is not None and state.continuation == "any_length" and max(diffs[0], diffs[2]) <= TOLERANCE:
+            raise located_failure(cls, ("state", "continuation"), f"steps of {'/'.join(map(str, CHUNKS))} tokens "
+                                  f"differ from the model by {diffs[1]:.2e} (one-token steps and the whole sequence "
+                                  "agree): the recurrent layer reads its state only in one-token steps; set "
+                                  "state.continuation: one_token")
         raise located_failure(cls, ("block",), f"token-by-token outputs with the KV cache differ from the model by "
                               f"{diff:.2e} (tolerance {TOLERANCE:.0e}): check kv_cache.layer_writes, "
                               "block.position and block.mask")
