@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.blocks.layer_types import any_layer_keeps_kv, keeps_kv_at
+from distconf.blocks.layer_types import any_layer_keeps_kv, keeps_kv_at, layer_type
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
@@ -68,12 +68,29 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     family = type(config).family_spec
     if not any_layer_keeps_kv(config) or (layer_idx is not None and not keeps_kv_at(config, layer_idx)):
         return KVGeometry(0, 0, 0, 0)
-    spec = family.kv_cache
-    heads = _value(config, "num_kv_heads", spec.num_kv_heads,
-                   lambda: config.num_attention_heads // config.num_key_value_groups)
-    key_dim = _value(config, "key_head_dim", spec.key_head_dim, lambda: _default_head_dim(config))
-    value_dim = _value(config, "value_head_dim", spec.value_head_dim, lambda: key_dim)
-    total = _value(config, "values_per_token", spec.values_per_token, lambda: heads * (key_dim + value_dim))
+    overrides = family.kv_cache.layer_overrides
+    if layer_idx is None:  # the largest of the family's geometries (what a K/V block keeps at most)
+        kinds = [None, *overrides]
+        return max((_geometry(config, kind) for kind in kinds), key=lambda g: g.values_per_token)
+    kind = layer_type(config, layer_idx) if overrides else None
+    return _geometry(config, kind if kind in overrides else None)
+
+
+def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
+    """The KV geometry of the family's section, with the overrides of layer type ``kind`` (None: none)."""
+    spec = type(config).family_spec.kv_cache
+    override = spec.layer_overrides.get(kind) if kind is not None else None
+
+    def field(name: str) -> tuple[str, Any]:
+        value = getattr(override, name) if override is not None else None
+        if value is not None:
+            return f"layer_overrides.{kind}.{name}", value
+        return name, getattr(spec, name)
+
+    heads = _value(config, *field("num_kv_heads"), lambda: config.num_attention_heads // config.num_key_value_groups)
+    key_dim = _value(config, *field("key_head_dim"), lambda: _default_head_dim(config))
+    value_dim = _value(config, *field("value_head_dim"), lambda: key_dim)
+    total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim))
     return KVGeometry(heads, key_dim, value_dim, total)
 
 

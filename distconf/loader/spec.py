@@ -159,17 +159,18 @@ class FamilySpec(StrictModel):
     def _cache_kinds_named(self) -> FamilySpec:
         """``state.layer_kinds`` and ``kv_cache.layer_kinds`` name layer types the mask section maps."""
         mask = self.block.mask
+        overrides = list(self.kv_cache.layer_overrides) or None
         for where, kinds in (("state", self.state.layer_kinds if self.state else None),
-                             ("kv_cache", self.kv_cache.layer_kinds)):
+                             ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides)):
             if kinds is None:
                 continue
             if mask.layer_types_field is None:
-                raise ValueError(f"{where}.layer_kinds needs block.mask.layer_types_field (the config field "
+                raise ValueError(f"{_kinds_field(where)} needs block.mask.layer_types_field (the config field "
                                  "listing each layer's type)")
             unknown = [k for k in kinds if k not in mask.layer_kinds]
             if unknown:
                 mapped = ", ".join(map(repr, mask.layer_kinds))
-                raise ValueError(f"{where}.layer_kinds names {', '.join(map(repr, unknown))}, which "
+                raise ValueError(f"{_kinds_field(where)} names {', '.join(map(repr, unknown))}, which "
                                  f"block.mask.layer_kinds does not map (it maps {mapped})")
         return self
 
@@ -228,6 +229,11 @@ class FamilySpec(StrictModel):
         """Name of the synthesized class, ``Distributed<Name>Config``."""
         name = self.display_name or "".join(part.capitalize() for part in self.family.split("_"))
         return f"Distributed{name}Config"
+
+
+def _kinds_field(where: str) -> str:
+    """The field naming layer types: ``<section>.layer_kinds``, or the overrides mapping itself."""
+    return where if where.endswith("layer_overrides") else f"{where}.layer_kinds"
 
 
 def _again(error: Any) -> InitErrorDetails:

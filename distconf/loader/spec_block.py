@@ -264,6 +264,16 @@ class BlockSpec(StrictModel):
         return self
 
 
+class KVGeometryOverride(StrictModel):
+    """KV geometry of the layers of one type, where it differs from the family's (e.g. sliding-window layers
+    with twice the KV heads); a field left out keeps the kv_cache section's value."""
+
+    num_kv_heads: IntOrFormula | None = Field(default=None, description="KV heads kept by a layer of this type.")
+    key_head_dim: IntOrFormula | None = Field(default=None, description="Size of one key head.")
+    value_head_dim: IntOrFormula | None = Field(default=None, description="Size of one value head.")
+    values_per_token: IntOrFormula | None = Field(default=None, description="Override of the whole count.")
+
+
 class KVCacheSpec(StrictModel):
     """KV-cache geometry of one block: values kept per token, and how the layer hands them over.
 
@@ -294,6 +304,11 @@ class KVCacheSpec(StrictModel):
         description="Layer types (values of block.mask.layer_types_field) whose layers keep a KV cache, in a "
                     "family whose layers differ (recurrent, hybrid, MLP-only layers). Null: every layer that "
                     "keeps no `state` (every layer of a family without a state section).",
+    )
+    layer_overrides: dict[str, KVGeometryOverride] = Field(
+        default_factory=dict,
+        description="Layer type (value of block.mask.layer_types_field) -> the KV geometry of layers of that type "
+                    "where it differs (fields left out keep this section's values).",
     )
     layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
         default="kv_heads",

@@ -43,21 +43,21 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
     if not kv_caches:
         result.kv_declared = result.kv_actual = 0
         return
-    declared = kv_cache_bytes_per_token(config, torch.float32)
-    result.kv_declared = declared
+    declared = [kv_cache_bytes_per_token(config, torch.float32, i) for i in kv_layers]
     held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in kv_caches]
-    worst = max(range(len(kv_caches)), key=lambda i: abs(held[i] - declared))
-    result.kv_actual = held[worst]
-    if held[worst] != declared:
+    worst = max(range(len(kv_caches)), key=lambda i: abs(held[i] - declared[i]))
+    result.kv_declared, result.kv_actual = max(declared), max(held)
+    if held[worst] != declared[worst]:
         key, value = kv_caches[worst]
         heads = [int(k.shape[1]) for k, _ in kv_caches]
-        if len(set(heads)) > 1:  # no single kv_cache section fits: say so rather than blame one of its fields
+        overrides = cls.family_spec.kv_cache.layer_overrides  # type: ignore[attr-defined]
+        if len(set(heads)) > 1 and not overrides:  # no single kv_cache section fits: say what does
             per_block = ", ".join(f"block {kv_layers[i]}: {h}" for i, h in enumerate(heads))
             raise located_failure(cls, ("kv_cache",), f"blocks cache different numbers of KV heads per layer "
                                   f"({per_block}; the family declares {kv_geometry(config).num_kv_heads} for "
-                                  "every layer): the KV geometry differs per layer kind, which one kv_cache "
-                                  "section cannot declare")
-        raise _geometry_failure(cls, config, key, value, held[worst], declared)
+                                  "every layer): the KV geometry differs per layer kind; declare the layers of "
+                                  "the other type in kv_cache.layer_overrides")
+        raise _geometry_failure(cls, config, key, value, held[worst], declared[worst], kv_layers[worst])
 
 
 def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
@@ -71,11 +71,11 @@ def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
 
 
 def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any, actual: int,
-                      declared: int) -> CheckFailure:
-    """The field of the family's KV section that explains a cache of the wrong size."""
+                      declared: int, layer_idx: int = 0) -> CheckFailure:
+    """The field of the family's KV section that explains a cache of the wrong size (block ``layer_idx``)."""
     from distconf.blocks.kvcache import kv_geometry
 
-    geometry = kv_geometry(config)
+    geometry = kv_geometry(config, layer_idx)
     if key.shape[1] != geometry.num_kv_heads:
         return _kv_heads_failure(cls, config, key.shape[1], geometry.num_kv_heads, key)
     if key.shape[-1] != geometry.key_head_dim:
