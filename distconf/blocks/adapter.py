@@ -159,14 +159,14 @@ def prepare_config(config: DistributedConfig) -> None:
 
 
 def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool,
-                ) -> tuple[tuple[Any, Any] | None, tuple[Any, Any] | None]:
+                ) -> tuple[tuple[Any, ...] | None, tuple[Any, Any] | None]:
     """The K/V part and the state part of a block's past (either None when absent or all None)."""
     if layer_past is None:
         return None, None
     if keeps_kv and keeps_state:
         kv, state = tuple(layer_past[:2]), tuple(layer_past[2:4])
     elif keeps_kv:
-        kv, state = tuple(layer_past[:2]), None
+        kv, state = tuple(layer_past[:3]), None  # (key, value) or (key, value, indexer)
     else:
         kv, state = None, tuple(layer_past[:2])
     kv = None if kv is None or kv[0] is None else kv

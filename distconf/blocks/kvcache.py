@@ -26,6 +26,8 @@ class KVGeometry:
     key_head_dim: int
     value_head_dim: int
     values_per_token: int
+    indexer_head_dim: int = 0
+    """Values per token of a sparse-attention indexer's key cache (0: none); counted in ``values_per_token``."""
 
 
 def _family(config: DistributedConfig) -> str:
@@ -90,8 +92,9 @@ def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
     heads = _value(config, *field("num_kv_heads"), lambda: config.num_attention_heads // config.num_key_value_groups)
     key_dim = _value(config, *field("key_head_dim"), lambda: _default_head_dim(config))
     value_dim = _value(config, *field("value_head_dim"), lambda: key_dim)
-    total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim))
-    return KVGeometry(heads, key_dim, value_dim, total)
+    indexer = 0 if spec.indexer_head_dim is None else _value(config, "indexer_head_dim", spec.indexer_head_dim, int)
+    total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim) + indexer)
+    return KVGeometry(heads, key_dim, value_dim, total, indexer)
 
 
 class BlockKVCache:
@@ -104,8 +107,9 @@ class BlockKVCache:
     kept and the layer gets the expanded view back.
     """
 
-    def __init__(self, past: tuple[Any, Any] | None, num_kv_heads: int, layer_writes: str) -> None:
+    def __init__(self, past: tuple[Any, ...] | None, num_kv_heads: int, layer_writes: str) -> None:
         self.key, self.value = (past[0], past[1]) if past is not None else (None, None)
+        self.indexer = past[2] if past is not None and len(past) > 2 else None
         self.num_kv_heads = num_kv_heads
         self.layer_writes = layer_writes
         self.expansion = 1
@@ -142,7 +146,17 @@ class BlockKVCache:
             return self.key.repeat_interleave(factor, dim=1), self.value.repeat_interleave(factor, dim=1)
         return self.key, self.value
 
+    def update_indexer(self, indexer_keys: Any, layer_idx: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Append a sparse-attention indexer's keys ``[batch, tokens, dim]``; return all of them."""
+        import torch
+
+        self.indexer = indexer_keys if self.indexer is None else torch.cat([self.indexer, indexer_keys], dim=1)
+        return self.indexer
+
     @property
-    def present(self) -> tuple[Any, Any] | None:
-        """The cache to hand back to the caller: ``(key, value)`` or None if empty."""
-        return None if self.key is None else (self.key, self.value)
+    def present(self) -> tuple[Any, ...] | None:
+        """The cache to hand back to the caller: ``(key, value)`` (``(key, value, indexer)`` when the layer keeps
+        an indexer cache), or None if empty."""
+        if self.key is None:
+            return None
+        return (self.key, self.value) if self.indexer is None else (self.key, self.value, self.indexer)

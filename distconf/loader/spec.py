@@ -156,6 +156,13 @@ class FamilySpec(StrictModel):
         return result
 
     @model_validator(mode="after")
+    def _indexer_without_state(self) -> FamilySpec:
+        if self.kv_cache.indexer_head_dim is not None and self.state is not None:
+            raise ValueError("kv_cache.indexer_head_dim cannot be combined with a state section (a block's past "
+                             "is (key, value, indexer) or (key, value, conv, recurrent))")
+        return self
+
+    @model_validator(mode="after")
     def _cache_kinds_named(self) -> FamilySpec:
         """``state.layer_kinds`` and ``kv_cache.layer_kinds`` name layer types the mask section maps."""
         mask = self.block.mask

@@ -278,7 +278,7 @@ class KVCacheSpec(StrictModel):
     """KV-cache geometry of one block: values kept per token, and how the layer hands them over.
 
     Values per token per block = ``values_per_token`` if given, else
-    ``num_kv_heads * (key_head_dim + value_head_dim)``. It must equal what the block
+    ``num_kv_heads * (key_head_dim + value_head_dim) + indexer_head_dim``. It must equal what the block
     really caches (``distconf check`` verifies it).
     """
 
@@ -304,6 +304,12 @@ class KVCacheSpec(StrictModel):
         description="Layer types (values of block.mask.layer_types_field) whose layers keep a KV cache, in a "
                     "family whose layers differ (recurrent, hybrid, MLP-only layers). Null: every layer that "
                     "keeps no `state` (every layer of a family without a state section).",
+    )
+    indexer_head_dim: IntOrFormula | None = Field(
+        default=None,
+        description="Values per token of the key cache a sparse-attention indexer keeps next to K/V (the layer "
+                    "calls cache.update_indexer with [batch, tokens, indexer_head_dim] keys), e.g. "
+                    "'index_head_dim'. Null: no indexer cache.",
     )
     layer_overrides: dict[str, KVGeometryOverride] = Field(
         default_factory=dict,

@@ -50,9 +50,10 @@ def batch_key(part: StepPart) -> tuple[object, ...]:
     when the family's layers read positions from the cache length (``position.from_cache_length``).
 
     A session whose blocks keep a recurrent state is computed alone (its own key): rows padded
-    on the left would run through the recurrence and change its state.
+    on the left would run through the recurrence and change its state; so is one whose blocks keep
+    a sparse-attention indexer's keys (their padded step is not laid out here).
     """
-    if part.cache.keeps_state:
+    if part.cache.keeps_state or part.cache.keeps_indexer:
         return ("alone", id(part.cache))
     blocks = part.cache.blocks
     spec = getattr(blocks[0].module, "family_spec", None) if blocks else None

@@ -120,12 +120,19 @@ class SessionCache:
     values: list[torch.Tensor] = field(default_factory=list)
     position: int = 0
     states: list[Any] = field(default_factory=list)
+    indexers: list[Any] = field(default_factory=list)
+    """Per block, a sparse-attention indexer's keys ``[batch, max_length, dim]`` (None: the block keeps none)."""
 
     @staticmethod
     def nbytes(blocks: Sequence[ServedBlock], batch: int, max_length: int) -> int:
         """Bytes a session of ``batch x max_length`` tokens holds over ``blocks`` (KV per token, state per row)."""
         return (sum(b.kv_bytes_per_token for b in blocks) * batch * max_length
                 + sum(b.state_bytes_per_sequence for b in blocks) * batch)
+
+    @property
+    def keeps_indexer(self) -> bool:
+        """Some block of the chain keeps a sparse-attention indexer's keys next to K/V."""
+        return any(b.keeps_kv and b.geometry.indexer_head_dim for b in self.blocks)
 
     @property
     def keeps_state(self) -> bool:
@@ -147,6 +154,9 @@ class SessionCache:
     def allocate(self) -> None:
         """Allocate the cache tensors (zeros); a state block's state starts empty (None)."""
         self.states = [None] * len(self.blocks)
+        self.indexers = [torch.zeros(self.batch, self.max_length, b.geometry.indexer_head_dim, dtype=b.dtype,
+                                     device=b.device) if b.keeps_kv and b.geometry.indexer_head_dim else None
+                         for b in self.blocks]
         for b in self.blocks:
             if not b.keeps_kv:
                 self.keys.append(torch.zeros(0))
@@ -160,7 +170,7 @@ class SessionCache:
 
     def release(self) -> None:
         """Drop the cache tensors (a step computing at this moment keeps the lists it started with)."""
-        self.keys, self.values, self.states = [], [], []
+        self.keys, self.values, self.states, self.indexers = [], [], [], []
 
     def restart(self, position: int) -> None:
         """Continue from ``position`` (the caller checked `rewind_refusal`): 0 empties every state."""
@@ -182,6 +192,8 @@ class SessionCache:
                         self.states[i] = tuple(None if t is None else t[hypo_ids] for t in state)
                 if not self.blocks[i].keeps_kv:
                     continue
+                if self.indexers[i] is not None:
+                    self.indexers[i][:, :pos] = self.indexers[i][hypo_ids, :pos]
                 k[:, :, :pos] = k[hypo_ids, :, :pos]
                 v[:, :, :pos] = v[hypo_ids, :, :pos]
 
@@ -196,8 +208,11 @@ class SessionCache:
                 return hidden.cpu()
             old_states = self.states
             states = list(old_states)  # taken only when every block succeeded: a failed step leaves no trace
+            indexers = self.indexers
             for i, (block, k, v, prompt) in enumerate(zip(self.blocks, self.keys, self.values, prompts)):
-                kv = (k[:, :, :pos], v[:, :, :pos]) if (block.keeps_kv and pos > 0) else (None, None)
+                kv: tuple[Any, ...] = (k[:, :, :pos], v[:, :, :pos]) if (block.keeps_kv and pos > 0) else (None, None)
+                if indexers[i] is not None and pos > 0:
+                    kv = (*kv, indexers[i][:, :pos])
                 state = tuple(states[i]) if (block.keeps_state and states[i] is not None) else (None, None)
                 past = (*kv, *state) if block.keeps_kv and block.keeps_state else (kv if block.keeps_kv else state)
                 hidden, present = block.module(add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
@@ -208,6 +223,8 @@ class SessionCache:
                 if block.keeps_kv:
                     k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
                     v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]
+                    if indexers[i] is not None:
+                        indexers[i][:, pos:pos + n] = present[2][:, pos:pos + n]
         if self.states is old_states:  # not released meanwhile
             self.states = states
         self.position = pos + n

@@ -44,12 +44,12 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
         result.kv_declared = result.kv_actual = 0
         return
     declared = [kv_cache_bytes_per_token(config, torch.float32, i) for i in kv_layers]
-    held = [(k.numel() + v.numel()) * k.element_size() // (BATCH * SEQ_LEN) for k, v in kv_caches]
+    held = [sum(t.numel() for t in kv) * kv[0].element_size() // (BATCH * SEQ_LEN) for kv in kv_caches]
     worst = max(range(len(kv_caches)), key=lambda i: abs(held[i] - declared[i]))
     result.kv_declared, result.kv_actual = max(declared), max(held)
     if held[worst] != declared[worst]:
-        key, value = kv_caches[worst]
-        heads = [int(k.shape[1]) for k, _ in kv_caches]
+        key, value = kv_caches[worst][:2]
+        heads = [int(kv[0].shape[1]) for kv in kv_caches]
         overrides = cls.family_spec.kv_cache.layer_overrides  # type: ignore[attr-defined]
         if len(set(heads)) > 1 and not overrides:  # no single kv_cache section fits: say what does
             per_block = ", ".join(f"block {kv_layers[i]}: {h}" for i, h in enumerate(heads))
@@ -61,8 +61,12 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
 
 
 def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
-    """The ``(key, value)`` of a block's cache (the first two entries, whatever else it keeps)."""
-    return None if cache is None else tuple(cache[:2])
+    """The ``(key, value)`` of a block's cache, with a sparse-attention indexer's keys when it keeps them."""
+    from distconf.blocks.layer_types import keeps_state_at
+
+    if cache is None:
+        return None
+    return tuple(cache[:2]) if keeps_state_at(config, layer_idx) else tuple(cache[:3])
 
 
 def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
