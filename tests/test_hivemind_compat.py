@@ -123,6 +123,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 @pytest.mark.parametrize(("levels", "kind", "outcome"), [
     (100, "tuple", "decoded"), (400, "tuple", -11),  # each tuple level is a nested C decode
     (1000, "list", "decoded"), (1100, "list", "StackError"), (100_000, "map", "StackError"),  # iterative in C

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from client_swarm import REPO
 
 CHILD = r"""
@@ -47,6 +48,7 @@ print("ok", loads_metadata(msgpack.packb({"args_structure": [[b"__T0"], {}]}, us
 """
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_deep_metadata_is_refused_without_a_crash() -> None:
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]

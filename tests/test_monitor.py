@@ -302,6 +302,7 @@ def test_requests_never_wait_for_a_slow_read():
         running.stop()
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_a_huge_model_is_paginated():
     """1024 blocks and 3000 spans: the JSON lists one page of servers and counts the rest."""
     spans = [(made_up_peer_id(f"p{i}"), i % 1001, i % 1001 + 24, float(1 + i % 7)) for i in range(3000)]

@@ -124,6 +124,7 @@ def test_petals_record_values() -> None:
     assert normalize_quant("none") is None and normalize_quant("Int8") == "int8"
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_no_quantization_library_at_import() -> None:
     code = ("import sys, torch, distconf.blocks\n"
             "from distconf import load_preset\n"

@@ -74,6 +74,7 @@ def test_first_error_is_the_checkers_line_else_the_raised_exception(sweep) -> No
     assert sweep.first_error(out, "", "fam")[0] == "fam: layer kinds not listed"
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_a_child_over_its_timeout_is_stopped_with_its_group(sweep, tmp_path) -> None:
     start = time.monotonic()
     cmd = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
@@ -97,6 +98,7 @@ def test_reclassify_reads_the_step_logs_again(sweep, data, tmp_path) -> None:
     assert outcomes[0].error == "fam [tiny]: f.yaml:1:1: block: no ModuleList of 8 layers"
 
 
+@pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_a_draft_failing_on_defaults_transformers_cannot_build_is_theirs(sweep, data, tmp_path) -> None:
     folder = tmp_path / "dbrx"
     folder.mkdir()
