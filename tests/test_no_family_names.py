@@ -9,6 +9,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
+LAYER_KIND_WORDS = {"mamba"}
+"""Parts of compound family names that name a layer kind many architectures share, not a family: "mamba" (the
+selective state-space mixer of falcon_mamba) prefixes config fields of several families (mamba_d_state,
+mamba_n_heads), which generic code reads by name. A family named by the whole word still counts."""
+
 
 def _family_words() -> set[str]:
     words: set[str] = set()
@@ -17,7 +22,8 @@ def _family_words() -> set[str]:
         for key in ("family", "model_type", "display_name"):
             if data.get(key):
                 words.add(str(data[key]).lower())
-                words.update(part for part in re.split(r"[_-]", str(data[key]).lower()) if len(part) > 4)
+                words.update(part for part in re.split(r"[_-]", str(data[key]).lower())
+                             if len(part) > 4 and part not in LAYER_KIND_WORDS)
     return words
 
 
