@@ -24,6 +24,7 @@ NOT_DRAFTED_YET = {
     "tiiuae/Falcon-H1-0.5B-Instruct",
     "ai21labs/AI21-Jamba-Mini-1.5",
     "tiiuae/falcon-mamba-7b",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
 }
 """Presets of families whose layers keep a per-sequence `state`: the drafter does not write a `state` section
 yet (issue 23); their hand-written family files pass `distconf check` (tests/test_check.py)."""
