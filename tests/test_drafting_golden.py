@@ -54,6 +54,12 @@ KNOWN_DIFFERENCES = {
     ("tiiuae--falcon-40b", "block.position"): "alibi_in_mask is for falcon-rw's ALiBi, which no preset has",
     ("tiiuae--falcon-7b", "block.mask"): "allow_skip: false is found by hand (FalconModel always builds a mask)",
     ("tiiuae--falcon-40b", "block.mask"): "allow_skip: false is found by hand (FalconModel always builds a mask)",
+    ("mistralai--Mamba-Codestral-7B-v0.1", "block.call"):
+        "the family drops the padding-mask argument (mask_argument: null); the draft keeps the default (both check)",
+    ("mistralai--Mamba-Codestral-7B-v0.1", "block.mask"):
+        "the draft maps the layer type to mask kind none; the family passes no mask at all (both check)",
+    ("mistralai--Mamba-Codestral-7B-v0.1", "block.attn_implementation"):
+        "the model class does not support sdpa: the draft says eager, the family leaves it (no attention)",
 }
 COMPARED = ("config_class", "kv_groups", "kv_cache")
 COMPARED_BLOCK = ("layer_class", "attention_class", "prefix", "base_model_prefix", "constructor", "call",

@@ -11,7 +11,7 @@ from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.named_variants import named_type_variants
-from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny
+from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, meta_model, scan_model
@@ -24,6 +24,8 @@ from distconf.tools.drafting.sections import (
     draft_position,
 )
 from distconf.tools.drafting.shrink import shrink_config
+from distconf.tools.drafting.state import state_layout
+from distconf.tools.drafting.statedraft import apply_state, attention_by_type, cache_module_class, finish_state
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -97,12 +99,15 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         draft.review.append("no num_attention_heads field: set kv_groups by hand")
     plan = tiny_plan(config, config_class, draft.attn_implementation, full, scan)
     layer_class = scan.layer_class
+    mixer = cache_module_class(scan.layers[0]) if scan.attention_class is None and scan.layers else None
+    by_type = attention_by_type(scan, field_value(text, "layer_types"))
     del model, scan
     draft.tiny_config = fit_tiny_config(plan, TINY, draft.review, draft.facts)
     variants = [("tiny", plan, {}), *_sibling_variants(draft, plan)]
     variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
         _verify_tiny(draft, variants)
+        finish_state(draft, by_type, mixer)
     return draft
 
 
@@ -138,6 +143,7 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
     """Run every tiny variant; check sizes and kinds of layers; decide kv_groups / kv_cache from the caches."""
     base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
     layouts, real_kinds, tiny_kinds = [], set(), set()
+    state_run: tuple[TinyPlan, TinyRun, dict[str, Any]] | None = None
     for name, plan, values in variants:
         prefix = "" if name == "tiny" else f"variant {name}: "
         tiny = run_tiny(plan.config_class, {**base, **values}, draft.attn_implementation)
@@ -151,7 +157,12 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
                                     "not recognised; shrink it in tiny_config")
         real_kinds |= plan.real_kinds
         tiny_kinds |= tiny.kinds
+        if state_run is None and any(s.keeps_state for s in tiny.states):
+            state_run = (plan, tiny, {**base, **values})
+            draft.keeps_kv = any(s.kv for s in tiny.states)
         _per_layer_geometry(draft, prefix, tiny)
+        if not any(s.kv for s in tiny.states) and tiny.states:
+            continue
         groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
         layouts.append(VariantKV(name, tiny.config,
                                  kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
@@ -159,11 +170,37 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         draft.review.append(f"the real model has {len(real_kinds)} kinds of layers, the tiny config builds "
                             f"{len(tiny_kinds & real_kinds)} of them: change the tiny_config fields that decide "
                             "which layers are which so that every kind appears")
-    if layouts:
+    if layouts and (draft.keeps_kv or not draft.state):
         layout = merge_kv(layouts)
         draft.kv_groups, draft.kv_cache = layout.kv_groups, layout.kv_cache
         draft.facts.extend(layout.facts)
         draft.review.extend(layout.review)
+    if state_run is not None:
+        _draft_state(draft, *state_run)
+
+
+def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict[str, Any]) -> None:
+    """The state section from the tiny model's cache, confirmed on the probe model."""
+    probe_run = _probe(plan, draft.attn_implementation)
+
+    def probe() -> tuple[Any, list[Any]] | None:
+        second = probe_run()
+        return (second.config, second.states) if second is not None else None
+
+    runs: dict[tuple[str, int], tuple[Any, list[Any]] | None] = {}
+
+    def perturb(name: str, value: int) -> tuple[Any, list[Any]] | None:
+        if (name, value) not in runs:
+            run = run_tiny(plan.config_class, {**base_values, name: value}, draft.attn_implementation)
+            runs[name, value] = (run.config, run.states) if isinstance(run, TinyRun) else None
+        return runs[name, value]
+
+    base_values = values
+    layout = state_layout(tiny.config, plan.raw, tiny.states, probe, perturb)
+    if layout is None:
+        return
+    float32 = "float32" in state_dtypes(plan.config_class, values, draft.attn_implementation)
+    apply_state(draft, layout, float32)
 
 
 def _per_layer_geometry(draft: FamilyDraft, prefix: str, tiny: TinyRun) -> None:

@@ -10,8 +10,9 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
+from distconf.tools.drafting.state import LayerState, layer_states
 
-__all__ = ["TinyRun", "run_tiny", "layer_kinds", "meta_layer_kinds", "MAX_TINY_PARAMETERS"]
+__all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds", "MAX_TINY_PARAMETERS"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
 _MAX_VALUES_PER_KIND = 4
@@ -27,6 +28,8 @@ class TinyRun:
     kinds: set[Hashable] = field(default_factory=set)
     layer_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
     """The cached (key heads, key head size, value heads, value head size) of every layer, in order."""
+    states: list[LayerState] = field(default_factory=list)
+    """What every layer of the cache holds: a conv / recurrent state, K/V."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -97,7 +100,21 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
         return f"{type(exc).__name__}: {exc}"
     key, value = _last_cache(result)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result))
+                   layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)))
+
+
+def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str]:
+    """The dtypes of the recurrent states a bfloat16 tiny model keeps (empty when it cannot run)."""
+    import torch
+
+    try:
+        _, model = _build(config_class, tiny, attn_implementation, meta=False)
+        model = model.to(torch.bfloat16)
+        with torch.no_grad():
+            result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
+    except Exception:  # the float32 run has reported anything wrong with the config
+        return set()
+    return {s.recurrent_dtype for s in layer_states(getattr(result, "past_key_values", None)) if s.recurrent_dtype}
 
 
 def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:
@@ -115,6 +132,8 @@ def _last_cache(result: Any) -> tuple[Any, Any]:
     cache = getattr(result, "past_key_values", None)  # a transformers Cache: one entry per layer
     layers = getattr(cache, "layers", None)
     try:
-        return layers[-1].keys, layers[-1].values
+        kv = [layer for layer in layers if getattr(getattr(layer, "keys", None), "dim", lambda: 0)() == 4]
+        last = kv[-1] if kv else layers[-1]  # a hybrid's last layer may keep a state, not K/V
+        return last.keys, last.values
     except (AttributeError, IndexError, TypeError):
         return None, None

@@ -30,6 +30,8 @@ class FamilyDraft:
     mask: dict[str, Any] = field(default_factory=dict)
     kv_groups: int | str = 1
     kv_cache: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    keeps_kv: bool = True  # some layer keeps K/V (a pure state family writes no kv_groups)
     tiny_config: dict[str, Any] = field(default_factory=dict)
     dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
     facts: list[str] = field(default_factory=list)
@@ -48,9 +50,12 @@ class FamilyDraft:
         lines.append(f"model_type: {_scalar(self.model_type)}")
         lines.append(f"config_class: {self.config_class}")
         lines.append(_dump({"block": self._block()}))
-        lines.append(f"kv_groups: {_scalar(self.kv_groups)}")
+        if self.keeps_kv or not self.state:
+            lines.append(f"kv_groups: {_scalar(self.kv_groups)}")
         if self.kv_cache:
             lines.append(_dump({"kv_cache": self.kv_cache}))
+        if self.state:
+            lines.append(_dump({"state": self.state}))
         lines.append(_dump({"dht_prefix": self.dht_prefix}))
         if self.tiny_config:
             lines.append(_dump({"tiny_config": self.tiny_config}))

@@ -11,8 +11,8 @@ from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, crash_line, quiet_transformers
 
-__all__ = ["ModelScan", "meta_model", "scan_model", "layer_signature", "forward_parameters", "find_layer_list",
-           "config_reads"]
+__all__ = ["ModelScan", "find_attention", "meta_model", "scan_model", "layer_signature", "forward_parameters",
+           "find_layer_list", "config_reads"]
 
 
 @dataclass
@@ -72,7 +72,7 @@ def scan_model(model: Any, num_layers: int | None) -> ModelScan:
     prefix, layers = find_layer_list(model, num_layers)
     base_prefix = getattr(type(model), "base_model_prefix", None)
     base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
-    attention_class, attention_name = _find_attention(layers[0])
+    attention_class, attention_name = find_attention(layers[0])
     rotary_class = _find_rotary(model, prefix)
     owner = prefix.rpartition(".")[0]  # the module running the layers builds their masks
     return ModelScan(model=model, prefix=prefix, layers=layers, base_prefix=base_prefix,
@@ -114,7 +114,8 @@ def find_layer_list(model: Any, num_layers: int | None) -> tuple[str, Any]:
     return name, module
 
 
-def _find_attention(layer: Any) -> tuple[type | None, str | None]:
+def find_attention(layer: Any) -> tuple[type | None, str | None]:
+    """The attention module class inside ``layer`` and its name (None, None when there is none)."""
     found = []
     for name, module in layer.named_modules():
         cls_name = type(module).__name__

@@ -1,0 +1,253 @@
+"""The ``state`` section of a draft: what recurrent / state-space / convolution layers keep per sequence.
+
+The tiny model's transformers cache says it: each layer of a ``DynamicCache`` that holds
+``conv_states`` / ``recurrent_states`` keeps a state, one holding 4-D keys keeps K/V. Each
+dimension of the first state-keeping layer becomes a formula over config fields (a field,
+a product or a sum of two products) that gives it on the tiny model and, when the second
+differently shaped tiny model runs, on that one too. Layer types (``layer_types``) that keep
+no K/V get mask kind ``none``; in a hybrid, ``state.layer_kinds`` and ``kv_cache.layer_kinds``
+name the types keeping each.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.tools.drafting.common import field_value, is_int
+from distconf.tools.drafting.fields import FieldNames, role_of
+
+__all__ = ["LayerState", "layer_states", "StateLayout", "state_layout"]
+
+_SKIPPED_ROLES = frozenset({"token_id", "vocab_size", "positions", "layer_count", "num_hidden_layers",
+                            "max_position_embeddings", "layer_pattern"})
+_CONV_LAST_WORDS = frozenset({"conv", "kernel"})
+_STATE_WORDS = frozenset({"state", "ssm", "head", "heads", "headdim", "mamba", "linear", "inner"})
+_MAX_MONOMIAL_FIELDS = 3
+_MAX_SUMMED = 200  # more single products than this giving the size: sums are not searched
+_MAX_PERTURBED = 16  # fields changed one at a time to tell coincident candidates apart
+Run = Callable[[], "tuple[Any, list[LayerState]] | None"]
+Perturb = Callable[[str, int], "tuple[Any, list[LayerState]] | None"]
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What one layer of a tiny model's cache holds (shapes without the batch dimension)."""
+
+    conv: tuple[int, ...] | None = None
+    recurrent: tuple[int, ...] | None = None
+    recurrent_dtype: str | None = None  # torch dtype name
+    kv: bool = False
+    extra_states: bool = False  # more than one conv / recurrent state in the layer
+
+    @property
+    def keeps_state(self) -> bool:
+        """The layer keeps a conv or a recurrent state."""
+        return self.conv is not None or self.recurrent is not None
+
+
+def layer_states(cache: Any) -> list[LayerState]:
+    """One `LayerState` per layer of a transformers cache (empty when it has no layers)."""
+    found = []
+    for layer in getattr(cache, "layers", None) or []:
+        convs = [t for t in (getattr(layer, "conv_states", None) or {}).values() if t is not None]
+        recurrents = [t for t in (getattr(layer, "recurrent_states", None) or {}).values() if t is not None]
+        keys = getattr(layer, "keys", None)
+        found.append(LayerState(
+            conv=tuple(int(d) for d in convs[0].shape[1:]) if convs else None,
+            recurrent=tuple(int(d) for d in recurrents[0].shape[1:]) if recurrents else None,
+            recurrent_dtype=str(recurrents[0].dtype).removeprefix("torch.") if recurrents else None,
+            kv=getattr(keys, "dim", lambda: 0)() == 4, extra_states=len(convs) > 1 or len(recurrents) > 1))
+    return found
+
+
+@dataclass
+class StateLayout:
+    """The draft's state section, per-type kinds and what was found or is left to a human."""
+
+    state: dict[str, Any]
+    state_types: list[str] | None = None  # layer types keeping a state (None: no layer_types)
+    kv_types: list[str] | None = None  # layer types keeping K/V
+    problem: str | None = None  # why the draft cannot declare the state
+
+
+def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
+                 probe: Run, perturb: Perturb) -> StateLayout | None:
+    """The state section for a tiny model whose cache layers are ``states`` (None: no layer keeps a state).
+
+    ``probe`` runs the second tiny model, ``perturb(field, value)`` the tiny model with one field changed:
+    a formula must give the measured size on every run that builds.
+    """
+    keeping = [s for s in states if s.keeps_state]
+    if not keeping:
+        return None
+    first = keeping[0]
+    if any(s.extra_states for s in keeping):
+        return StateLayout({}, problem="a layer keeps more than one conv or recurrent state, which the state "
+                                       "section cannot declare")
+    if len({(s.conv, s.recurrent) for s in keeping}) > 1:
+        return StateLayout({}, problem="the state-keeping layers keep states of different shapes ("
+                           + ", ".join(f"{s.conv} / {s.recurrent}" for s in keeping) + ")")
+    section: dict[str, Any] = {}
+    for key, shape in (("conv_shape", first.conv), ("recurrent_shape", first.recurrent)):
+        if shape is None:
+            continue
+        formulas = []
+        for index, value in enumerate(shape):
+            formula = _formula(config, raw, value, (key, index, len(shape)), probe, perturb)
+            if formula is None:
+                return StateLayout({}, problem=f"no formula over config fields gives state.{key}[{index}] "
+                                               f"({value}) on the tiny models")
+            formulas.append(formula)
+        section[key] = formulas
+    layout = StateLayout(section)
+    layout.state_types, layout.kv_types = _types(config, states)
+    return layout
+
+
+def _types(config: Any, states: list[LayerState]) -> tuple[list[str] | None, list[str] | None]:
+    types = field_value(config, "layer_types")
+    if not isinstance(types, (list, tuple)) or len(types) != len(states):
+        return None, None
+    state_types = list(dict.fromkeys(str(t) for t, s in zip(types, states, strict=True) if s.keeps_state))
+    kv_types = list(dict.fromkeys(str(t) for t, s in zip(types, states, strict=True) if s.kv))
+    return state_types, kv_types
+
+
+def _fields(config: Any, raw: Mapping[str, Any]) -> dict[str, int]:
+    """Positive int fields of ``config`` that can be sizes (config.json's own first)."""
+    names = FieldNames.of(type(config))
+    keys = [*raw, *sorted(config.to_dict())]
+    found: dict[str, int] = {}
+    for key in dict.fromkeys(keys):
+        value = field_value(config, key)
+        if key.startswith("_") or not is_int(value) or isinstance(value, bool) or value <= 0:
+            continue
+        if role_of(key, value, names) in _SKIPPED_ROLES or "token" in key or "id" in key.split("_"):
+            continue
+        found[key] = int(value)
+    return found
+
+
+def _monomials(fields: Mapping[str, int]) -> list[tuple[str, tuple[str, ...], int]]:
+    """(text, fields, value) of products of up to three fields, with a factor 2 (simplest first)."""
+    out = []
+    for size in range(1, _MAX_MONOMIAL_FIELDS + 1):
+        for combo in itertools.combinations(fields, size):
+            if sum(1 for name in combo if fields[name] == 1) > 1:
+                continue  # a perturbed run tells one factor 1 apart, not several
+            value = 1
+            for name in combo:
+                value *= fields[name]
+            out.append((" * ".join(combo), combo, value))
+    out += [(f"2 * {text}", combo, 2 * value) for text, combo, value in list(out) if len(combo) < 3]
+    return out
+
+
+def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first)."""
+    fields = _fields(config, raw)
+    monomials = _monomials(fields)
+    found = [(text, combo) for text, combo, v in monomials if v == value]
+    if len(found) < _MAX_SUMMED:
+        by_value: dict[int, list[tuple[str, tuple[str, ...]]]] = {}
+        for text, combo, v in monomials:
+            if v < value:
+                by_value.setdefault(v, []).append((text, combo))
+        for text, combo, v in monomials:
+            for other, other_combo in by_value.get(value - v, []):
+                if other != text:
+                    found.append((f"{text} + {other}", combo + other_combo))
+    found += [(f"{a} // {b}", (a, b)) for a, b in itertools.permutations(fields, 2)
+              if fields[b] and fields[a] % fields[b] == 0 and fields[a] // fields[b] == value]
+    return found
+
+
+def _score(text: str, combo: tuple[str, ...], key: str, index: int, length: int,
+           order: list[str]) -> tuple[int, int, int, int]:
+    """Simplest first (fields and literal factors), then fields named like the dimension."""
+    words = [frozenset(name.lower().split("_")) for name in combo]
+    if key == "conv_shape" and index == length - 1:
+        liked = sum(1 for w in words if w & _CONV_LAST_WORDS)
+    else:
+        liked = sum(1 for w in words if w & _STATE_WORDS) - sum(1 for w in words if w & _CONV_LAST_WORDS)
+    position = sum(order.index(n) if n in order else len(order) for n in combo)
+    literals = sum(1 for part in text.split() if part.isdigit())  # a factor 2 that is a field's value by chance
+    return (literals + len(combo), -liked, len(combo), position)
+
+
+def _measure(run: tuple[Any, list[LayerState]] | None, raw: Mapping[str, Any], key: str,
+             length: int) -> tuple[dict[str, int], tuple[int, ...]] | None:
+    """The fields of a run's config and the ``key`` shape its first state-keeping layer holds."""
+    if run is None:
+        return None
+    run_config, run_states = run
+    measured = next((getattr(s, key.removesuffix("_shape")) for s in run_states if s.keeps_state), None)
+    if measured is None or len(measured) != length:
+        return None
+    return _fields(run_config, raw), measured
+
+
+def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, int, int], probe: Run,
+             perturb: Perturb) -> str | int | None:
+    """The best formula for ``state.<key>[index]``, confirmed on the probe model and on perturbed ones."""
+    key, index, length = where
+    candidates = _candidates(config, raw, value)
+    if not candidates:
+        return value if value == 1 else None
+
+    def keep(run: tuple[Any, list[LayerState]] | None) -> None:
+        found = _measure(run, raw, key, length)
+        if found is not None:
+            fields, measured = found
+            candidates[:] = [(t, c) for t, c in candidates
+                             if all(n in fields for n in c) and _evaluate(t, fields) == measured[index]]
+
+    keep(probe())
+    order = list(raw)
+    fields = _fields(config, raw)
+    tried: set[str] = set()
+    for _ in range(_MAX_PERTURBED):
+        candidates.sort(key=lambda c: _score(c[0], c[1], key, index, length, order))
+        name = _splitting_field(candidates, fields, tried)
+        if name is None:
+            break
+        tried.add(name)
+        keep(perturb(name, fields[name] * 2))
+    if not candidates:
+        return None
+    text, combo = candidates[0]
+    return combo[0] if text == combo[0] else text
+
+
+def _splitting_field(candidates: list[tuple[str, tuple[str, ...]]], fields: Mapping[str, int],
+                     tried: set[str]) -> str | None:
+    """A field not tried yet whose doubling makes the best candidate differ from another one."""
+    if len(candidates) < 2:
+        return None
+    best = candidates[0][0]
+    for other, other_combo in candidates[1:]:
+        for name in dict.fromkeys((*candidates[0][1], *other_combo)):
+            if name in tried or name not in fields:
+                continue
+            changed = {**fields, name: fields[name] * 2}
+            if _evaluate(best, changed) != _evaluate(other, changed):
+                return name
+    return None
+
+
+def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
+    """A candidate formula (products, sums, one floor division) evaluated on ``fields``."""
+    total = 0
+    for term in text.split(" + "):
+        if " // " in term:
+            a, b = term.split(" // ")
+            total += fields[a] // fields[b] if fields[b] else 0
+            continue
+        product = 1
+        for factor in term.split(" * "):
+            product *= int(factor) if factor.isdigit() else fields[factor]
+        total += product
+    return total

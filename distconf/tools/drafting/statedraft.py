@@ -1,0 +1,113 @@
+"""Writing a found `StateLayout` into a draft: ``state``, per-type kinds, masks of layers keeping no K/V."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from distconf.tools.drafting.continuation import draft_continuation
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.scan import ModelScan, find_attention
+from distconf.tools.drafting.state import StateLayout
+
+__all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention"]
+
+_CACHE_PARAMETERS = ("cache_params", "cache", "past_key_values", "past_key_value", "layer_past")
+# review notes the state layout answers (written before the tiny model ran)
+_ANSWERED = ("no *Attention module inside", "could not read the tiny model's cache", "no num_attention_heads field")
+
+
+def cache_module_class(layer: Any) -> type | None:
+    """The class of the first module inside ``layer`` whose forward takes a cache (a recurrent mixer)."""
+    for _, module in layer.named_modules():
+        if module is layer:
+            continue
+        try:
+            params = inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(name in params for name in _CACHE_PARAMETERS):
+            return type(module)
+    return None
+
+
+def attention_by_type(scan: ModelScan, layer_types: Any) -> dict[str, type]:
+    """The attention class inside the first layer of each layer type (types without one are left out)."""
+    found: dict[str, type] = {}
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != len(scan.layers):
+        layer_types = ["*"] * len(scan.layers)
+    for layer_type, layer in zip(layer_types, scan.layers, strict=True):
+        if str(layer_type) not in found:
+            attention, _ = find_attention(layer)
+            if attention is not None:
+                found[str(layer_type)] = attention
+    return found
+
+
+def kv_attention(draft: FamilyDraft, by_type: dict[str, type]) -> type | None:
+    """The attention class of the layer types that keep K/V in a draft with a state."""
+    kv_types = draft.kv_cache.get("layer_kinds") or list(by_type)
+    return next((by_type[t] for t in kv_types if t in by_type), None)
+
+
+def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) -> None:
+    """Set the draft's state section and the per-type kinds ``layout`` found; drop the notes it answers."""
+    if layout.problem is not None:
+        draft.review.append(f"the layers keep a per-sequence state, but {layout.problem}: write the state "
+                            "section by hand")
+        return
+    state = dict(layout.state)
+    if float32_state and "recurrent_shape" in state:
+        state["recurrent_dtype"] = "float32"
+    types, kv_types = layout.state_types, layout.kv_types or []
+    all_types = list(dict.fromkeys([*(types or []), *kv_types]))
+    if types is not None and draft.mask.get("layer_types_field"):
+        kinds = dict(draft.mask.get("layer_kinds") or {})
+        for layer_type in types:
+            if layer_type not in kv_types:
+                kinds[layer_type] = "none"
+            elif layer_type not in kinds:
+                kinds[layer_type] = "causal"
+        draft.mask["layer_kinds"] = kinds
+        if kv_types and set(types) != set(all_types):
+            state = {"layer_kinds": types, **state}
+        if kv_types and set(kv_types) != set(all_types):
+            draft.kv_cache = {"layer_kinds": kv_types, **draft.kv_cache}
+        draft.review[:] = [note for note in draft.review if not note.startswith("layer_types has [")
+                           or not all(t in kinds for t in _listed(note))]
+    draft.state = state
+    draft.review[:] = [note for note in draft.review if not note.startswith(_ANSWERED) or kv_types]
+    draft.facts.append("the layers keep a per-sequence state (conv_shape / recurrent_shape: formulas over config "
+                       "fields found on two differently shaped tiny models)"
+                       + (f"; layer types {', '.join(types)} keep it" if types and kv_types else ""))
+
+
+def _listed(note: str) -> list[str]:
+    """The layer types a ``layer_types has [...]`` note lists."""
+    import ast
+
+    try:
+        return [str(t) for t in ast.literal_eval(note[len("layer_types has "):note.index("]") + 1])]
+    except (ValueError, SyntaxError):
+        return []
+
+
+def finish_state(draft: FamilyDraft, by_type: dict[str, type], mixer: type | None) -> None:
+    """After the tiny runs: the module given the cache (attention of the K/V layers, else the mixer), continuation."""
+    if not draft.state:
+        return
+    attention = kv_attention(draft, by_type) if draft.keeps_kv else None
+    chosen = attention if attention is not None else mixer if not draft.keeps_kv else None
+    if chosen is not None and _path(chosen) != draft.attention_class:
+        draft.attention_class = _path(chosen)
+        draft.facts.append(f"the module given the cache is {chosen.__name__}")
+    if chosen is not None:
+        draft.review[:] = [note for note in draft.review if not note.startswith("no *Attention module")]
+    if not draft.review:
+        draft_continuation(draft)
+
+
+def _path(cls: type) -> str:
+    from distconf.tools.drafting.common import module_path
+
+    return module_path(cls)
