@@ -19,15 +19,17 @@ START_DEADLINE = 120.0
 
 
 def make_model_dir(directory: Path, family: str, *, layers: int = 4, seed: int = 0, noise: float = 0.3,
-                   variant: int = 0) -> tuple[Path, Any]:
+                   variant: int = 0, **overrides: Any) -> tuple[Path, Any]:
     """A tiny float32 model of ``family`` saved as safetensors with a distributed config.json.
+
+    ``overrides`` replace values of the tiny config (e.g. a hybrid's ``layer_types``).
 
     Returns the folder and the local Hugging Face model (the reference). ``noise`` is
     added to every weight so that greedy generation does not settle on one token.
     """
     from distconf.loader.auto import AutoDistributedConfig
 
-    _, hf_config, _ = family_config(family, variant, num_hidden_layers=layers)
+    _, hf_config, _ = family_config(family, variant, **{"num_hidden_layers": layers, **overrides})
     model = hf_model(hf_config, seed=seed)
     generator = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
