@@ -9,7 +9,10 @@ import pytest
 from distconf.loader.formula import Formula, evaluate_on
 from distconf.loader.presets import preset_path
 from distconf.tools.drafting import draft_family
-from distconf.tools.drafting.state import LayerState, state_layout
+from distconf.tools.drafting.common import DraftingError
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.state import LayerState, StateLayout, state_layout
+from distconf.tools.drafting.statedraft import apply_state
 
 
 def _preset(hub_id: str) -> dict:
@@ -90,3 +93,34 @@ def test_a_perturbed_run_tells_coincident_fields_apart() -> None:
 
     layout = state_layout(config, {}, states, lambda: None, perturb)
     assert layout is not None and layout.state["recurrent_shape"][2] == "state_size"
+
+
+def test_an_undeclarable_state_fails_the_draft_in_one_line() -> None:
+    draft = FamilyDraft(family="x", model_type="x", config_class="x", layer_class="x", attention_class=None,
+                        prefix="layers")
+    with pytest.raises(DraftingError) as raised:
+        apply_state(draft, StateLayout({}, problem="a layer keeps two conv states"), False)
+    assert "\n" not in str(raised.value) and "two conv states" in str(raised.value)
+
+
+@pytest.mark.slow
+def test_a_selective_scan_reading_its_state_in_one_token_steps_drafts_one_token() -> None:
+    from transformers import FalconMambaConfig
+
+    config = {**FalconMambaConfig().to_dict(), "model_type": "falcon_mamba"}
+    draft = draft_family("drafted_selective_scan", config)
+    assert not draft.review, draft.review
+    assert draft.state["continuation"] == "one_token"
+    assert draft.state["recurrent_shape"] == ["intermediate_size", "state_size"]
+
+
+@pytest.mark.slow
+def test_a_hybrid_with_mlp_only_layers_maps_every_layer_type() -> None:
+    from transformers import NemotronHConfig
+
+    config = {**NemotronHConfig().to_dict(), "model_type": "nemotron_h"}
+    draft = draft_family("drafted_hybrid_mlp", config)
+    kinds = draft.mask["layer_kinds"]
+    assert {"causal", "none"} <= set(kinds.values()) and len(kinds) > 2  # MLP-only layers get none too
+    assert set(draft.kv_cache["layer_kinds"]) <= {t for t, k in kinds.items() if k != "none"}
+    assert all(kinds[t] == "none" for t in draft.state["layer_kinds"])

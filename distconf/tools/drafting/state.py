@@ -70,6 +70,7 @@ class StateLayout:
     state: dict[str, Any]
     state_types: list[str] | None = None  # layer types keeping a state (None: no layer_types)
     kv_types: list[str] | None = None  # layer types keeping K/V
+    all_types: list[str] | None = None  # every layer type of the tiny model
     problem: str | None = None  # why the draft cannot declare the state
 
 
@@ -103,17 +104,17 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
             formulas.append(formula)
         section[key] = formulas
     layout = StateLayout(section)
-    layout.state_types, layout.kv_types = _types(config, states)
+    layout.state_types, layout.kv_types, layout.all_types = _types(config, states)
     return layout
 
 
-def _types(config: Any, states: list[LayerState]) -> tuple[list[str] | None, list[str] | None]:
+def _types(config: Any, states: list[LayerState]) -> tuple[list[str] | None, list[str] | None, list[str] | None]:
     types = field_value(config, "layer_types")
     if not isinstance(types, (list, tuple)) or len(types) != len(states):
-        return None, None
+        return None, None, None
     state_types = list(dict.fromkeys(str(t) for t, s in zip(types, states, strict=True) if s.keeps_state))
     kv_types = list(dict.fromkeys(str(t) for t, s in zip(types, states, strict=True) if s.kv))
-    return state_types, kv_types
+    return state_types, kv_types, list(dict.fromkeys(str(t) for t in types))
 
 
 def _fields(config: Any, raw: Mapping[str, Any]) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from distconf.tools.drafting.common import DraftingError, module_path
 from distconf.tools.drafting.continuation import draft_continuation
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, find_attention
@@ -51,23 +52,25 @@ def kv_attention(draft: FamilyDraft, by_type: dict[str, type]) -> type | None:
 
 
 def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) -> None:
-    """Set the draft's state section and the per-type kinds ``layout`` found; drop the notes it answers."""
-    if layout.problem is not None:
-        draft.review.append(f"the layers keep a per-sequence state, but {layout.problem}: write the state "
-                            "section by hand")
-        return
+    """Set the draft's state section and the per-type kinds ``layout`` found; drop the notes it answers.
+
+    Raises `DraftingError` when the layout cannot be declared (the draft could not pass the check).
+    """
+    if layout.problem is not None:  # a draft without its state would not check: say why, in one line
+        raise DraftingError(f"the layers keep a per-sequence state, but {layout.problem}; a family file for it "
+                            "needs its state section written by hand")
     state = dict(layout.state)
     if float32_state and "recurrent_shape" in state:
         state["recurrent_dtype"] = "float32"
     types, kv_types = layout.state_types, layout.kv_types or []
-    all_types = list(dict.fromkeys([*(types or []), *kv_types]))
+    all_types = layout.all_types or list(dict.fromkeys([*(types or []), *kv_types]))
     if types is not None and draft.mask.get("layer_types_field"):
         kinds = dict(draft.mask.get("layer_kinds") or {})
-        for layer_type in types:
-            if layer_type not in kv_types:
+        for layer_type in all_types:
+            if layer_type not in kinds:  # keeping a state only, or nothing (an MLP layer): no mask
+                kinds[layer_type] = "causal" if layer_type in kv_types else "none"
+            elif layer_type not in kv_types:
                 kinds[layer_type] = "none"
-            elif layer_type not in kinds:
-                kinds[layer_type] = "causal"
         draft.mask["layer_kinds"] = kinds
         if kv_types and set(types) != set(all_types):
             state = {"layer_kinds": types, **state}
@@ -98,16 +101,10 @@ def finish_state(draft: FamilyDraft, by_type: dict[str, type], mixer: type | Non
         return
     attention = kv_attention(draft, by_type) if draft.keeps_kv else None
     chosen = attention if attention is not None else mixer if not draft.keeps_kv else None
-    if chosen is not None and _path(chosen) != draft.attention_class:
-        draft.attention_class = _path(chosen)
+    if chosen is not None and module_path(chosen) != draft.attention_class:
+        draft.attention_class = module_path(chosen)
         draft.facts.append(f"the module given the cache is {chosen.__name__}")
     if chosen is not None:
         draft.review[:] = [note for note in draft.review if not note.startswith("no *Attention module")]
     if not draft.review:
         draft_continuation(draft)
-
-
-def _path(cls: type) -> str:
-    from distconf.tools.drafting.common import module_path
-
-    return module_path(cls)
