@@ -25,6 +25,7 @@ from typing import Any
 
 from distconf.blocks import sizing
 from distconf.blocks.device import canonical_dtype
+from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
 from distconf.blocks.sizing import QUANT_BYTES
 from distconf.loader.config_protocol import DistributedConfig
 
@@ -166,9 +167,13 @@ class ServerPlan:
     petals_default_cache_bytes_per_block: int
     petals_default_num_blocks: int
     state_bytes_per_sequence: int = 0
-    """Bytes of per-sequence state one block keeps (recurrent blocks; 0 for KV blocks)."""
+    """Bytes of per-sequence state a state-keeping block keeps (0 when no block keeps a state)."""
     state_sequences: int = 0
-    """Sequences whose state the cache holds per block: attn_cache_tokens // max_length, at least 1."""
+    """Sequences whose state the cache holds per block: the memory of attn_cache_tokens of K/V, at least 1."""
+    kv_blocks: int = 0
+    """Blocks of the model that keep K/V (all of them for an attention-only family)."""
+    state_blocks: int = 0
+    """Blocks of the model that keep a per-sequence state (a hybrid: some; a state-space family: all)."""
 
     @property
     def total_block_bytes(self) -> int:
@@ -219,9 +224,11 @@ def plan_server(
     """How many blocks of ``config``'s model fit in ``memory_bytes``.
 
     ``blocks = floor((memory - autograd reserve) / (block size + cache per block))``,
-    capped at the layer count, where cache per block = KV bytes per token (correct
-    geometry, in ``dtype``) x ``attn_cache_tokens``, plus, for blocks keeping a per-sequence
-    state, its bytes x ``attn_cache_tokens // default_max_length`` sequences (at least one).
+    capped at the layer count, where a block's cache = its KV bytes per token (correct
+    geometry, in ``dtype``) x ``attn_cache_tokens`` plus, if it keeps a per-sequence state, its
+    bytes x ``state_sequences`` (the memory of ``attn_cache_tokens`` of K/V at this hidden size,
+    at least one sequence). Blocks differ in a hybrid family (K/V-keeping and state-keeping
+    layers) and the span is not known yet, so cache per block is the largest block's cache.
 
     :param config: a distributed config (needs ``hidden_size``, ``num_hidden_layers``,
         ``num_key_value_groups`` and whatever the block sizing needs).
@@ -255,9 +262,13 @@ def plan_server(
     # size (counting sequences of the default max length would leave a server room for one or two sessions)
     kv_equivalent = 2 * int(config.hidden_size) * _torch_dtype(dtype_name).itemsize * attn_cache_tokens
     state_sequences = max(1, kv_equivalent // state_bytes) if state_bytes else 0
-    cache_per_block = kv_bytes_per_token * attn_cache_tokens + state_bytes * state_sequences
-    reserve = autograd_reserve_bytes(config, num_devices)
     layers = int(config.num_hidden_layers)
+    kinds = _layer_kinds(config, layers)
+    kv_kinds = [kv for kv, _ in kinds]
+    state_kinds = [st for _, st in kinds]
+    cache_per_block = max(kv_bytes_per_token * attn_cache_tokens * kv + state_bytes * state_sequences * st
+                          for kv, st in kinds)
+    reserve = autograd_reserve_bytes(config, num_devices)
 
     def fit(per_block: int) -> int:
         n = math.floor((memory - reserve) / (block_bytes + per_block))
@@ -289,7 +300,16 @@ def plan_server(
         petals_default_num_blocks=fit(petals_default_cache),
         state_bytes_per_sequence=state_bytes,
         state_sequences=state_sequences,
+        kv_blocks=sum(kv_kinds),
+        state_blocks=sum(state_kinds),
     )
+
+
+def _layer_kinds(config: DistributedConfig, layers: int) -> list[tuple[bool, bool]]:
+    """(keeps K/V, keeps a state) per layer; a config without a family spec (explicit sizes) keeps K/V only."""
+    if getattr(type(config), "family_spec", None) is None:
+        return [(True, False)] * max(layers, 1)
+    return [(keeps_kv_at(config, i), keeps_state_at(config, i)) for i in range(layers)] or [(True, False)]
 
 
 def choose_blocks(config: DistributedConfig, n: int, swarm_state: Any = None) -> tuple[int, int]:

@@ -133,6 +133,30 @@ def test_plan_options(presets):
     assert plan.num_blocks == 2  # (4 GiB - 2 GiB reserve) / (0.5 GiB + 0.5 GiB)
 
 
+# Granite-4.0-H-Tiny (hybrid): 4 attention layers (4 KV heads x 128, bf16) and 36 Mamba-2 layers whose conv window
+# is (2 x 1536 + 2 x 1 group x 128) channels x 4 (bf16) and whose SSM state is 48 heads x 64 x 128 (float32).
+GRANITE_H_KV = 4 * (128 + 128) * 2
+GRANITE_H_STATE = (2 * 1536 + 2 * 1 * 128) * 4 * 2 + 48 * 64 * 128 * 4
+
+
+def test_hybrid_plan_counts_each_block_by_what_it_keeps(capsys) -> None:
+    from distconf import load_preset
+    from distconf.cli import main
+
+    plan = plan_server(load_preset("ibm-granite/granite-4.0-h-tiny"), MEMORY)
+    assert (plan.kv_bytes_per_token, plan.state_bytes_per_sequence) == (GRANITE_H_KV, GRANITE_H_STATE)
+    assert (plan.kv_blocks, plan.state_blocks, plan.max_blocks) == (4, 36, 40)
+    sequences = 2 * 1536 * 2 * 16384 // GRANITE_H_STATE  # the memory of 16384 tokens of K/V at this hidden size
+    assert plan.state_sequences == sequences == 62
+    # no block keeps both: each block is reserved the larger of the two caches, not their sum
+    assert plan.cache_bytes_per_block == max(GRANITE_H_KV * 16384, GRANITE_H_STATE * sequences)
+    assert main(["plan", "ibm-granite/granite-4.0-h-tiny", "--memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"{GRANITE_H_KV:,}" in out and f"{GRANITE_H_STATE:,}" in out
+    assert "4 of 40 blocks keep K/V (2,048 bytes/token), 36 keep a state (1,599,488 bytes/sequence)" in out
+    assert "every block is reserved the cache of the largest block" in out
+
+
 def test_parse_memory():
     assert parse_memory("24GiB") == 24 * GIB
     assert parse_memory("80 GB") == 80 * 10**9

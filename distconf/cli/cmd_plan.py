@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ["KV bytes/token/block", f"{plan.kv_bytes_per_token:,}", f"{plan.petals_kv_bytes_per_token:,}",
          f"{plan.petals_kv_bytes_per_token:,}"],
+        *([["state bytes/sequence/block", f"{plan.state_bytes_per_sequence:,}", "-", "-"],
+           ["state sequences", f"{plan.state_sequences:,}", "-", "-"]] if plan.state_blocks else []),
         ["attention cache tokens", f"{plan.attn_cache_tokens:,}", f"{plan.attn_cache_tokens:,}", f"{o_tok:,}"],
         ["cache per block", _mib(plan.cache_bytes_per_block), _mib(plan.petals_cache_bytes_per_block),
          _mib(plan.petals_default_cache_bytes_per_block)],
@@ -113,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     ratio = plan.petals_over_reservation
     groups = plan.petals_kv_groups
-    if abs(ratio - 1.0) > 1e-9:
+    if plan.state_blocks:
+        _print_state_rule(plan)
+    elif abs(ratio - 1.0) > 1e-9:
         print(f"Petals 2.x's formula 2 * hidden_size / num_key_value_groups (groups = {groups}) reserves "
               f"{ratio:.2f}x the cache this block really keeps per token.")
     else:
@@ -121,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
     if plan.num_blocks == 0:
         print(f"Not even one block fits in {_gib(memory)}.", file=sys.stderr)
         return 1
-    if plan.state_bytes_per_sequence:  # a recurrent state per sequence, not K/V per token
+    if plan.state_blocks and plan.kv_blocks:
+        print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; a K/V block caches "
+              f"{plan.cache_tokens:,} tokens, a state block holds the state of {plan.state_sequences:,} sequences.")
+        return 0
+    if plan.state_blocks:  # a recurrent state per sequence, not K/V per token
         print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; each block keeps a state of "
               f"{plan.state_bytes_per_sequence:,} bytes per sequence instead of K/V, room for "
               f"{plan.state_sequences:,} sequences (the memory {plan.attn_cache_tokens:,} tokens of K/V would take).")
@@ -129,3 +137,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"Plan: serve {plan.num_blocks} block(s), {_gib(plan.used_bytes)} used; the attention cache holds "
           f"{plan.cache_tokens:,} tokens for each block (max batch size / inference length {plan.max_length}).")
     return 0
+
+
+def _print_state_rule(plan: Any) -> None:
+    """How the cache of blocks keeping a per-sequence state is counted (Petals 2.x's formula has no state)."""
+    kv_part = plan.kv_bytes_per_token * plan.attn_cache_tokens
+    state_part = plan.state_bytes_per_sequence * plan.state_sequences
+    both = "" if plan.kv_blocks + plan.state_blocks <= plan.max_blocks else " (some keep both)"
+    print(f"{plan.kv_blocks} of {plan.max_blocks} blocks keep K/V ({plan.kv_bytes_per_token:,} bytes/token), "
+          f"{plan.state_blocks} keep a state ({plan.state_bytes_per_sequence:,} bytes/sequence){both}.")
+    if plan.kv_blocks:
+        print(f"The span is not chosen yet, so every block is reserved the cache of the largest block: "
+              f"{_mib(plan.cache_bytes_per_block)} (K/V of {plan.attn_cache_tokens:,} tokens: {_mib(kv_part)}; "
+              f"state of {plan.state_sequences:,} sequences: {_mib(state_part)}).")
+    print("Petals 2.x's formula (2 * hidden_size / num_key_value_groups values per token) reserves no state.")
