@@ -107,7 +107,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
         _verify_tiny(draft, variants)
-        finish_state(draft, by_type, mixer)
+        finish_state(draft, by_type, mixer, layer_class)
     return draft
 
 
@@ -199,7 +199,10 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     layout = state_layout(tiny.config, plan.raw, tiny.states, probe, perturb)
     if layout is None:
         return
-    float32 = "float32" in state_dtypes(plan.config_class, values, draft.attn_implementation)
+    dtypes = state_dtypes(plan.config_class, values, draft.attn_implementation)
+    if dtypes is None:  # most scans accumulate in float32; sizing then errs on the large side
+        draft.facts.append("the tiny model does not run in bfloat16 here: recurrent_dtype float32 is assumed")
+    float32 = dtypes is None or "float32" in dtypes
     apply_state(draft, layout, float32)
 
 

@@ -103,8 +103,8 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
                    layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)))
 
 
-def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str]:
-    """The dtypes of the recurrent states a bfloat16 tiny model keeps (empty when it cannot run)."""
+def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:
+    """The dtypes of the recurrent states a bfloat16 tiny model keeps (None when it cannot run in bfloat16)."""
     import torch
 
     try:
@@ -113,7 +113,7 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
         with torch.no_grad():
             result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
     except Exception:  # the float32 run has reported anything wrong with the config
-        return set()
+        return None
     return {s.recurrent_dtype for s in layer_states(getattr(result, "past_key_values", None)) if s.recurrent_dtype}
 
 

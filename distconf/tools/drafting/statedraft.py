@@ -45,10 +45,23 @@ def attention_by_type(scan: ModelScan, layer_types: Any) -> dict[str, type]:
     return found
 
 
-def kv_attention(draft: FamilyDraft, by_type: dict[str, type]) -> type | None:
-    """The attention class of the layer types that keep K/V in a draft with a state."""
+def kv_attention(draft: FamilyDraft, by_type: dict[str, type], layer_class: type | None = None) -> type | None:
+    """The attention class of the layer types that keep K/V in a draft with a state.
+
+    When the config built no attention layer (only a variant has them), the one ``*Attention``
+    module class of the layer's modeling module.
+    """
     kv_types = draft.kv_cache.get("layer_kinds") or list(by_type)
-    return next((by_type[t] for t in kv_types if t in by_type), None)
+    found = next((by_type[t] for t in kv_types if t in by_type), None)
+    if found is not None or layer_class is None:
+        return found
+    module = inspect.getmodule(layer_class)
+    import torch
+
+    classes = [value for name, value in sorted(vars(module).items()) if name.endswith("Attention")
+               and isinstance(value, type) and issubclass(value, torch.nn.Module)
+               and value.__module__ == layer_class.__module__] if module is not None else []
+    return classes[0] if len(classes) == 1 else None
 
 
 def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) -> None:
@@ -95,16 +108,15 @@ def _listed(note: str) -> list[str]:
         return []
 
 
-def finish_state(draft: FamilyDraft, by_type: dict[str, type], mixer: type | None) -> None:
+def finish_state(draft: FamilyDraft, by_type: dict[str, type], mixer: type | None, layer_class: type) -> None:
     """After the tiny runs: the module given the cache (attention of the K/V layers, else the mixer), continuation."""
     if not draft.state:
         return
-    attention = kv_attention(draft, by_type) if draft.keeps_kv else None
+    attention = kv_attention(draft, by_type, layer_class) if draft.keeps_kv else None
     chosen = attention if attention is not None else mixer if not draft.keeps_kv else None
     if chosen is not None and module_path(chosen) != draft.attention_class:
         draft.attention_class = module_path(chosen)
         draft.facts.append(f"the module given the cache is {chosen.__name__}")
     if chosen is not None:
         draft.review[:] = [note for note in draft.review if not note.startswith("no *Attention module")]
-    if not draft.review:
-        draft_continuation(draft)
+    draft_continuation(draft)
