@@ -302,6 +302,36 @@ def test_requests_never_wait_for_a_slow_read():
         running.stop()
 
 
+def test_a_state_keeping_family_shows_its_state_next_to_the_kv_figure():
+    """A listed hybrid preset: JSON, metrics and page give K/V per token and state per sequence (bfloat16)."""
+    from distconf.blocks.sizing import kv_cache_bytes_per_token, state_bytes_per_sequence
+    from distconf.loader.auto import load_preset
+
+    repo = "ibm-granite/granite-4.0-h-tiny"
+    config = load_preset(repo)
+    kv, st = kv_cache_bytes_per_token(config), state_bytes_per_sequence(config)
+    assert kv == 2048 and st == 1_599_488  # 4 KV heads x 256 x 2 B; (3328 x 4) x 2 B + 48 x 64 x 128 x 4 B
+    hybrid = model_state(_spans_state("hybrid-hf", 40, [(made_up_peer_id("h"), 0, 40, 1.0)]), repository=repo)
+    plain = model_state(_spans_state("plain-hf", 4, [(made_up_peer_id("p"), 0, 4, 1.0)]), repository="no/such-model")
+    monitor = Monitor(lambda prev: prev, refresh=60)
+    monitor.snapshot = Snapshot({"hybrid-hf": hybrid, "plain-hf": plain}, time.time())
+    running = start_in_thread(build_app(monitor))
+    try:
+        data = state(running.url)
+        shown = find(data, "hybrid-hf")
+        assert (shown["kv_bytes_per_token"], shown["state_bytes_per_sequence"]) == (kv, st)
+        assert (shown["kv_blocks"], shown["state_blocks"]) == (4, 36)
+        assert find(data, "plain-hf")["state_bytes_per_sequence"] is None  # config unknown: no figure made up
+        metrics = get(f"{running.url}/metrics")[2].decode()
+        assert f'distconf_monitor_kv_bytes_per_token{{model="hybrid-hf"}} {kv}' in metrics
+        assert f'distconf_monitor_state_bytes_per_sequence{{model="hybrid-hf"}} {st}' in metrics
+        assert 'state_bytes_per_sequence{model="plain-hf"}' not in metrics
+        script = get(f"{running.url}/static/monitor.js")[2].decode()
+        assert "state_bytes_per_sequence" in script and "B/sequence/block" in script
+    finally:
+        running.stop()
+
+
 @pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_a_huge_model_is_paginated():
     """1024 blocks and 3000 spans: the JSON lists one page of servers and counts the rest."""

@@ -71,6 +71,13 @@ def render_metrics(monitor: Monitor, now: float | None = None) -> str:
                      [({"model": m.dht_prefix}, len({c.peer_id for c in m.caught})) for m in models])
     lines += _family("skipped_reports", "Malformed client reports ignored in the last read.",
                      [({"model": m.dht_prefix}, m.skipped_reports) for m in models])
+    lines += _family("kv_bytes_per_token", "Bytes a K/V-keeping block keeps per token, bfloat16 (known configs).",
+                     [({"model": m.dht_prefix}, m.kv_bytes_per_token) for m in models
+                      if m.kv_bytes_per_token is not None])
+    lines += _family("state_bytes_per_sequence", "Bytes a state-keeping block keeps per sequence, bfloat16 "
+                     "(known configs; 0: no block keeps a state).",
+                     [({"model": m.dht_prefix}, m.state_bytes_per_sequence) for m in models
+                      if m.state_bytes_per_sequence is not None])
     lines += _family("read_error", "1 when the last read of the model failed (older data is served).",
                      [({"model": m.dht_prefix}, int(m.error is not None)) for m in models])
     return "\n".join(lines) + "\n"

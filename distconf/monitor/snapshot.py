@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from distconf.dht import (
@@ -30,6 +30,7 @@ from distconf.dht import (
 )
 from distconf.dht.report_records import ClientReport
 from distconf.dht.reports import read_reports
+from distconf.monitor.figures import figures_of_repository
 from distconf.monitor.state_schema import MAX_CAUGHT_ROWS, MAX_PINGS, CaughtRowV1, ModelStateV1, RouteV1, ServerRowV1
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,14 +155,17 @@ def route_of(state: SwarmState) -> RouteV1:
 
 def model_state(state: SwarmState, *, repository: str | None = None, listed: bool = True,
                 read_at: float | None = None, read_seconds: float = 0.0) -> ModelStateV1:
-    """A `ModelStateV1` holding every span of ``state`` (pages are cut when serving)."""
+    """A `ModelStateV1` holding every span of ``state`` (pages are cut when serving), with the cache figures of
+    ``repository`` when it names a shipped preset (`figures_of_repository`)."""
     online = [sum(1 for s in block.values() if s.state == ServerState.ONLINE) for block in state.servers]
     joining = [sum(1 for s in block.values() if s.state == ServerState.JOINING) for block in state.servers]
     best: dict[str, ServerState] = {}
     for span in state.spans:
         best[span.peer_id] = max(best.get(span.peer_id, ServerState.OFFLINE), span.state)
     by_state = {name: sum(1 for s in best.values() if s == st) for st, name in _STATE_NAMES.items()}
+    figures = figures_of_repository(repository)
     return ModelStateV1(
+        **(asdict(figures) if figures is not None else {}),
         dht_prefix=state.dht_prefix, num_blocks=state.num_blocks, repository=repository, listed=listed,
         online_per_block=online, joining_per_block=joining, blocks_covered=sum(1 for k in online if k),
         servers=[server_row(s) for s in state.spans], servers_total=len(state.spans), peers_total=len(best),

@@ -116,6 +116,13 @@ class ModelStateV1(BaseModel):
         description=f"servers clients CLAIM their spot checks caught (latest first, at most {MAX_CAUGHT_ROWS})")
     caught_total: int = Field(0, description="rows of caught servers in all (caught lists the latest of them)")
     skipped_reports: int = Field(0, description="client reports ignored as malformed")
+    kv_bytes_per_token: int | None = Field(
+        None, description="bytes a K/V-keeping block keeps per token, bfloat16 (null: the model's config is unknown)")
+    state_bytes_per_sequence: int | None = Field(
+        None, description="bytes a state-keeping block keeps per sequence, bfloat16 (0: no block keeps a state; "
+                          "null: unknown)")
+    kv_blocks: int | None = Field(None, description="blocks keeping K/V (null: unknown)")
+    state_blocks: int | None = Field(None, description="blocks keeping a per-sequence state (null: unknown)")
 
 
 class SwarmStateV1(BaseModel):

@@ -138,6 +138,19 @@
     ];
   }
 
+  function cacheFigures(model) {  // what a block keeps per session (bfloat16), when the config is known
+    const out = [];
+    if (model.kv_bytes_per_token) {
+      out.push(`K/V ${fmt(model.kv_bytes_per_token, 0)} B/token/block` +
+        (model.state_blocks ? ` (${model.kv_blocks} blocks)` : ""));
+    }
+    if (model.state_bytes_per_sequence) {
+      out.push(`state ${fmt(model.state_bytes_per_sequence, 0)} B/sequence/block` +
+        (model.kv_blocks ? ` (${model.state_blocks} blocks)` : ""));
+    }
+    return out;
+  }
+
   function modelSection(model) {
     const route = model.route;
     const routeText = route.exists
@@ -146,6 +159,7 @@
     const peers = model.peers_by_state;
     const meta = [model.listed ? "listed" : "named on the command line", `${model.num_blocks} blocks`];
     if (model.repository) meta.push(model.repository);
+    meta.push(...cacheFigures(model));
     const children = [
       el("h2", { text: model.dht_prefix }),
       el("p", { class: "meta", text: meta.join(" \u00b7 ") }),
