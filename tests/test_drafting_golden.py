@@ -60,6 +60,12 @@ KNOWN_DIFFERENCES = {
         "the draft maps the layer type to mask kind none; the family passes no mask at all (both check)",
     ("mistralai--Mamba-Codestral-7B-v0.1", "block.attn_implementation"):
         "the model class does not support sdpa: the draft says eager, the family leaves it (no attention)",
+    ("tiiuae--falcon-mamba-7b", "block.call"):
+        "the family drops the padding-mask argument (mask_argument: null); the draft keeps the default (both check)",
+    ("tiiuae--falcon-mamba-7b", "block.mask"):
+        "the draft maps the layer type to mask kind none; the family passes no mask at all (both check)",
+    ("tiiuae--falcon-mamba-7b", "block.attn_implementation"):
+        "the model class does not support sdpa: the draft says eager, the family leaves it (no attention)",
 }
 COMPARED = ("config_class", "kv_groups", "kv_cache")
 COMPARED_BLOCK = ("layer_class", "attention_class", "prefix", "base_model_prefix", "constructor", "call",

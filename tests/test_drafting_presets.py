@@ -21,9 +21,6 @@ CHECKED_IN_TEST_DRAFTING = {"Qwen/Qwen3-4B", "google/gemma-2-9b", "deepseek-ai/D
 NOT_DRAFTED_YET = {
     "tiiuae/Falcon-H1-0.5B-Instruct",
     "ai21labs/AI21-Jamba-Mini-1.5",
-    "tiiuae/falcon-mamba-7b",
-    "Qwen/Qwen3-Next-80B-A3B-Instruct",
-    "LiquidAI/LFM2-1.2B",
 }
 """Presets of families whose layers keep a per-sequence `state` the drafter cannot draft yet (issue 23): a buffer
 the model gives each layer (block.model_buffers), a layer class per layer type (block.layer_classes); their
