@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
+from client_swarm import close_swarm, prompts
+from span_swarm import SpanSwarm, cache_left, generate
 
 pytestmark = pytest.mark.swarm
 
@@ -26,30 +27,11 @@ FAMILY = "granitemoehybrid"
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-class Swarm:
-    """The bootstrap DHT, the model folder, the local reference model and the three servers."""
+class Swarm(SpanSwarm):
+    """The swarm of this module's family."""
 
     def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / FAMILY, FAMILY, layers=4, layer_types=LAYER_TYPES)
-        self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
-                                     self.peers, root)
-        self.models: list[Any] = []
-
-    def model(self, **kwargs: Any) -> Any:
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        kwargs.setdefault("max_retries", 3)
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, dht=self.dht, **kwargs)
-        self.models.append(model)
-        return model
-
-    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-        with torch.no_grad():
-            return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
+        super().__init__(root, FAMILY, layers=4, layer_types=LAYER_TYPES)
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +41,6 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield s
     finally:
         close_swarm(s.models, s.servers, s.dht)
-
-
-def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
-
-
-def cache_left(model: Any, peer: str) -> int:
-    from distconf.rpc.protocol import CACHE_TOKENS_AVAILABLE
-
-    return int(server_info(model, peer)[CACHE_TOKENS_AVAILABLE])
 
 
 def test_every_span_has_both_layer_kinds(swarm: Swarm) -> None:
