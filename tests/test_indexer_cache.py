@@ -13,18 +13,15 @@ from distconf.tools.checker import check_family
 
 
 def _family(tmp_path: Path, with_indexer: bool = True) -> Path:
-    """The drafter's deepseek_v32 file, with what its review asks for: the layer type mapped, the indexer declared,
-    and a tiny indexer that selects 4 keys of 9 (with enough heads that its ReLU scores do not tie)."""
+    """The drafter's deepseek_v32 file (it maps the layer type and declares the indexer), with a tiny indexer that
+    selects 4 keys of 9 (with enough heads that its ReLU scores do not tie)."""
     from transformers import AutoConfig
 
     from distconf.tools.drafting import draft_family, read_config_json
 
     AutoConfig.for_model("deepseek_v32").save_pretrained(tmp_path / "cfg")
     text = draft_family("deepseek_v32", read_config_json(tmp_path / "cfg")).to_yaml(schema_path="x")
-    if "indexed_attention: causal" not in text:
-        text = text.replace("    layer_kinds: {}\n", "    layer_kinds: {indexed_attention: causal}\n")
-    if with_indexer and "indexer_head_dim" not in text:
-        text = text.replace("kv_cache:\n", "kv_cache:\n  indexer_head_dim: index_head_dim\n", 1)
+    assert "indexed_attention: causal" in text and "  indexer_head_dim: index_head_dim\n" in text, text
     if not with_indexer:
         text = "\n".join(line for line in text.splitlines() if "indexer_head_dim" not in line) + "\n"
     for name, value in (("index_n_heads", 8), ("index_topk", 4)):

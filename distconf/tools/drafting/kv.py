@@ -80,6 +80,21 @@ def _repeated(key: Any, kv_heads: int) -> bool:
 def kv_layout(groups: int | str, tiny: TinyRun, raw: Mapping[str, Any],
               probe: Callable[[], TinyRun | None]) -> KVLayout:
     """Decide kv_groups and kv_cache from ``tiny``'s cache; ``probe`` runs the second tiny model if needed."""
+    layout = _kv_layout(groups, tiny, raw, probe)
+    if tiny.indexer is not None:  # a sparse-attention indexer's keys cached next to K/V
+        dim = int(tiny.indexer.shape[-1])
+        found = _formula_for(dim, tiny, raw, probe,
+                             lambda run: int(run.indexer.shape[-1]) if run.indexer is not None else None)
+        layout.kv_cache = {**(layout.kv_cache or {}), "indexer_head_dim": found}
+        layout.facts.append(f"an indexer caches [*, tokens, {dim}] keys next to K/V: kv_cache.indexer_head_dim")
+        if not isinstance(found, str):
+            layout.review.append(f"no config field gives the {dim} of kv_cache.indexer_head_dim on two tiny models; "
+                                 "the tiny value is written: replace it with a formula over config fields")
+    return layout
+
+
+def _kv_layout(groups: int | str, tiny: TinyRun, raw: Mapping[str, Any],
+               probe: Callable[[], TinyRun | None]) -> KVLayout:
     shape = tiny.shape
     if shape is None:
         return KVLayout(groups, review=["could not read the tiny model's cache; check kv_cache by hand"])

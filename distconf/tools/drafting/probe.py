@@ -30,6 +30,8 @@ class TinyRun:
     """The cached (key heads, key head size, value heads, value head size) of every layer, in order."""
     states: list[LayerState] = field(default_factory=list)
     """What every layer of the cache holds: a conv / recurrent state, K/V."""
+    indexer: Any | None = None
+    """The keys ``[batch, tokens, dim]`` a sparse-attention indexer cached next to the last K/V layer's K/V."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -99,8 +101,12 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
     key, value = _last_cache(result)
+    indexers = [getattr(layer, "indexer_keys", None) for layer in
+                getattr(getattr(result, "past_key_values", None), "layers", None) or []]
+    indexer = next((t for t in reversed(indexers) if getattr(t, "dim", lambda: 0)() == 3), None)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)))
+                   layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)),
+                   indexer=indexer)
 
 
 def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:

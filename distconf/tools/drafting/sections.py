@@ -26,7 +26,8 @@ _LAYER_IDX_ARGUMENTS = ("layer_idx", "layer_id", "layer_number", "layer_index")
 _KNOWN_INPUTS = {*_CACHE_ARGUMENTS, "self", "hidden_states", "attention_mask", "position_ids", "position_embeddings",
                  "alibi", "use_cache", "output_attentions", "cache_position"}
 # transformers' standard attention layer types -> mask kind, and the standard config field of each kind's size
-_KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_window", "chunked_attention": "chunked"}
+_KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_window", "chunked_attention": "chunked",
+                      "indexed_attention": "causal"}  # sparse-attention layers: causal, their indexer narrows it
 _DEFAULT_LAYER_KINDS = {"full_attention": "causal", "sliding_attention": "sliding_window"}
 _SIZE_FIELDS = {"sliding_window": "sliding_window", "chunked": "attention_chunk_size"}
 _SIZE_KEYS = {"sliding_window": "sliding_window", "chunked": "chunk_size"}
