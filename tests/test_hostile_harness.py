@@ -171,9 +171,13 @@ def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
     async def all_sessions(peer: str) -> list[list[torch.Tensor]]:
         return list(await asyncio.gather(*(session_outputs(harness, peer, steps) for steps in sessions)))
 
-    got = {name: harness.run(all_sessions(harness.peer(name)), timeout=120) for name in harness.servers}
+    got = {}
     for name in harness.servers:
-        assert batched_rows(harness, name) > before[name], f"{name}: no batch formed"
+        for _ in range(3):  # on a loaded machine the four sessions' steps may not overlap in one round
+            got[name] = harness.run(all_sessions(harness.peer(name)), timeout=120)
+            if batched_rows(harness, name) > before[name]:
+                break
+        assert batched_rows(harness, name) > before[name], f"{name}: no batch formed in 3 rounds"
     for s, steps in enumerate(sessions):
         check_session(steps, {name: got[name][s] for name in harness.servers})
 
