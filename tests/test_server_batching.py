@@ -80,6 +80,16 @@ class HeldThread:
         await self.task
 
 
+async def lockstep(scheduler: ComputeScheduler, *clients: Client) -> None:
+    """One step of every client, computed in one batch: the compute thread is held until all are queued."""
+    held = HeldThread(scheduler)
+    pending = [c.send_next() for c in clients]
+    await until(lambda: scheduler.queued_steps == len(clients), "the lockstep steps are queued")
+    await held.release()
+    for reply, expected in pending:
+        assert close(output(await asyncio.wait_for(reply, 30)), expected)
+
+
 async def until(condition: Callable[[], bool], what: str) -> None:
     """Wait (bounded) until ``condition()`` holds."""
     for _ in range(400):
@@ -237,17 +247,12 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
         stats = handler.compute.stats
         a, b = Client(handler, served, 1, [3] + [1] * 20), Client(handler, served, 2, [5] + [1] * 20)
         await asyncio.gather(a.run(1), b.run(1))
-        held = HeldThread(handler.compute)  # their steps are computed together once: they are one group
-        pending = [a.send_next(), b.send_next()]
-        await until(lambda: handler.compute.queued_steps == 2, "both steps are queued")
-        await held.release()
-        for reply, expected in pending:
-            assert close(output(await asyncio.wait_for(reply, 30)), expected)
+        await lockstep(handler.compute, a, b)  # their steps are computed together once: they are one group
         together = False
         for _ in range(3):  # up to 3 attempts: a round slowed by a loaded machine can make b look not steady
-            for _ in range(3):  # both step in lockstep, 0.5 s apart: each is steady (a slow round under load
-                await asyncio.sleep(0.5)  # stays well within twice the gap), and they stay one group
-                await asyncio.gather(a.run(1), b.run(1))
+            for _ in range(3):  # both step in lockstep, 0.5 s apart: each is steady, and they stay one group
+                await asyncio.sleep(0.5)  # (the compute thread is held until both are queued, so no race of
+                await lockstep(handler.compute, a, b)  # the two arrivals splits them on a loaded machine)
             before = stats["batched_rows"]
             reply_a, expected_a = a.send_next()
             await asyncio.sleep(0.01)  # b is due: a's step waits for it
@@ -258,8 +263,8 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
             if together:
                 break
         assert together  # computed together
-        await asyncio.sleep(1.5)  # b stalls for more than twice its gap: nobody waits for it any more
-        await asyncio.wait_for(a.run(2), 2.0)  # waiting for b would take max_batch_wait = 5 s per step
+        await asyncio.sleep(3.0)  # b stalls for far more than twice its gap: nobody waits for it any more
+        await asyncio.wait_for(a.run(2), 4.0)  # waiting for b would take max_batch_wait = 5 s per step
         await b.run(1)
         for c in (a, b):
             await c.caller.close()

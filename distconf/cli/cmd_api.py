@@ -100,25 +100,17 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("listening on %s: the API is reachable from the network", args.host)
         app = build_app(backend, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                         allowed_hosts=LOOPBACK_HOSTS if loopback else None, max_body_bytes=args.max_body_bytes)
-        port = args.port or _free_port(args.host)  # --port 0: say which port was chosen
-        print(f"distconf api: serving {model_id!r} at http://{args.host}:{port}/v1 and a chat page at "
-              f"http://{args.host}:{port}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        def ready(port: int) -> None:  # printed once it listens (--port 0: the port chosen)
+            print(f"distconf api: serving {model_id!r} at http://{args.host}:{port}/v1 and a chat page at "
+                  f"http://{args.host}:{port}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
         # uvicorn stops gracefully on SIGTERM, then raises it again: end through the finally below
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        serve_forever(app, args.host, port, log_level="warning")
+        serve_forever(app, args.host, args.port, log_level="warning", on_ready=ready)
     finally:
         backend.shutdown()
         close_swarm_model(model)
     return 0
-
-
-def _free_port(host: str) -> int:
-    """A port on ``host`` that is free now (the OS's choice for port 0)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -109,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
         if not loopback:
             logger.warning("listening on %s: the page is reachable from the network", args.host)
         app = build_app(monitor, allowed_hosts=LOOPBACK_HOSTS if loopback else None)
-        print(f"distconf monitor: serving http://{args.host}:{args.port}/ (Ctrl-C to stop)", file=sys.stderr)
-        serve_forever(app, args.host, args.port)
+        def ready(port: int) -> None:
+            print(f"distconf monitor: serving http://{args.host}:{port}/ (Ctrl-C to stop)", file=sys.stderr,
+                  flush=True)
+
+        serve_forever(app, args.host, args.port, on_ready=ready)
     finally:
         dht.shutdown()
     return 0
