@@ -156,6 +156,8 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
         raise type(config).family_source.error(("block", "constructor"),
                           f"{getattr(cls, 'layer_class', cls).__name__}({', '.join(kwargs)}) failed: {exc}"
                           ) from None
+    if str(device) == "meta":
+        _parameters_to_meta(block)
     add_model_buffers(block, config, buffers_device if str(device) == "meta" and buffers_device is not None
                       else device)
     if dtype is not None:
@@ -164,6 +166,17 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
         materialize_buffers(block, config, buffers_device)
     block.eval()
     return block
+
+
+def _parameters_to_meta(block: Any) -> None:
+    """Move to ``meta`` the parameters a layer drew with a factory the device context misses
+    (diffllama's ``torch.normal(mean, std, size=...)``): a meta build then holds no real tensor."""
+    import torch
+
+    for module in block.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                setattr(module, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
 
 def add_model_buffers(block: Any, config: DistributedConfig, device: Any) -> None:

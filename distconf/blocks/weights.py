@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.build import build_block
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint, checkpoint_files, release_pages, torch_dtype
 from distconf.blocks.convert import Conversions, Group, order_problem, plan_stream, run_ops, stream
+from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
 from distconf.blocks.safetensors_header import read_safetensors_header, tensor_label
 from distconf.loader.config_protocol import DistributedConfig
 
@@ -54,10 +55,24 @@ def layer_prefixes(config: DistributedConfig, layer_idx: int) -> list[str]:
 def layer_keys(names: list[str] | Any, config: DistributedConfig, layer_idx: int) -> tuple[str | None, list[str]]:
     """The checkpoint names of layer ``layer_idx`` and the prefix form they use.
 
-    If both forms occur, the family's own ``block.prefix`` wins.
+    If both forms occur, the family's own ``block.prefix`` wins. A checkpoint stored under
+    another layout (e.g. exaone's ``transformer.h``) matches after transformers' renaming rules
+    for the model type, unless the family opts out (``block.checkpoint_conversion: none``);
+    the names returned are then the stored ones, renamed again as they are read.
     """
     for prefix in layer_prefixes(config, layer_idx):
         found = [name for name in names if name.startswith(prefix)]
+        if found:
+            return prefix, found
+    spec = type(config).family_spec
+    if spec.block.checkpoint_conversion != "transformers":
+        return None, []
+    renamings = checkpoint_conversions(spec.model_type)[0]
+    if not renamings:
+        return None, []
+    renamed = {name: rename_checkpoint_key(name, renamings, [])[0] for name in names}
+    for prefix in layer_prefixes(config, layer_idx):
+        found = [name for name, target in renamed.items() if target.startswith(prefix)]
         if found:
             return prefix, found
     return None, []
