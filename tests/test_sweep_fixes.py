@@ -62,3 +62,39 @@ def test_parameters_drawn_outside_the_device_context_stay_on_meta(tmp_path: Path
     block = build_block(config, 0, device="meta")
     assert all(p.is_meta for p in block.parameters())
     assert any("lambda_q1" in name for name, _ in block.named_parameters())
+
+
+def test_positions_computed_outside_the_layers_are_drafted_and_proven(tmp_path: Path, fresh_cache,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # before: beam's full-attention layers take no rotary (NoPE) but a query scaling the model computes
+    # from the position ids: the block called the rotary module for them (KeyError: 'full_attention')
+    import yaml
+
+    code, draft = _draft_and_check("beam", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    position = yaml.safe_load(draft)["block"]["position"]
+    assert position["rotary_layer_kinds"] == ["sliding_attention"]
+    scaling = position["computed_arguments"]["attention_scaling"]
+    assert scaling["function"].endswith(".compute_attention_scaling") and scaling["layer_kinds"] == ["full_attention"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rotary_layer_kinds": ["nope"]}, "block.position.rotary_layer_kinds names 'nope'"),
+    ({"computed_arguments": {"scale": {"function": "transformers.models.beam.modeling_beam.compute_attention_scaling",
+                                       "layer_kinds": ["nope"]}}},
+     "block.position.computed_arguments.scale.layer_kinds names 'nope'"),
+])
+def test_position_layer_kinds_must_be_mapped_layer_types(tmp_path: Path, fresh_cache, family_text,
+                                                          edit: dict, message: str) -> None:
+    import yaml
+
+    from distconf.errors import FamilyValidationError
+    from distconf.loader import load_family
+
+    data = yaml.safe_load(family_text("gemma2"))
+    data["block"]["position"].update(edit)
+    path = tmp_path / "gemma2.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(FamilyValidationError) as info:
+        load_family(path)
+    assert message in str(info.value)

@@ -73,6 +73,10 @@ class LayerSettings:
     keeps_state: bool = False
     one_token_steps: bool = False
     """The layer reads its state only in one-token steps (``state.continuation: one_token``)."""
+    no_rotary: bool = False
+    """The family has rotary embeddings, but not for this layer's type: it gets None."""
+    computed_arguments: tuple[tuple[str, Any], ...] = ()
+    """(keyword, function of the position ids or None) the model computes for its layers."""
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -117,9 +121,15 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
     if use_alibi and position.rotary_class and position.alibi_when is not None:
         use_alibi = bool(_evaluate(block_cls, ("block", "position", "alibi_when"), position.alibi_when, config))
     rotary_class = None
-    if position.rotary_class and not use_alibi:
+    rotary_here = position.rotary_layer_kinds is None or kind_of_layer in position.rotary_layer_kinds
+    if position.rotary_class and not use_alibi and rotary_here:
         rotary_class = resolve_object(_source(block_cls), ("block", "position", "rotary_class"),
                                       position.rotary_class)
+    computed = tuple(
+        (name, resolve_object(_source(block_cls), ("block", "position", "computed_arguments", name, "function"),
+                              argument.function)
+         if argument.layer_kinds is None or kind_of_layer in argument.layer_kinds else None)
+        for name, argument in position.computed_arguments.items())
     alibi_function = None
     if use_alibi:
         alibi_function = resolve_object(_source(block_cls), ("block", "position", "alibi_function"),
@@ -128,6 +138,7 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         spec=block, config=config, layer_idx=layer_idx, mask_kind=kind, sliding_window=window, chunk_size=chunk,
         rotary_class=rotary_class,
         rotary_layer_type=kind_of_layer if position.rotary_layer_type_argument else None,
+        no_rotary=bool(position.rotary_class) and not use_alibi and not rotary_here, computed_arguments=computed,
         alibi_function=alibi_function, geometry=kv_geometry(config, layer_idx), layer_writes=spec.kv_cache.layer_writes,
         alibi_takes_device=_takes(alibi_function, "device"),
         keeps_kv=keeps_kv_at(config, layer_idx), keeps_state=keeps_state_at(config, layer_idx),
@@ -291,6 +302,10 @@ class BlockAdapter:
             kwargs[call.position_ids_argument] = position_ids
         if settings.rotary_class is not None and call.position_embeddings_argument:
             kwargs[call.position_embeddings_argument] = self._rotary(hidden_states, position_ids)
+        elif settings.no_rotary and call.position_embeddings_argument:
+            kwargs[call.position_embeddings_argument] = None
+        for name, function in settings.computed_arguments:
+            kwargs[name] = function(position_ids) if function is not None else None
         wants_mask = call.mask_argument and settings.mask_kind != "none"
         mask = self._mask(hidden_states, past, padding_mask) if wants_mask else None
         alibi = None

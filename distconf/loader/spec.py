@@ -164,11 +164,16 @@ class FamilySpec(StrictModel):
 
     @model_validator(mode="after")
     def _cache_kinds_named(self) -> FamilySpec:
-        """``state.layer_kinds`` and ``kv_cache.layer_kinds`` name layer types the mask section maps."""
+        """Every ``layer_kinds`` (state, kv_cache, rotary, computed arguments) names layer types the mask maps."""
         mask = self.block.mask
         overrides = list(self.kv_cache.layer_overrides) or None
-        for where, kinds in (("state", self.state.layer_kinds if self.state else None),
-                             ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides)):
+        position = self.block.position
+        named = [("state", self.state.layer_kinds if self.state else None),
+                 ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides),
+                 ("block.position.rotary", position.rotary_layer_kinds)]
+        named += [(f"block.position.computed_arguments.{name}", argument.layer_kinds)
+                  for name, argument in position.computed_arguments.items()]
+        for where, kinds in named:
             if kinds is None:
                 continue
             if mask.layer_types_field is None:
@@ -240,7 +245,9 @@ class FamilySpec(StrictModel):
 
 def _kinds_field(where: str) -> str:
     """The field naming layer types: ``<section>.layer_kinds``, or the overrides mapping itself."""
-    return where if where.endswith("layer_overrides") else f"{where}.layer_kinds"
+    if where.endswith("layer_overrides"):
+        return where
+    return f"{where}_layer_kinds" if where.endswith(".rotary") else f"{where}.layer_kinds"
 
 
 def _again(error: Any) -> InitErrorDetails:

@@ -14,7 +14,8 @@ from pydantic import Field, model_validator
 from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
 
 __all__ = [
-    "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "PositionSpec", "MaskSpec", "MaskKind",
+    "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "ComputedArgument", "PositionSpec", "MaskSpec",
+    "MaskKind",
 ]
 
 _PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
@@ -70,6 +71,21 @@ class CallSpec(StrictModel):
     )
 
 
+class ComputedArgument(StrictModel):
+    """A keyword argument the model computes from the position ids for its layers (outside them)."""
+
+    function: ClassPath = Field(
+        description="Function called as function(position_ids) with the positions [batch, seq] of the step; "
+                    "its result goes unchanged to the layer's keyword (e.g. a no-rotary layer's "
+                    "position-dependent query scaling).",
+    )
+    layer_kinds: list[str] | None = Field(
+        default=None,
+        description="Layer types (values of block.mask.layer_types_field) that get the value; the others "
+                    "get None. Null: every layer.",
+    )
+
+
 class PositionSpec(StrictModel):
     """How positions enter the layer: rotary embeddings, ALiBi, or nothing (e.g. learned, outside blocks)."""
 
@@ -113,6 +129,18 @@ class PositionSpec(StrictModel):
         description="Also fold alibi / sqrt(key_head_dim) into a float attention mask, as models do that "
                     "pass the mask to scaled_dot_product_attention.",
     )
+    rotary_layer_kinds: list[str] | None = Field(
+        default=None,
+        description="Layer types (values of block.mask.layer_types_field) that use the rotary embeddings; "
+                    "the others get None as call.position_embeddings_argument (layers without positions, "
+                    "NoPE). Null: every layer.",
+    )
+    computed_arguments: dict[Identifier, ComputedArgument] = Field(
+        default_factory=dict,
+        description="Keyword arguments the model computes from the position ids and passes to its layers "
+                    "(positions computed outside the layers): keyword -> function and the layer types "
+                    "that get it.",
+    )
     from_cache_length: bool = Field(
         default=False,
         description="Some layer of the family reads token positions from its cache's length rather than "
@@ -136,6 +164,8 @@ class PositionSpec(StrictModel):
                              "combined with alibi_arguments")
         if self.rotary_layer_type_argument and not self.rotary_class:
             raise ValueError("rotary_layer_type_argument needs rotary_class")
+        if self.rotary_layer_kinds is not None and not self.rotary_class:
+            raise ValueError("rotary_layer_kinds needs rotary_class")
         return self
 
 

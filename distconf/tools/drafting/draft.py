@@ -11,6 +11,7 @@ from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.named_variants import named_type_variants
+from distconf.tools.drafting.positions import draft_computed_positions
 from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
@@ -107,6 +108,8 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
         _verify_tiny(draft, variants)
+        draft_computed_positions(draft, plan.config_class,
+                                 {k: v for k, v in draft.tiny_config.items() if k != "variants"}, layer_class)
         finish_state(draft, by_type, mixer, layer_class)
     return draft
 

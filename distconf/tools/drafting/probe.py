@@ -12,7 +12,8 @@ from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state import LayerState, layer_states
 
-__all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds", "MAX_TINY_PARAMETERS"]
+__all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
+           "MAX_TINY_PARAMETERS"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
 _MAX_VALUES_PER_KIND = 4
@@ -70,6 +71,11 @@ def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str
                 return config, AutoModelForCausalLM.from_config(config)
         torch.manual_seed(0)
         return config, AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def build_tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> tuple[Any, Any]:
+    """(config, float32 model in eval mode) of the tiny config, with seeded random weights."""
+    return _build(config_class, tiny, attn_implementation, meta=False)
 
 
 def meta_layer_kinds(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[Hashable] | None:
