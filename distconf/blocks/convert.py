@@ -17,6 +17,7 @@ from distconf.blocks.checkpoint import BlockWeightsError, release_pages
 from distconf.blocks.hf_compat import (
     checkpoint_conversions,
     converter_sources,
+    converter_targets,
     rename_checkpoint_key,
     run_conversion,
     stacking_dims,
@@ -41,6 +42,28 @@ class Group:
     def sources(self) -> list[list[str]]:
         """The tensor names of each source pattern present, in the converter's order."""
         return [self.by_pattern[p] for p in converter_sources(self.converter) if p in self.by_pattern]
+
+    def locals(self) -> list[str]:
+        """The parameters the group converts to: ``local``, and its siblings when the converter splits one
+        fused tensor into several (``query_key_value`` into ``q_proj``, ``k_proj``, ``v_proj``)."""
+        targets = converter_targets(self.converter)
+        if len(targets) > 1 and targets[0] in self.local:
+            return [self.local.replace(targets[0], target, 1) for target in targets]
+        return [self.local]
+
+
+@dataclass
+class _Shapes:
+    """The block's parameter shapes, asked by name as transformers' operations ask a model (``Split``)."""
+
+    prefix: str
+    expected: dict[str, tuple[tuple[int, ...], Any]]
+
+    def get_parameter(self, name: str) -> Any:
+        import torch
+
+        shape, dtype = self.expected[name.removeprefix(self.prefix)]
+        return torch.empty(shape, dtype=dtype, device="meta")
 
 
 class Conversions:
@@ -138,15 +161,20 @@ def stream(group: Group, plan: tuple[tuple[int, ...], int, int | None], checkpoi
 
 
 def run_ops(group: Group, checkpoint: Checkpoint, dtype: torch.dtype | None, layer_name: str,
-            config: Any) -> list[Any]:
-    """The tensors transformers' operations make of the group's sources (each source cast first)."""
+            config: Any, expected: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> list[Any]:
+    """The tensors transformers' operations make of the group's sources (each source cast first).
+
+    ``expected``: the block's parameter shapes (by name under the layer's prefix), for
+    operations that size their outputs by them.
+    """
     collected: dict[str, list[Any]] = {}
     for pattern in converter_sources(group.converter):
         if pattern in group.by_pattern:
             tensors = [checkpoint.tensor(n) for n in group.by_pattern[pattern]]
             collected[pattern] = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in tensors]
     try:
-        return list(run_conversion(group.converter, collected, layer_name, config).values())
+        shapes = _Shapes(layer_name[: len(layer_name) - len(group.local)], expected or {})
+        return list(run_conversion(group.converter, collected, layer_name, config, shapes).values())
     except Exception as exc:  # transformers' operations on tensors that do not fit together
         raise BlockWeightsError(f"{checkpoint.model_dir}: converting the tensors of {layer_name} failed: "
                                 f"{type(exc).__name__}: {str(exc)[:300]}") from None

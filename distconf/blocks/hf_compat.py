@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "build_attention_mask", "chunked_mask_function", "initialize_computed_buffers", "non_persistent_buffers",
-    "checkpoint_conversions", "converter_sources", "rename_checkpoint_key",
+    "build_attention_mask", "causal_lm_class", "causal_lm_from_config",
+    "chunked_mask_function", "initialize_computed_buffers", "non_persistent_buffers",
+    "checkpoint_conversions", "converter_sources", "converter_targets", "rename_checkpoint_key",
     "run_conversion", "stacking_dims", "stacking_operations",
 ]
 
@@ -93,6 +94,11 @@ def converter_sources(converter: Any) -> list[str]:
     return list(converter.source_patterns)
 
 
+def converter_targets(converter: Any) -> list[str]:
+    """The target name patterns of a checkpoint converter (several when it splits one fused tensor)."""
+    return list(converter.target_patterns)
+
+
 def stacking_dims(converter: Any) -> tuple[int, int | None] | None:
     """``(stack dim, concatenate dim or None)`` when ``converter`` only stacks per-expert tensors
     (``MergeModulelist``), optionally then concatenates the stacks (``Concatenate``); else None."""
@@ -105,12 +111,17 @@ def stacking_dims(converter: Any) -> tuple[int, int | None] | None:
     return ops[0].dim, (ops[1].dim if len(ops) == 2 else None)
 
 
-def run_conversion(converter: Any, collected: dict[str, list[Any]], layer_name: str, config: Any) -> dict[str, Any]:
-    """Run ``converter``'s operations on ``collected`` (source pattern -> tensors) as transformers does."""
+def run_conversion(converter: Any, collected: dict[str, list[Any]], layer_name: str, config: Any,
+                   model: Any = None) -> dict[str, Any]:
+    """Run ``converter``'s operations on ``collected`` (source pattern -> tensors) as transformers does.
+
+    ``model``: what operations that size their outputs by the model's parameters (``Split``)
+    ask with ``get_parameter(name)``.
+    """
     sources, targets = converter.source_patterns, converter.target_patterns
     for op in converter.operations:
         collected = op.convert(collected, source_patterns=sources, target_patterns=targets,
-                               full_layer_name=layer_name, model=None, config=config, missing_keys=None)
+                               full_layer_name=layer_name, model=model, config=config, missing_keys=None)
     return collected
 
 
@@ -124,16 +135,58 @@ def non_persistent_buffers(module: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def causal_lm_class(hf_config_class: type) -> type | None:
+    """The transformers causal-LM class of a config class (None when there is none).
+
+    ``AutoModelForCausalLM``'s mapping, else, for a config class it does not map (the text
+    config nested under ``text_config`` of a multimodal config, whose model type the mapping
+    lacks), the causal-LM class of the mapping declared with that ``config_class`` in the
+    config's own modeling module. Every build of a family's causal LM goes through here.
+    """
+    import importlib
+
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for klass in hf_config_class.__mro__:
+        if klass in MODEL_FOR_CAUSAL_LM_MAPPING:
+            return MODEL_FOR_CAUSAL_LM_MAPPING[klass]
+        module_name = klass.__module__
+        if ".configuration_" not in module_name:
+            continue
+        try:
+            module = importlib.import_module(module_name.replace(".configuration_", ".modeling_"))
+        except ImportError:
+            continue
+        for name in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())):
+            model_class = getattr(module, name, None)
+            if isinstance(model_class, type) and getattr(model_class, "config_class", None) is klass:
+                return model_class
+    return None
+
+
+def causal_lm_from_config(config: Any, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_config(config, **kwargs)``, for config classes it does not map too
+    (`causal_lm_class`)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    model_class = causal_lm_class(type(config))
+    if model_class is None:
+        raise ValueError(f"no causal-LM model class for {type(config).__name__} in transformers "
+                         "(AutoModelForCausalLM does not map it)")
+    return model_class._from_config(config, **kwargs)
+
+
 def _pretrained_model_class(hf_config_class: type) -> type | None:
     """The transformers ``PreTrainedModel`` class of a config class (through the auto model mapping)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+    from transformers import MODEL_MAPPING
 
-    for mapping in (MODEL_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING):
-        try:
-            return mapping[hf_config_class]
-        except (KeyError, ValueError):
-            continue
-    return None
+    try:
+        return MODEL_MAPPING[hf_config_class]
+    except (KeyError, ValueError):
+        return causal_lm_class(hf_config_class)
 
 
 def initialize_computed_buffers(module: Any, owners: list[Any], hf_config_class: type, config: Any) -> bool:

@@ -178,7 +178,7 @@ class _Match:
 
     def raise_problems(self, model_dir: Any, layer_idx: int, have: Any = ()) -> None:
         """Raise one `BlockWeightsError` with every problem, if there is any."""
-        covered = {*self.direct, *(g.local for g in self.groups.values()), *have}
+        covered = {*self.direct, *(t for g in self.groups.values() for t in g.locals()), *have}
         missing = [k for k in self.expected if k not in covered and k not in self.faulty]
         if self.unexpected or self.mismatched or self.wrong_dtype or missing:
             _raise(model_dir, self.prefix, layer_idx, missing, self)
@@ -202,13 +202,15 @@ def _read(match: _Match, checkpoint: Checkpoint, dtype: torch.dtype | None,
             state[local], converted[local] = stream(group, match.plans[local], checkpoint, out_dtype), "streamed"
             continue
         converted[local] = "ops"
-        results = run_ops(group, checkpoint, dtype, match.prefix + local, config)
+        results = run_ops(group, checkpoint, dtype, match.prefix + local, config, match.expected)
         shapes = [list(t.shape) for t in results]
-        if len(results) != 1 or tuple(shapes[0]) != match.expected[local][0]:
+        targets = group.locals()
+        wanted = [list(match.expected[t][0]) if t in match.expected else None for t in targets]
+        if shapes != wanted:
             match.add_mismatch(local, f"{match.prefix}{local} (converted): checkpoint {', '.join(map(str, shapes))}, "
-                                   f"block {list(match.expected[local][0])}")
+                                   f"block {', '.join(map(str, wanted))}")
         else:
-            state[local] = results[0]
+            state.update(zip(targets, results))
     return state, converted
 
 

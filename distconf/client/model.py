@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
-from distconf.blocks.hf_compat import record_as_decoder_layer
+from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
 from distconf.client.cache import RemoteCache
 from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
@@ -191,9 +191,9 @@ def distributed_model_class(config_cls: type) -> type:
 
 
 def _synthesize_model_class(config_cls: type) -> type:
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    base = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls.hf_config_class]
+    base = causal_lm_class(config_cls.hf_config_class)
+    if base is None:
+        raise TypeError(f"transformers has no causal-LM class for {config_cls.hf_config_class.__name__}")
     name = config_cls.__name__.removesuffix("Config") + "ForCausalLM"
     return type(name, (DistributedCausalLMMixin, base), {"__module__": __name__, "__qualname__": name,
                                                          "config_class": config_cls})

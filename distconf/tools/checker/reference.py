@@ -56,7 +56,8 @@ class Reference:
 def build_reference(cls: type, values: dict[str, Any]) -> Reference:
     """Build the distributed config and the HF model of ``values`` (random, perturbed weights)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from distconf.blocks.hf_compat import causal_lm_from_config
 
     try:
         config = cls(**values)
@@ -65,7 +66,7 @@ def build_reference(cls: type, values: dict[str, Any]) -> Reference:
         raise located_failure(cls, ("tiny_config",), f"cannot build the config: {exc}") from None
     torch.manual_seed(0)
     try:
-        model = AutoModelForCausalLM.from_config(reference_config).float().eval()
+        model = causal_lm_from_config(reference_config).float().eval()
     except Exception as exc:
         raise located_failure(cls, ("config_class",),
                               f"cannot build a causal LM from the tiny config: {exc}") from None
@@ -114,4 +115,12 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     finally:
         for h in hooks:
             h.remove()
+    looped = [i for i in range(reference.layers) if len(records[i]) > 1]
+    if looped:  # hidden states loop back through these layers: no chain of blocks computes that
+        shown = ", ".join(map(str, looped[:8])) + ("..." if len(looped) > 8 else "")
+        raise located_failure(type(reference.config), ("block",),
+                              f"{'layers' if len(looped) > 1 else 'layer'} {shown} of the model "
+                              f"{'run' if len(looped) > 1 else 'runs'} {max(len(records[i]) for i in looped)} "
+                              "times in one forward pass (a looped layer stack); a chain of blocks runs each "
+                              "layer once, so this architecture cannot be served as blocks")
     return records[0][0][0], [records[i][0][1] for i in range(reference.layers)]

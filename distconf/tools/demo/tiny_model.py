@@ -62,9 +62,9 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO
     move). The saved ``config.json`` is the distributed config's, so it carries ``dht_prefix``.
     """
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from distconf.blocks.hf_compat import causal_lm_from_config
     from distconf.loader import load_family
     from distconf.tools.checker import tiny_variants
 
@@ -75,7 +75,7 @@ def make_tiny_checkpoint(model_dir: str | Path, family: str, *, seed: int = DEMO
     reference.tie_word_embeddings = False
     model_dir = Path(model_dir)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(reference)
+    model = causal_lm_from_config(reference)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape) * WEIGHT_NOISE)

@@ -11,6 +11,7 @@ from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.named_variants import named_type_variants
+from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.positions import draft_computed_positions
 from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
@@ -83,12 +84,17 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     check_family_name(family)
     config_class = _config_class(config)
     config = copy.deepcopy(dict(config))
+    nested = text_section(config, config_class)
+    if nested is not None:
+        config, config_class, nested_fact = nested
     if "text_config" in config:
         shrink_config(config, config_class=config_class)  # raises the explanation before any model is built
     full, model = meta_model(config_class, config)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
     scan = scan_model(model, field_value(text, "num_hidden_layers"))
     draft = _new_draft(family, str(config["model_type"]), config_class, scan)
+    if nested is not None:
+        draft.facts.insert(0, nested_fact)
     draft_constructor(draft, scan.layer_class)
     params = draft_call(draft, scan.layer_class)
     draft_position(draft, scan, params, full)

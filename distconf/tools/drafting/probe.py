@@ -61,16 +61,17 @@ def _is_category_list(value: Any, count: int) -> bool:
 
 def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, *, meta: bool) -> tuple[Any, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from distconf.blocks.hf_compat import causal_lm_from_config
 
     with quiet_transformers():
         config = config_class(**copy.deepcopy(dict(tiny)))  # classes may normalize lists in place
         config._attn_implementation = attn_implementation
         if meta:
             with torch.device("meta"):
-                return config, AutoModelForCausalLM.from_config(config)
+                return config, causal_lm_from_config(config)
         torch.manual_seed(0)
-        return config, AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        return config, causal_lm_from_config(config, dtype=torch.float32).eval()
 
 
 def build_tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> tuple[Any, Any]:

@@ -46,20 +46,21 @@ class ModelScan:
 def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]:
     """The full config and the causal-LM model built from it on the meta device (no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import AutoConfig
+
+    from distconf.blocks.hf_compat import causal_lm_class, causal_lm_from_config
 
     try:
         with quiet_transformers():
             full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
     except Exception as exc:  # report the transformers message as is
         raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
-    if type(full) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    if causal_lm_class(type(full)) is None:
         raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers "
                             "(AutoModelForCausalLM does not map it)")
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(full)
+            model = causal_lm_from_config(full)
     except Exception as exc:  # transformers' own code fails on these values: say where, in one line
         raise DraftingError(f"transformers cannot build the model of this config.json (its values, or "
                             f"{config_class.__name__}'s defaults for the fields it leaves out, do not fit the "

@@ -84,6 +84,7 @@ def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None,
     out.update({key: shrinker.field(key, source[key]) for key in plan.keyed})
     for heads, head_size in head_pairs(source, names):
         _keep_heads_width(out, source, heads, head_size, Scale(profile, anchors))
+    _keep_layer_partition(out, source, names, anchors, plan.tiny_layers)
     _match_sub_config_sizes(out)
     if "quantization_config" in config:
         review.append("the checkpoint is quantized (quantization_config); the tiny model is not.")
@@ -153,6 +154,20 @@ def _keep_heads_width(out: dict[str, Any], source: Mapping[str, Any], heads: str
     out[heads] = max(1, width // size)
 
 
+def _keep_layer_partition(out: dict[str, Any], source: Mapping[str, Any], names: FieldNames, anchors: Anchors,
+                          tiny_layers: int) -> None:
+    """Counts of layers that add up to all the layers (input, looped and output layers) still do on the tiny model."""
+    parts = [key for key, value in source.items()
+             if is_int(value) and 0 < value < (anchors.layers or 0) and is_int(out.get(key))
+             and names.standard(key) != "num_hidden_layers" and role_of(key, value, names) == "layer_count"]
+    if len(parts) < 2 or sum(source[key] for key in parts) != anchors.layers:
+        return
+    largest = max(parts, key=lambda key: out[key])
+    rest = sum(out[key] for key in parts if key != largest)
+    if tiny_layers - rest >= 1:
+        out[largest] = tiny_layers - rest
+
+
 @dataclass
 class _Shrinker:
     scale: Scale
@@ -207,6 +222,11 @@ class _Shrinker:
 
     def scalar(self, key: str, role: str, value: Any) -> Any:
         """The tiny value of one integer of a field with ``role``."""
+        if value is None and role == "experts_per_token" and self.moe:
+            # a router needs k (topk(k=None) fails): the class left it unset, the tiny model routes to a few
+            self.review.append(f"{key} is null in the config.json (a router cannot pick None experts); tiny_config "
+                               f"routes each token to {self.scale.profile.experts_per_token}: set the real value")
+            return self.scale.profile.experts_per_token
         if not is_int(value) or value <= 0:
             return value
         profile, scale, anchors = self.scale.profile, self.scale, self.scale.anchors

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.layout import held_layout
 from distconf.tools.drafting.probe import meta_layer_kinds
 from distconf.tools.drafting.profile import TinyProfile
 from distconf.tools.drafting.readable import architecture_fields
@@ -46,9 +47,10 @@ def fit_tiny_config(plan: TinyPlan, profile: TinyProfile, review: list[str], fac
 def _deepen(plan: TinyPlan, profile: TinyProfile) -> tuple[dict[str, Any], list[str]]:
     """The shrunk config, one layer deeper at a time until it builds every kind of layer of the real model."""
     depth = None
+    raw = held_layout(plan.raw, plan.config_class)
     while True:
         notes: list[str] = []
-        tiny, layer_plan = shrink_with_plan(plan.raw, notes, derived_layer_types=plan.derived_layer_types,
+        tiny, layer_plan = shrink_with_plan(raw, notes, derived_layer_types=plan.derived_layer_types,
                                             layer_kinds=plan.layer_kinds, config_class=plan.config_class,
                                             profile=profile, min_layers=depth)
         if not plan.real_kinds:
