@@ -105,3 +105,31 @@ def test_layer_counts_the_class_converts_shrink_in_step(tmp_path: Path, fresh_ca
     assert code == 1
     (line,) = [x for x in out.err.splitlines() if "dory [tiny]" in x]
     assert "a looped layer stack" in line and "Traceback" not in out.err
+
+
+def _new_fails(model_type: str, folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """``distconf new`` from ``model_type``'s defaults fails; its one line of stderr."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
+    assert main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"]) == 1
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("distconf new:")]
+    assert len(lines) == 1 and "Traceback" not in err and "drafter bug" not in err, err
+    return lines[0]
+
+
+def test_layer_stacks_sized_by_nested_sub_configs_fail_in_one_line(tmp_path: Path, fresh_cache,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # before: blt's config counts no layers at its top level (encoder, global and decoder stacks are
+    # sized by nested sub-configs); the draft was written and check failed on a missing num_hidden_layers
+    line = _new_fails("blt", tmp_path, capsys)
+    assert "counts no layers at its top level" in line and "'model.global_transformer.layers' (25)" in line
+
+
+def test_heterogeneous_config_fails_in_one_line(tmp_path: Path, fresh_cache,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # before: dots3_note_text keeps sizes per layer and raises on a global read; the drafter crashed
+    # late (in the KV-geometry search) and reported "a drafter bug"
+    line = _new_fails("dots3_note_text", tmp_path, capsys)
+    assert "num_attention_heads" in line and "heterogeneous config" in line

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, crash_line, quiet_transformers
+from distconf.tools.drafting.fields import ANCHOR_NAMES
 
 __all__ = ["ModelScan", "find_attention", "meta_model", "scan_model", "layer_signature", "forward_parameters",
            "find_layer_list", "config_reads"]
@@ -55,6 +56,11 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
             full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
     except Exception as exc:  # report the transformers message as is
         raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
+    refused = _per_layer_fields(full)
+    if refused:
+        raise DraftingError(f"{config_class.__name__} holds {', '.join(refused)} per layer, with values that differ "
+                            "across layers (a heterogeneous config), and refuses to read one value for all of them; "
+                            "the drafter reads each size once for every layer, so it cannot draft this config")
     if causal_lm_class(type(full)) is None:
         raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers "
                             "(AutoModelForCausalLM does not map it)")
@@ -68,8 +74,26 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
     return full, model
 
 
+def _per_layer_fields(config: Any) -> list[str]:
+    """The anchor sizes ``config`` refuses to read globally (a heterogeneous config keeps them per layer)."""
+    refused = []
+    for name in ANCHOR_NAMES:
+        try:
+            getattr(config, name)
+        except AttributeError:
+            continue
+        except Exception:  # e.g. transformers' error for a per-layer attribute read globally
+            refused.append(name)
+    return refused
+
+
 def scan_model(model: Any, num_layers: int | None) -> ModelScan:
     """Inspect ``model`` (built on the meta device) whose config says ``num_layers`` layers."""
+    if num_layers is None:
+        stacks = ", ".join(f"'{name}' ({len(module)})" for name, module in _layer_stacks(model)[:4])
+        raise DraftingError(f"the config of {type(model).__name__} counts no layers at its top level (no "
+                            f"num_hidden_layers); its layer stacks ({stacks or 'none found'}) are sized by nested "
+                            "sub-configs, and a family serves the one stack of layers num_hidden_layers counts")
     prefix, layers = find_layer_list(model, num_layers)
     base_prefix = getattr(type(model), "base_model_prefix", None)
     base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
@@ -91,6 +115,15 @@ def layer_signature(layer: Any) -> tuple[str, ...]:
     parts = {".".join("#" if part.isdigit() else part for part in name.split(".")) + ":" + type(module).__name__
              for name, module in layer.named_modules()}
     return tuple(sorted(parts))
+
+
+def _layer_stacks(model: Any) -> list[tuple[str, Any]]:
+    """(path, ModuleList) of every list of layers that hold parameters, outermost first."""
+    import torch
+
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and name
+            and all(any(True for _ in child.parameters()) for child in module)]
 
 
 def find_layer_list(model: Any, num_layers: int | None) -> tuple[str, Any]:
