@@ -9,6 +9,7 @@ from typing import Any
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
+from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
@@ -153,6 +154,8 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
     base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
     layouts, real_kinds, tiny_kinds = [], set(), set()
     state_run: tuple[TinyPlan, TinyRun, dict[str, Any]] | None = None
+    geometry_notes: list[str] = []
+    first: tuple[TinyPlan, TinyRun] | None = None
     for name, plan, values in variants:
         prefix = "" if name == "tiny" else f"variant {name}: "
         tiny = run_tiny(plan.config_class, {**base, **values}, draft.attn_implementation)
@@ -169,7 +172,9 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         if state_run is None and any(s.keeps_state for s in tiny.states):
             state_run = (plan, tiny, {**base, **values})
             draft.keeps_kv = any(s.kv for s in tiny.states)
-        _per_layer_geometry(draft, prefix, tiny)
+        geometry_notes += _per_layer_geometry(prefix, tiny)
+        if name == "tiny":
+            first = (plan, tiny)
         if not any(s.kv for s in tiny.states) and tiny.states:
             continue
         groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
@@ -184,6 +189,8 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         draft.kv_groups, draft.kv_cache = layout.kv_groups, layout.kv_cache
         draft.facts.extend(layout.facts)
         draft.review.extend(layout.review)
+    if geometry_notes and not _layer_overrides(draft, first):
+        draft.review.extend(geometry_notes)
     if state_run is not None:
         _draft_state(draft, *state_run)
 
@@ -215,15 +222,33 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     apply_state(draft, layout, float32)
 
 
-def _per_layer_geometry(draft: FamilyDraft, prefix: str, tiny: TinyRun) -> None:
-    """A review note when the layers of one tiny model cache K/V of different shapes (one kv_cache cannot say it)."""
+def _per_layer_geometry(prefix: str, tiny: TinyRun) -> list[str]:
+    """A review note when the layers of one tiny model cache K/V of different shapes (unless
+    `_layer_overrides` declares them)."""
     shapes = [s for s in tiny.layer_shapes if s is not None]
-    if len(set(shapes)) > 1:
-        per_layer = ", ".join(f"layer {i}: {s[0]} x {s[1]} / {s[2]} x {s[3]}"
-                              for i, s in enumerate(tiny.layer_shapes) if s is not None)
-        draft.review.append(f"{prefix}the layers cache keys / values of different shapes (KV heads x head size; "
-                            f"{per_layer}): the KV geometry differs per layer kind, which one kv_cache section "
-                            "cannot declare (`distconf check` refuses it); the kv_cache written is the last layer's")
+    if len(set(shapes)) <= 1:
+        return []
+    per_layer = ", ".join(f"layer {i}: {s[0]} x {s[1]} / {s[2]} x {s[3]}"
+                          for i, s in enumerate(tiny.layer_shapes) if s is not None)
+    return [f"{prefix}the layers cache keys / values of different shapes (KV heads x head size; {per_layer}): "
+            "the KV geometry differs per layer kind; declare it in kv_cache.layer_overrides (the kv_cache "
+            "written is the last layer's)"]
+
+
+def _layer_overrides(draft: FamilyDraft, first: tuple[TinyPlan, TinyRun] | None) -> bool:
+    """Write ``kv_cache.layer_overrides`` found on the tiny and probe models; whether it was written."""
+    field = draft.mask.get("layer_types_field")
+    if first is None or not field or not draft.keeps_kv:
+        return False
+    plan, tiny = first
+    probe = _probe(plan, draft.attn_implementation)()
+    overrides = kv_layer_overrides(draft.kv_cache, draft.kv_groups, field, [tiny] + ([probe] if probe else []))
+    if overrides is None or probe is None:
+        return False
+    draft.kv_cache["layer_overrides"] = overrides
+    draft.facts.append("layers of type " + ", ".join(overrides) + " cache K/V of another geometry "
+                       "(kv_cache.layer_overrides, confirmed on a second tiny model)")
+    return True
 
 
 def _probe(plan: TinyPlan, attn_implementation: str) -> Any:
