@@ -98,3 +98,14 @@ def test_position_layer_kinds_must_be_mapped_layer_types(tmp_path: Path, fresh_c
     with pytest.raises(FamilyValidationError) as info:
         load_family(path)
     assert message in str(info.value)
+
+
+def test_a_hybrids_sliding_layers_keep_their_window(tmp_path: Path, fresh_cache,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # before: mapping a hybrid's layer types for its state turned lara_mini's sliding_attention layers causal
+    import yaml
+
+    code, draft = _draft_and_check("lara_mini", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    kinds = yaml.safe_load(draft)["block"]["mask"]["layer_kinds"]
+    assert kinds == {"linear_attention": "none", "sliding_attention": "sliding_window", "full_attention": "causal"}

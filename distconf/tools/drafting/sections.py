@@ -28,6 +28,13 @@ _KNOWN_INPUTS = {*_CACHE_ARGUMENTS, "self", "hidden_states", "attention_mask", "
 # transformers' standard attention layer types -> mask kind, and the standard config field of each kind's size
 _KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_window", "chunked_attention": "chunked",
                       "indexed_attention": "causal"}  # sparse-attention layers: causal, their indexer narrows it
+
+
+def mask_kind_of(layer_type: str) -> str:
+    """The mask kind of a K/V layer of a known ``layer_types`` value (causal for one not known)."""
+    return _KNOWN_LAYER_TYPES.get(layer_type, "causal")
+
+
 _DEFAULT_LAYER_KINDS = {"full_attention": "causal", "sliding_attention": "sliding_window"}
 _SIZE_FIELDS = {"sliding_window": "sliding_window", "chunked": "attention_chunk_size"}
 _SIZE_KEYS = {"sliding_window": "sliding_window", "chunked": "chunk_size"}

@@ -9,6 +9,7 @@ from distconf.tools.drafting.common import DraftingError, module_path
 from distconf.tools.drafting.continuation import draft_continuation
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, find_attention
+from distconf.tools.drafting.sections import mask_kind_of
 from distconf.tools.drafting.state import StateLayout
 
 __all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention"]
@@ -81,7 +82,7 @@ def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) ->
         kinds = dict(draft.mask.get("layer_kinds") or {})
         for layer_type in all_types:
             if layer_type not in kinds:  # keeping a state only, or nothing (an MLP layer): no mask
-                kinds[layer_type] = "causal" if layer_type in kv_types else "none"
+                kinds[layer_type] = mask_kind_of(layer_type) if layer_type in kv_types else "none"
             elif layer_type not in kv_types:
                 kinds[layer_type] = "none"
         draft.mask["layer_kinds"] = kinds
