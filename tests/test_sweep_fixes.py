@@ -109,3 +109,14 @@ def test_a_hybrids_sliding_layers_keep_their_window(tmp_path: Path, fresh_cache,
     assert code == 0, capsys.readouterr().err
     kinds = yaml.safe_load(draft)["block"]["mask"]["layer_kinds"]
     assert kinds == {"linear_attention": "none", "sliding_attention": "sliding_window", "full_attention": "causal"}
+
+
+def test_constant_constructor_arguments_are_read_from_the_model(tmp_path: Path, fresh_cache,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # before: MoshiDecoderLayer requires use_flexible_linear, which the model passes as a constant:
+    # the draft built the layer without it ("missing 1 required positional argument")
+    import yaml
+
+    code, draft = _draft_and_check("moshi", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    assert yaml.safe_load(draft)["block"]["constructor"]["extra"] == {"use_flexible_linear": "False"}

@@ -96,7 +96,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft = _new_draft(family, str(config["model_type"]), config_class, scan)
     if nested is not None:
         draft.facts.insert(0, nested_fact)
-    draft_constructor(draft, scan.layer_class)
+    draft_constructor(draft, scan.layer_class, scan.base_model)
     params = draft_call(draft, scan.layer_class)
     draft_position(draft, scan, params, full)
     draft_mask(draft, text, scan.base_model)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import MISSING, field_value, module_path
+from distconf.tools.drafting.constructor_args import constant_arguments
 from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
@@ -40,7 +41,7 @@ _SIZE_FIELDS = {"sliding_window": "sliding_window", "chunked": "attention_chunk_
 _SIZE_KEYS = {"sliding_window": "sliding_window", "chunked": "chunk_size"}
 
 
-def draft_constructor(draft: FamilyDraft, layer_class: type) -> None:
+def draft_constructor(draft: FamilyDraft, layer_class: type, owner: Any = None) -> None:
     """``block.constructor``: the config and layer-index argument names of the layer's ``__init__``."""
     try:
         params = [p for p in inspect.signature(layer_class.__init__).parameters.values()
@@ -60,6 +61,12 @@ def draft_constructor(draft: FamilyDraft, layer_class: type) -> None:
     elif idx_name != "layer_idx":
         draft.constructor["layer_idx_argument"] = idx_name
     required = [p.name for p in params if p.default is p.empty and p.name not in (idx_name, config_name or names[0])]
+    constants = constant_arguments(owner, layer_class, names) if required and owner is not None else {}
+    if any(name in constants for name in required):
+        draft.constructor["extra"] = {name: constants[name] for name in required if name in constants}
+        given = ", ".join(f"{k}={v}" for k, v in draft.constructor["extra"].items())
+        draft.facts.append(f"the model builds its layers with {given}")
+        required = [name for name in required if name not in constants]
     if required:
         draft.review.append(f"{layer_class.__name__}() also requires {', '.join(required)}: add them under "
                             "block.constructor.extra as formulas over config fields")
