@@ -48,6 +48,8 @@ KNOWN_DIFFERENCES = {
     ("meta-llama--Llama-4-Scout-17B-16E", "block.position"):
         "the family sets from_cache_length (its no-rope layers scale queries by the cache length), which the "
         "drafter cannot tell from a cache length used only to slice a bias",
+    ("ai21labs--AI21-Jamba-Mini-1.5", "block.call"):
+        "neither layer class takes position_embeddings: the draft says so (null), the family leaves it out",
     ("tiiuae--falcon-7b", "kv_groups"): "the family also covers falcon-rw (multi-head), which no preset has",
     ("tiiuae--falcon-40b", "kv_groups"): "the family also covers falcon-rw (multi-head), which no preset has",
     ("tiiuae--falcon-7b", "block.position"): "alibi_in_mask is for falcon-rw's ALiBi, which no preset has",

@@ -11,6 +11,8 @@ from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
+from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters
+from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.positions import draft_computed_positions
@@ -61,10 +63,6 @@ def _new_draft(family: str, model_type: str, config_class: type, scan: ModelScan
     model_name = type(scan.model).__name__
     draft.facts.append(f"{model_name} keeps its {len(scan.layers)} layers ({layer_class.__name__}) in "
                        f"'{scan.prefix}'")
-    classes = {type(layer).__name__ for layer in scan.layers}
-    if len(classes) > 1:
-        draft.review.append(f"layers have different classes ({', '.join(sorted(classes))}); a family has one "
-                            "layer class")
     if attention is None:
         draft.review.append(f"no *Attention module inside {layer_class.__name__}; set attention_class by hand")
     else:
@@ -97,10 +95,12 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     if nested is not None:
         draft.facts.insert(0, nested_fact)
     draft_constructor(draft, scan.layer_class, scan.base_model)
-    params = draft_call(draft, scan.layer_class)
+    params = merge_call_parameters(draft, scan, draft_call(draft, scan.layer_class))
     draft_position(draft, scan, params, full)
     draft_mask(draft, text, scan.base_model)
     draft_mask_skip(draft, scan.attention_class, scan.layer_class)
+    draft_layer_classes(draft, scan, text)
+    draft_model_buffers(draft, scan, text)
     draft_model_inputs(draft, scan, params)
     draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:

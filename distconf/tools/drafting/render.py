@@ -23,6 +23,8 @@ class FamilyDraft:
     attention_class: str | None
     prefix: str
     base_model_prefix: str | None = None
+    layer_classes: dict[str, str] = field(default_factory=dict)  # layer type -> its own decoder-layer class
+    model_buffers: dict[str, str] = field(default_factory=dict)  # buffer path in a layer -> function making it
     attn_implementation: str = "sdpa"
     constructor: dict[str, Any] = field(default_factory=dict)
     call: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +66,7 @@ class FamilyDraft:
     def _block(self) -> dict[str, Any]:
         block: dict[str, Any] = {
             "layer_class": self.layer_class,
+            **({"layer_classes": self.layer_classes} if self.layer_classes else {}),
             "attention_class": self.attention_class or "transformers.TODO_AttentionClass",
             "prefix": self.prefix,
         }
@@ -71,6 +74,8 @@ class FamilyDraft:
             block["base_model_prefix"] = self.base_model_prefix
         if self.attn_implementation != "sdpa":
             block["attn_implementation"] = self.attn_implementation
+        if self.model_buffers:
+            block["model_buffers"] = self.model_buffers
         for key in ("constructor", "call", "position", "mask"):
             value = getattr(self, key)
             if value:

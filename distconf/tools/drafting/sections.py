@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import MISSING, field_value, module_path
+from distconf.tools.drafting.common import MISSING, field_value, module_path, quiet_transformers
 from distconf.tools.drafting.constructor_args import constant_arguments
 from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
@@ -201,12 +201,23 @@ def _layer_types_rule(types: list[str], config: Any, review: list[str]) -> dict[
         rule["layer_kinds"] = kinds  # the default mapping names sliding layers, which need a window field
     for kind in ("sliding_window", "chunked"):
         field = _SIZE_FIELDS[kind]
-        if field_value(config, field, MISSING) is not MISSING and (kind == "sliding_window" or kind in kinds.values()):
+        if field_value(config, field, MISSING) is not MISSING and _declares(config, field) \
+                and (kind == "sliding_window" or kind in kinds.values()):
             rule[_SIZE_KEYS[kind]] = field
         elif kind in kinds.values():
             review.append(f"layer_types has {kind} layers but the config has no {field} field; set "
                           f"block.mask.{_SIZE_KEYS[kind]} to the field holding their size")
     return rule
+
+
+def _declares(config: Any, name: str) -> bool:
+    """Whether the config class itself has field ``name`` (a config.json may carry keys the class does not
+    know; a formula can use only the class's fields)."""
+    try:
+        with quiet_transformers():
+            return hasattr(type(config)(), name)
+    except Exception:  # a class without a default instance: trust the config
+        return True
 
 
 def draft_model_inputs(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, inspect.Parameter]) -> None:

@@ -88,7 +88,8 @@ def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) ->
         draft.mask["layer_kinds"] = kinds
         if kv_types and set(types) != set(all_types):
             state = {"layer_kinds": types, **state}
-        if kv_types and set(kv_types) != set(all_types):
+        # a type keeping both needs the list: without it, layers keeping a state keep no K/V
+        if kv_types and (set(kv_types) != set(all_types) or set(kv_types) & set(types)):
             draft.kv_cache = {"layer_kinds": kv_types, **draft.kv_cache}
         draft.review[:] = [note for note in draft.review if not note.startswith("layer_types has [")
                            or not all(t in kinds for t in _listed(note))]

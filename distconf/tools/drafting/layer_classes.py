@@ -1,0 +1,108 @@
+"""``block.layer_classes``: a decoder-layer class per layer type, for models whose layers are different classes.
+
+The layer list of such a model holds modules of several classes (an attention layer
+class and a state-space layer class, say). When the config's per-layer type field
+says which is which (every layer of one type is of one class), each type whose class
+is not the first layer's gets its own entry. The block's call keywords are those any
+of the classes takes: a keyword is left out only when no class takes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, field_value, module_path
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.scan import ModelScan, forward_parameters
+
+__all__ = ["layer_classes_by_type", "merge_call_parameters", "draft_layer_classes"]
+
+# block.call keys the drafter sets to null when the layer's forward lacks the argument, and that argument
+_OPTIONAL_ARGUMENTS = {"mask_argument": "attention_mask", "position_ids_argument": "position_ids",
+                       "position_embeddings_argument": "position_embeddings"}
+
+
+def _classes(scan: ModelScan) -> list[type]:
+    """The distinct classes of the layers, in order of first appearance."""
+    return list(dict.fromkeys(type(layer) for layer in scan.layers))
+
+
+def layer_classes_by_type(scan: ModelScan, layer_types: Any) -> dict[str, type] | str:
+    """Layer type -> class of its layers; or why the types do not decide the classes (one line)."""
+    classes = _classes(scan)
+    names = ", ".join(sorted(cls.__name__ for cls in classes))
+    if not isinstance(layer_types, Sequence) or isinstance(layer_types, str) or not layer_types:
+        return f"layers have different classes ({names}) and the config lists no layer types to tell them apart"
+    found: dict[str, set[type]] = {}
+    for i, layer in enumerate(scan.layers):
+        found.setdefault(str(layer_types[i % len(layer_types)]), set()).add(type(layer))
+    mixed = {t: c for t, c in found.items() if len(c) > 1}
+    if mixed:
+        layer_type, mixed_classes = next(iter(mixed.items()))
+        return (f"layers have different classes ({names}), and layers of type {layer_type!r} are of several "
+                f"({', '.join(sorted(c.__name__ for c in mixed_classes))}): the layer types do not decide the class")
+    return {t: next(iter(c)) for t, c in found.items()}
+
+
+def merge_call_parameters(draft: FamilyDraft, scan: ModelScan,
+                          params: dict[str, inspect.Parameter]) -> dict[str, inspect.Parameter]:
+    """The forward parameters of every layer class; the call keys dropped for the first class, kept when another
+    class takes the argument."""
+    merged = dict(params)
+    for cls in _classes(scan)[1:]:
+        for name, param in forward_parameters(cls).items():
+            merged.setdefault(name, param)
+    for key, argument in _OPTIONAL_ARGUMENTS.items():
+        if key in draft.call and draft.call[key] is None and argument in merged:
+            del draft.call[key]
+    return merged
+
+
+def _constructor_mismatch(draft: FamilyDraft, cls: type) -> str | None:
+    """Why ``cls`` cannot be built with the family's constructor arguments (None when it can)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return None
+    wanted = [draft.constructor.get("config_argument", "config")]
+    idx = draft.constructor.get("layer_idx_argument", "layer_idx")
+    if idx is not None:
+        wanted.append(idx)
+    missing = [name for name in wanted[:1] if name not in params]
+    required = [p.name for p in params.values() if p.name != "self" and p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in wanted]
+    if not missing and not required:
+        return None
+    taken = ", ".join(name for name in params if name != "self")
+    return (f"{cls.__name__}({taken}) is not built from the config: the model assembles it from modules of its "
+            "own, which a family's layer constructor cannot do (a block.adapter written by hand could)")
+
+
+def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> None:
+    """``block.layer_classes`` when the layers are of several classes and the layer types tell them apart.
+
+    Otherwise (no layer-type field, types of mixed classes) one review note says why.
+    Raises `DraftingError` when a layer class is not built from the config: no family
+    file the drafter can write would build that layer.
+    """
+    classes = _classes(scan)
+    if len(classes) < 2:
+        return
+    by_type = layer_classes_by_type(scan, field_value(config, draft.mask.get("layer_types_field") or "layer_types"))
+    if isinstance(by_type, str) or not draft.mask.get("layer_types_field"):
+        draft.review.append((by_type if isinstance(by_type, str) else
+                             f"layers have different classes ({', '.join(c.__name__ for c in classes)}) but the "
+                             "mask names no layer-type field")
+                            + ": a family has one layer class per layer type (block.layer_classes)")
+        return
+    for cls in classes:
+        problem = _constructor_mismatch(draft, cls)
+        if problem is not None:
+            raise DraftingError(f"the layers are of {len(classes)} classes, and {problem}")
+    draft.layer_classes = {t: module_path(c) for t, c in by_type.items() if c is not scan.layer_class}
+    draft.facts.append("layers of different classes, one per layer type: " + ", ".join(
+        f"{t} -> {c.__name__}" for t, c in by_type.items()) + " (block.layer_classes)")
