@@ -74,6 +74,11 @@ def test_text_model_nested_under_text_config_drafts_and_checks(model_type: str, 
     assert "config_class: transformers.Emu3TextConfig" in draft
     assert "model_type: emu3_text_model" in draft
     assert code == 0, out.err
+    from distconf.client.model import distributed_model_class
+    from distconf.loader import load_family
+
+    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
+    assert "Emu3ForCausalLM" in [c.__name__ for c in distributed_model_class(cls).__mro__]  # the client's model
 
 
 def test_causal_lm_class_of_a_nested_text_config() -> None:

@@ -154,12 +154,16 @@ def _keep_heads_width(out: dict[str, Any], source: Mapping[str, Any], heads: str
     out[heads] = max(1, width // size)
 
 
+_INDEX_WORDS = frozenset({"index", "idx", "start", "end", "first", "last"})  # a position among layers, not a count
+
+
 def _keep_layer_partition(out: dict[str, Any], source: Mapping[str, Any], names: FieldNames, anchors: Anchors,
                           tiny_layers: int) -> None:
     """Counts of layers that add up to all the layers (input, looped and output layers) still do on the tiny model."""
     parts = [key for key, value in source.items()
              if is_int(value) and 0 < value < (anchors.layers or 0) and is_int(out.get(key))
-             and names.standard(key) != "num_hidden_layers" and role_of(key, value, names) == "layer_count"]
+             and names.standard(key) != "num_hidden_layers" and role_of(key, value, names) == "layer_count"
+             and not names.words(key) & _INDEX_WORDS]
     if len(parts) < 2 or sum(source[key] for key in parts) != anchors.layers:
         return
     largest = max(parts, key=lambda key: out[key])
