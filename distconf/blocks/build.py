@@ -123,6 +123,8 @@ def constructor_kwargs(config: DistributedConfig, layer_idx: int) -> dict[str, A
     kwargs: dict[str, Any] = {spec.config_argument: config}
     if spec.layer_idx_argument:
         kwargs[spec.layer_idx_argument] = layer_idx
+    if spec.layer_type_argument:
+        kwargs[spec.layer_type_argument] = layer_type(config, layer_idx)
     for name, formula in spec.extra.items():
         try:
             kwargs[name] = formula.evaluate_on(config)

@@ -37,6 +37,11 @@ class ConstructorSpec(StrictModel):
         default_factory=dict,
         description="More keyword arguments, each a formula over config fields, evaluated per config.",
     )
+    layer_type_argument: Identifier | None = Field(
+        default=None,
+        description="Name of the constructor argument that receives the layer's type (its entry in "
+                    "mask.layer_types_field), for a layer class that builds its mixer from it (null: none).",
+    )
 
 
 class CallSpec(StrictModel):
@@ -284,6 +289,9 @@ class BlockSpec(StrictModel):
     def _layer_types_for_classes(self) -> BlockSpec:
         if self.layer_classes and self.mask.layer_types_field is None:
             raise ValueError("layer_classes needs mask.layer_types_field (the config field listing each layer's type)")
+        if self.constructor.layer_type_argument and self.mask.layer_types_field is None:
+            raise ValueError("constructor.layer_type_argument needs mask.layer_types_field (the config field "
+                             "listing each layer's type)")
         return self
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
 from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
@@ -30,7 +31,13 @@ from distconf.tools.drafting.sections import (
 )
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.state import state_layout
-from distconf.tools.drafting.statedraft import apply_state, attention_by_type, cache_module_class, finish_state
+from distconf.tools.drafting.statedraft import (
+    apply_state,
+    attention_by_type,
+    cache_module_class,
+    finish_state,
+    refuse_foreign_state,
+)
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -98,6 +105,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     params = merge_call_parameters(draft, scan, draft_call(draft, scan.layer_class))
     draft_position(draft, scan, params, full)
     draft_mask(draft, text, scan.base_model)
+    draft_layer_type_argument(draft, scan.layer_class)
     draft_mask_skip(draft, scan.attention_class, scan.layer_class)
     draft_layer_classes(draft, scan, text)
     draft_model_buffers(draft, scan, text)
@@ -111,6 +119,9 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     by_type = attention_by_type(scan, field_value(text, "layer_types"))
     del model, scan
     draft.tiny_config = fit_tiny_config(plan, TINY, draft.review, draft.facts)
+    if run_tiny:
+        draft.tiny_config = with_attention_layer(plan.config_class, layer_class, draft.tiny_config,
+                                                 draft.attn_implementation, draft.facts)
     variants = [("tiny", plan, {}), *_sibling_variants(draft, plan)]
     variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
@@ -162,6 +173,7 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         if isinstance(tiny, str):
             draft.review.append(f"{prefix}the tiny config does not run: {tiny}; fix tiny_config")
             continue
+        refuse_foreign_state(tiny.foreign_state)
         for field_name, limit in _ANCHOR_CHECKS:
             value = field_value(tiny.config, field_name)
             if isinstance(value, int) and value > limit:

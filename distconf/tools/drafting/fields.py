@@ -126,6 +126,8 @@ def role_of(key: str, value: Any, names: FieldNames, *, moe: bool = False) -> st
     if words & _PATTERN_WORDS and not words & SIZE_WORDS:
         return "layer_pattern"  # before experts: "expert_layer_period" is a period, not a number of experts
     if words & {"experts", "expert"} and not words & SIZE_WORDS:
+        if words & {"group", "groups"}:
+            return "expert_groups"  # "num_expert_group" counts groups of experts, not experts
         if words & {"tok", "token", "tokens", "topk", "k"}:
             return "experts_per_token"
         return "shared_experts" if "shared" in words else "experts"

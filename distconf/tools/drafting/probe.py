@@ -10,7 +10,7 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
-from distconf.tools.drafting.state import LayerState, layer_states
+from distconf.tools.drafting.state import LayerState, foreign_state, layer_states
 
 __all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS"]
@@ -33,6 +33,8 @@ class TinyRun:
     """What every layer of the cache holds: a conv / recurrent state, K/V."""
     indexer: Any | None = None
     """The keys ``[batch, tokens, dim]`` a sparse-attention indexer cached next to the last K/V layer's K/V."""
+    foreign_state: str | None = None
+    """Where the model keeps a per-sequence state outside transformers' cache layers, in words (`foreign_state`)."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -113,7 +115,7 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     indexer = next((t for t in reversed(indexers) if getattr(t, "dim", lambda: 0)() == 3), None)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
                    layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)),
-                   indexer=indexer)
+                   indexer=indexer, foreign_state=foreign_state(result, model))
 
 
 def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:

@@ -104,6 +104,9 @@ def draft_call(draft: FamilyDraft, layer_class: type) -> dict[str, inspect.Param
 def draft_position(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, Any], config: Any) -> None:
     """``block.position``: the base model's rotary module, and / or the layer's ALiBi argument."""
     rotary = scan.rotary_class
+    if rotary is not None and "position_embeddings" not in params and _kwargs_get_rotary(scan, params):
+        draft.call.pop("position_embeddings_argument", None)  # the layer passes its **kwargs to the attention
+        params = {**params, "position_embeddings": None}
     if rotary is not None and "position_embeddings" in params:
         draft.position["rotary_class"] = module_path(rotary)
         if "layer_type" in forward_parameters(rotary):
@@ -125,6 +128,17 @@ def draft_position(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, Any
     elif rotary is not None:
         draft.review.append(f"{rotary.__name__} exists but the layer takes no position_embeddings; check "
                             "block.position")
+
+
+def _kwargs_get_rotary(scan: ModelScan, params: Mapping[str, Any]) -> bool:
+    """The layer takes ``**kwargs`` and the base model passes ``position_embeddings=`` to its layers."""
+    if not any(getattr(p, "kind", None) is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    try:
+        source = inspect.getsource(type(scan.base_model).forward)
+    except (OSError, TypeError):
+        return False
+    return "position_embeddings=" in source
 
 
 def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:

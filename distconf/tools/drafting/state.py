@@ -19,7 +19,7 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
 
-__all__ = ["LayerState", "layer_states", "StateLayout", "state_layout"]
+__all__ = ["LayerState", "layer_states", "foreign_state", "StateLayout", "state_layout"]
 
 _SKIPPED_ROLES = frozenset({"token_id", "vocab_size", "positions", "layer_count", "num_hidden_layers",
                             "max_position_embeddings", "layer_pattern"})
@@ -61,6 +61,46 @@ def layer_states(cache: Any) -> list[LayerState]:
             recurrent_dtype=str(recurrents[0].dtype).removeprefix("torch.") if recurrents else None,
             kv=getattr(keys, "dim", lambda: 0)() == 4, extra_states=len(convs) > 1 or len(recurrents) > 1))
     return found
+
+
+_STATE_ATTRIBUTE_WORDS = frozenset({"state", "states", "cache"})  # a module attribute kept between calls
+_CACHE_OUTPUTS = ("cache", "past_key_values", "cache_params", "state")  # where a model output returns its cache
+
+
+def _holds_tensors(value: Any) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return any(_holds_tensors(item) for item in items)
+
+
+def foreign_state(result: Any, model: Any) -> str | None:
+    """Where a tiny model's per-sequence state lives when it is outside transformers' cache layers, in words.
+
+    None when every state is in the layers of a transformers ``Cache`` (``conv_states`` /
+    ``recurrent_states`` / keys and values), the only kind a server's block cache holds.
+    """
+    from transformers.cache_utils import Cache
+
+    get = getattr(result, "get", None)
+    cache = next((found for found in (get(name) for name in _CACHE_OUTPUTS) if found is not None), None) \
+        if callable(get) else None
+    if isinstance(cache, Cache):
+        extra = sorted(name for name, value in vars(cache).items() if name != "layers" and _holds_tensors(value))
+        if extra:
+            return (f"its {type(cache).__name__} keeps it in {', '.join(extra)}, outside the cache's layers "
+                    "(transformers' DynamicCache layer API)")
+        return None
+    if cache is not None:
+        return f"the model returns it as a {type(cache).__name__}, not a transformers Cache"
+    kept = sorted({f"{type(module).__name__}.{name}" for module in model.modules()
+                   for name, value in vars(module).items()
+                   if _STATE_ATTRIBUTE_WORDS & set(name.lower().split("_")) and _holds_tensors(value)})
+    if kept:
+        return f"its modules keep it themselves ({', '.join(kept[:3])}), not in a transformers Cache"
+    return None
 
 
 @dataclass

@@ -12,7 +12,8 @@ from distconf.tools.drafting.scan import ModelScan, find_attention
 from distconf.tools.drafting.sections import mask_kind_of
 from distconf.tools.drafting.state import StateLayout
 
-__all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention"]
+__all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention",
+           "refuse_foreign_state"]
 
 _CACHE_PARAMETERS = ("cache_params", "cache", "past_key_values", "past_key_value", "layer_past")
 # review notes the state layout answers (written before the tiny model ran)
@@ -63,6 +64,18 @@ def kv_attention(draft: FamilyDraft, by_type: dict[str, type], layer_class: type
                and isinstance(value, type) and issubclass(value, torch.nn.Module)
                and value.__module__ == layer_class.__module__] if module is not None else []
     return classes[0] if len(classes) == 1 else None
+
+
+def refuse_foreign_state(where: str | None) -> None:
+    """Raise `DraftingError` when the tiny model keeps a state outside transformers' cache layers (``where``).
+
+    A server's block cache holds the conv / recurrent states of ``DynamicCache`` layers and K/V only,
+    so no family file can serve such a state.
+    """
+    if where is not None:
+        raise DraftingError(f"the layers keep a per-sequence state the runtime cannot hold: {where}; distconf "
+                            "serves states kept in the layers of a transformers DynamicCache (conv_states / "
+                            "recurrent_states) only")
 
 
 def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) -> None:
