@@ -151,6 +151,9 @@ def _named_type_variants(draft: FamilyDraft, plan: TinyPlan, layer_class: type) 
     base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
     where, found = named_type_variants(plan.config_class, layer_class, base,
                                        list(draft.tiny_config.get("variants", [])))
+    # a type the config class takes but the modeling code cannot build is not one of the architecture's layers
+    found = [(t, v) for t, v in found
+             if meta_layer_kinds(plan.config_class, {**base, **v}, draft.attn_implementation) is not None]
     if not found:
         return []
     draft.tiny_config["variants"] = [*draft.tiny_config.get("variants", [{}]), *(values for _, values in found)]

@@ -112,6 +112,7 @@ class StateLayout:
     kv_types: list[str] | None = None  # layer types keeping K/V
     all_types: list[str] | None = None  # every layer type of the tiny model
     problem: str | None = None  # why the draft cannot declare the state
+    beyond_runtime: bool = False  # the problem is a limit of the server's block cache, not of the draft
 
 
 def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
@@ -126,8 +127,9 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
         return None
     first = keeping[0]
     if any(s.extra_states for s in keeping):
-        return StateLayout({}, problem="a layer keeps more than one conv or recurrent state, which the state "
-                                       "section cannot declare")
+        return StateLayout({}, problem="a layer keeps more than one conv or recurrent state (cache state_idx 1 "
+                                       "and up), and a server's block cache holds one conv and one recurrent "
+                                       "state per layer", beyond_runtime=True)
     if len({(s.conv, s.recurrent) for s in keeping}) > 1:
         return StateLayout({}, problem="the state-keeping layers keep states of different shapes ("
                            + ", ".join(f"{s.conv} / {s.recurrent}" for s in keeping) + ")")

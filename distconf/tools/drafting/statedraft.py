@@ -84,6 +84,8 @@ def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) ->
     Raises `DraftingError` when the layout cannot be declared (the draft could not pass the check).
     """
     if layout.problem is not None:  # a draft without its state would not check: say why, in one line
+        if layout.beyond_runtime:
+            raise DraftingError(f"the layers keep a per-sequence state the runtime cannot hold: {layout.problem}")
         raise DraftingError(f"the layers keep a per-sequence state, but {layout.problem}; a family file for it "
                             "needs its state section written by hand")
     state = dict(layout.state)
