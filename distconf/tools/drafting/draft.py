@@ -30,7 +30,7 @@ from distconf.tools.drafting.sections import (
     draft_position,
 )
 from distconf.tools.drafting.shrink import shrink_config
-from distconf.tools.drafting.state import state_layout
+from distconf.tools.drafting.state import foreign_cache_class, state_layout
 from distconf.tools.drafting.statedraft import (
     apply_state,
     attention_by_type,
@@ -98,6 +98,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     full, model = meta_model(config_class, config)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
     scan = scan_model(model, field_value(text, "num_hidden_layers"))
+    refuse_foreign_state(foreign_cache_class(type(scan.base_model)))
     draft = _new_draft(family, str(config["model_type"]), config_class, scan)
     if nested is not None:
         draft.facts.insert(0, nested_fact)

@@ -19,7 +19,7 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
 
-__all__ = ["LayerState", "layer_states", "foreign_state", "StateLayout", "state_layout"]
+__all__ = ["LayerState", "layer_states", "foreign_cache_class", "foreign_state", "StateLayout", "state_layout"]
 
 _SKIPPED_ROLES = frozenset({"token_id", "vocab_size", "positions", "layer_count", "num_hidden_layers",
                             "max_position_embeddings", "layer_pattern"})
@@ -100,6 +100,29 @@ def foreign_state(result: Any, model: Any) -> str | None:
                    if _STATE_ATTRIBUTE_WORDS & set(name.lower().split("_")) and _holds_tensors(value)})
     if kept:
         return f"its modules keep it themselves ({', '.join(kept[:3])}), not in a transformers Cache"
+    return None
+
+
+def foreign_cache_class(model_class: type) -> str | None:
+    """In words, the cache class of its own that ``model_class.forward`` takes when it is no transformers Cache.
+
+    Read off the annotation of the cache parameter, so it is known before any tiny model runs.
+    """
+    import inspect
+    import typing
+
+    from transformers.cache_utils import Cache
+
+    try:
+        params = inspect.signature(model_class.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    for name in _CACHE_OUTPUTS:
+        annotation = params[name].annotation if name in params else None
+        for option in (typing.get_args(annotation) or (annotation,)):
+            if isinstance(option, type) and option.__module__ == model_class.__module__ \
+                    and not issubclass(option, Cache):
+                return f"the model takes it as a {option.__name__} of its own, not a transformers Cache"
     return None
 
 
