@@ -38,6 +38,7 @@ from distconf.tools.drafting.statedraft import (
     finish_state,
     refuse_foreign_state,
 )
+from distconf.tools.drafting.streams import note_carried_streams
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -111,6 +112,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft_layer_classes(draft, scan, text)
     draft_model_buffers(draft, scan, text)
     draft_model_inputs(draft, scan, params)
+    note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
     draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:
         draft.review.append("no num_attention_heads field: set kv_groups by hand")

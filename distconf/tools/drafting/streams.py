@@ -1,0 +1,55 @@
+"""Values a model carries from each layer's output into the next layer's call, besides the hidden states.
+
+A loop such as ``hidden_states, carried = layer(hidden_states, carried=carried, ...)`` hands
+every layer a second stream made by the layer before it. A Petals block exchanges hidden
+states only, so every block starts that stream anew (None): right for a layer that then
+recomputes it (a sparse-attention indexer's top-k), wrong otherwise. The draft says which
+value it is, for the reviewer and for a failing check.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+__all__ = ["carried_streams", "note_carried_streams"]
+
+_HIDDEN = "hidden_states"
+
+
+def _names(node: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+
+
+def carried_streams(owner: Any, layers_attribute: str) -> list[str]:
+    """Names the loop over ``owner.<layers_attribute>`` assigns from a layer's output and passes to the next layer."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(owner).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found: list[str] = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or not any(isinstance(n, ast.Attribute) and n.attr == layers_attribute
+                                                    for n in ast.walk(loop.iter)):
+            continue
+        layer_names = set(_names(loop.target))
+        for node in ast.walk(loop):
+            call = node.value if isinstance(node, ast.Assign) else None
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.func.id not in layer_names:
+                continue
+            targets = {name for target in node.targets if isinstance(target, ast.Tuple) for name in _names(target)}
+            passed = {name for value in [*call.args, *(k.value for k in call.keywords)] for name in _names(value)}
+            found += sorted((targets & passed) - {_HIDDEN})
+    return list(dict.fromkeys(found))
+
+
+def note_carried_streams(review: list[str], owner: Any, layers_attribute: str) -> None:
+    """A review note when the model carries a value other than the hidden states between its layers."""
+    carried = carried_streams(owner, layers_attribute)
+    if carried:
+        review.append(f"{type(owner).__name__} passes {', '.join(carried)} from each layer's output to the next "
+                      "layer besides the hidden states; a block gets it as None (blocks exchange hidden states "
+                      "only, as the Petals wire does): the family is right only if a layer given None recomputes "
+                      "it as the model would")
