@@ -275,7 +275,9 @@ def _probe(plan: TinyPlan, attn_implementation: str) -> Any:
 
     def probe() -> TinyRun | None:
         if not cache:
-            result = run_tiny(plan.config_class, fit_tiny_config(plan, PROBE, [], []), attn_implementation)
+            values = with_attention_layer(plan.config_class, None, fit_tiny_config(plan, PROBE, [], []),
+                                          attn_implementation, [])
+            result = run_tiny(plan.config_class, values, attn_implementation)
             cache.append(result if isinstance(result, TinyRun) else None)
         return cache[0]
 

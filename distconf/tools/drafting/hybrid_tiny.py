@@ -46,8 +46,8 @@ def _candidates(config_class: type, types: list[str]) -> list[dict[str, Any]]:
             *({name: [last]} for name in _index_fields(config_class))]
 
 
-def with_attention_layer(config_class: type, layer_class: type, tiny: Mapping[str, Any], attn_implementation: str,
-                         facts: list[str]) -> dict[str, Any]:
+def with_attention_layer(config_class: type, layer_class: type | None, tiny: Mapping[str, Any],
+                         attn_implementation: str, facts: list[str]) -> dict[str, Any]:
     """``tiny``, or ``tiny`` with an attention last layer when only that makes the tiny model run.
 
     Unchanged unless the modeling code names ``full_attention``, the tiny config builds no
@@ -56,7 +56,7 @@ def with_attention_layer(config_class: type, layer_class: type, tiny: Mapping[st
     from distconf.tools.checker.named_kinds import layer_types_named_by
 
     tiny = dict(tiny)
-    _, named = layer_types_named_by(layer_class, config_class)
+    _, named = layer_types_named_by(*(c for c in (layer_class, config_class) if c is not None))
     types = _built_types(config_class, tiny)
     if _ATTENTION_TYPE not in named or not types or _ATTENTION_TYPE in types or len(types) < 2:
         return tiny
