@@ -10,25 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from distconf.cli import main
-
-
-def _draft_and_check(model_type: str, folder: Path) -> tuple[int, str]:
-    """``distconf new`` from ``model_type``'s defaults, then ``distconf check`` of the draft."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    assert main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"]) == 0
-    (draft,) = (folder / "out").glob("*.yaml")
-    return main(["check", str(draft)]), draft.read_text()
+from sweephelpers import draft_and_check
 
 
 def test_blocks_stored_under_transformers_renamed_layout_load(tmp_path: Path, fresh_cache,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # before: exaone's checkpoint keeps layers under 'transformer.h' (transformers renames them to
     # 'model.layers' on load): the prefix was matched before renaming and no layer was found
-    code, draft = _draft_and_check("exaone", tmp_path)
+    code, draft = draft_and_check("exaone", tmp_path)
     out = capsys.readouterr()
     assert "prefix: model.layers" in draft
     assert code == 0, out.err
@@ -56,7 +45,7 @@ def test_parameters_drawn_outside_the_device_context_stay_on_meta(tmp_path: Path
     from distconf.loader import load_family
     from distconf.tools.checker.kinds import tiny_configs
 
-    code, _ = _draft_and_check("diffllama", tmp_path)
+    code, _ = draft_and_check("diffllama", tmp_path)
     assert code == 0
     (_, config), *_ = tiny_configs(load_family(next((tmp_path / "out").glob("*.yaml"))))
     block = build_block(config, 0, device="meta")
@@ -70,7 +59,7 @@ def test_positions_computed_outside_the_layers_are_drafted_and_proven(tmp_path: 
     # from the position ids: the block called the rotary module for them (KeyError: 'full_attention')
     import yaml
 
-    code, draft = _draft_and_check("beam", tmp_path)
+    code, draft = draft_and_check("beam", tmp_path)
     assert code == 0, capsys.readouterr().err
     position = yaml.safe_load(draft)["block"]["position"]
     assert position["rotary_layer_kinds"] == ["sliding_attention"]
@@ -105,7 +94,7 @@ def test_a_hybrids_sliding_layers_keep_their_window(tmp_path: Path, fresh_cache,
     # before: mapping a hybrid's layer types for its state turned lara_mini's sliding_attention layers causal
     import yaml
 
-    code, draft = _draft_and_check("lara_mini", tmp_path)
+    code, draft = draft_and_check("lara_mini", tmp_path)
     assert code == 0, capsys.readouterr().err
     kinds = yaml.safe_load(draft)["block"]["mask"]["layer_kinds"]
     assert kinds == {"linear_attention": "none", "sliding_attention": "sliding_window", "full_attention": "causal"}
@@ -117,6 +106,6 @@ def test_constant_constructor_arguments_are_read_from_the_model(tmp_path: Path, 
     # the draft built the layer without it ("missing 1 required positional argument")
     import yaml
 
-    code, draft = _draft_and_check("moshi", tmp_path)
+    code, draft = draft_and_check("moshi", tmp_path)
     assert code == 0, capsys.readouterr().err
     assert yaml.safe_load(draft)["block"]["constructor"]["extra"] == {"use_flexible_linear": "False"}

@@ -12,19 +12,15 @@ from typing import Any
 
 import pytest
 import yaml
+from sweephelpers import draft_and_check
 
-from distconf.cli import main
 from distconf.tools.drafting import DraftingError
 
 
 def _draft_and_check(model_type: str, folder: Path) -> tuple[int, dict]:
-    """``distconf new`` from ``model_type``'s defaults, then ``distconf check`` of the draft."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    assert main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"]) == 0
-    (draft,) = (folder / "out").glob("*.yaml")
-    return main(["check", str(draft)]), yaml.safe_load(draft.read_text())
+    """`sweephelpers.draft_and_check`, with the draft parsed."""
+    code, text = draft_and_check(model_type, folder)
+    return code, yaml.safe_load(text)
 
 
 def _scan(model_type: str) -> tuple[Any, Any]:

@@ -9,25 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from distconf.cli import main
-
-
-def _draft_and_check(model_type: str, folder: Path) -> tuple[int, str]:
-    """``distconf new`` from ``model_type``'s defaults, then ``distconf check`` of the draft."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    assert main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"]) == 0
-    (draft,) = (folder / "out").glob("*.yaml")
-    return main(["check", str(draft)]), draft.read_text()
+from sweephelpers import draft_and_check, new_fails
 
 
 def test_null_experts_per_token_is_filled_for_the_router(tmp_path: Path, fresh_cache,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     # before: deepseek_v2's defaults leave num_experts_per_tok null; the tiny model failed in
     # topk(k=None) and check refused the base variant
-    code, draft = _draft_and_check("deepseek_v2", tmp_path)
+    code, draft = draft_and_check("deepseek_v2", tmp_path)
     out = capsys.readouterr()
     assert "\n  num_experts_per_tok: 2\n" in draft
     assert "num_experts_per_tok is null in the config.json" in draft  # a review note: the real value is unknown
@@ -39,7 +28,7 @@ def test_fused_qkv_split_into_unequal_gqa_parts(tmp_path: Path, fresh_cache,
     # before: sarvam_moe's checkpoint fuses q, k and v (GQA: k and v smaller than q) into
     # query_key_value, which transformers splits by each target's size; the loader took the
     # converter for one parameter only, and k_proj / v_proj were reported missing
-    code, _ = _draft_and_check("sarvam_moe", tmp_path)
+    code, _ = draft_and_check("sarvam_moe", tmp_path)
     out = capsys.readouterr()
     assert code == 0, out.err
 
@@ -49,7 +38,7 @@ def test_split_conversion_loads_every_target(tmp_path: Path, fresh_cache) -> Non
     from distconf.loader import load_family
     from distconf.tools.checker.reference import build_reference, tiny_variants
 
-    code, _ = _draft_and_check("sarvam_moe", tmp_path)
+    code, _ = draft_and_check("sarvam_moe", tmp_path)
     assert code == 0
     cls = load_family(next((tmp_path / "out").glob("*.yaml")))
     (_, values), *_ = tiny_variants(cls.family_spec.tiny_config)
@@ -69,7 +58,7 @@ def test_text_model_nested_under_text_config_drafts_and_checks(model_type: str, 
     # before: the causal-LM class of emu3 is configured by the nested text config
     # (Emu3TextConfig, model_type emu3_text_model), which AutoModelForCausalLM does not map;
     # the drafter refused ("this config nests its language model under text_config")
-    code, draft = _draft_and_check(model_type, tmp_path)
+    code, draft = draft_and_check(model_type, tmp_path)
     out = capsys.readouterr()
     assert "config_class: transformers.Emu3TextConfig" in draft
     assert "model_type: emu3_text_model" in draft
@@ -99,7 +88,7 @@ def test_layer_counts_the_class_converts_shrink_in_step(tmp_path: Path, fresh_ca
     import yaml
     from transformers import DoryConfig
 
-    code, draft = _draft_and_check("dory", tmp_path)
+    code, draft = draft_and_check("dory", tmp_path)
     out = capsys.readouterr()
     tiny = yaml.safe_load(draft)["tiny_config"]
     config = DoryConfig(**tiny)
@@ -112,23 +101,11 @@ def test_layer_counts_the_class_converts_shrink_in_step(tmp_path: Path, fresh_ca
     assert "a looped layer stack" in line and "Traceback" not in out.err
 
 
-def _new_fails(model_type: str, folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    """``distconf new`` from ``model_type``'s defaults fails; its one line of stderr."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    assert main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"]) == 1
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("distconf new:")]
-    assert len(lines) == 1 and "Traceback" not in err and "drafter bug" not in err, err
-    return lines[0]
-
-
 def test_layer_stacks_sized_by_nested_sub_configs_fail_in_one_line(tmp_path: Path, fresh_cache,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     # before: blt's config counts no layers at its top level (encoder, global and decoder stacks are
     # sized by nested sub-configs); the draft was written and check failed on a missing num_hidden_layers
-    line = _new_fails("blt", tmp_path, capsys)
+    line = new_fails("blt", tmp_path, capsys)
     assert "counts no layers at its top level" in line and "'model.global_transformer.layers' (25)" in line
 
 
@@ -136,5 +113,5 @@ def test_heterogeneous_config_fails_in_one_line(tmp_path: Path, fresh_cache,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # before: dots3_note_text keeps sizes per layer and raises on a global read; the drafter crashed
     # late (in the KV-geometry search) and reported "a drafter bug"
-    line = _new_fails("dots3_note_text", tmp_path, capsys)
+    line = new_fails("dots3_note_text", tmp_path, capsys)
     assert "num_attention_heads" in line and "heterogeneous config" in line

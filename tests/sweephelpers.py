@@ -1,0 +1,37 @@
+"""The architecture sweep's steps for one model type, for tests pinning what the sweep found.
+
+As `benchmarks/sweep_architectures.py` does: a transformers config class's defaults written to a
+config.json, drafted with ``distconf new``, proved with ``distconf check`` (in process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from distconf.cli import main
+
+
+def new_from_defaults(model_type: str, folder: Path) -> int:
+    """``distconf new`` from ``model_type``'s defaults into ``folder / "out"``; its exit code."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
+    return main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
+
+
+def draft_and_check(model_type: str, folder: Path) -> tuple[int, str]:
+    """``distconf new`` from ``model_type``'s defaults, then ``distconf check`` of the draft: (its code, the draft)."""
+    assert new_from_defaults(model_type, folder) == 0
+    (draft,) = (folder / "out").glob("*.yaml")
+    return main(["check", str(draft)]), draft.read_text()
+
+
+def new_fails(model_type: str, folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """``distconf new`` from ``model_type``'s defaults fails; its one line of stderr."""
+    assert new_from_defaults(model_type, folder) == 1
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("distconf new:")]
+    assert len(lines) == 1 and "Traceback" not in err and "drafter bug" not in err, err
+    return lines[0]
