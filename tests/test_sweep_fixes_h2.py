@@ -10,23 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from distconf.cli import main
-
-
-def _draft(model_type: str, folder: Path) -> int:
-    """``distconf new`` from ``model_type``'s defaults."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    return main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
-
-
-def _draft_and_check(model_type: str, folder: Path) -> tuple[int, str]:
-    """``distconf new`` from ``model_type``'s defaults, then ``distconf check`` of the draft."""
-    assert _draft(model_type, folder) == 0
-    (draft,) = (folder / "out").glob("*.yaml")
-    return main(["check", str(draft)]), draft.read_text()
+from sweephelpers import draft_and_check, new_from_defaults
 
 
 def test_state_only_defaults_get_an_attention_layer_built_from_the_layer_type(
@@ -34,7 +18,7 @@ def test_state_only_defaults_get_an_attention_layer_built_from_the_layer_type(
     # before: bamba's defaults list no attention layer (attn_layer_indices None), transformers' own cache
     # code then fails (get_seq_length needs an attention layer), and the layer class builds its mixer from
     # a constructor argument layer_type whose default is the state layer: no attention class was found
-    code, draft = _draft_and_check("bamba", tmp_path)
+    code, draft = draft_and_check("bamba", tmp_path)
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "attn_layer_indices:\n  - 1" in draft
@@ -48,7 +32,7 @@ def test_linear_attention_layers_keep_state_and_attention_gets_rotary_through_kw
     # before: bailing_hybrid's tiny model did not run (num_expert_group shrank as a count of experts: one
     # expert per group, topk(2) within a group failed), so its linear_attention layers were never mapped; then
     # its layer passes position_embeddings to the attention through **kwargs and the draft withheld them
-    code, draft = _draft_and_check("bailing_hybrid", tmp_path)
+    code, draft = draft_and_check("bailing_hybrid", tmp_path)
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "linear_attention: none" in draft
@@ -79,7 +63,7 @@ def test_state_outside_cache_layers_fails_in_one_line(model_type: str, where: st
     # MiniMaxCache.linear_cache), recurrent_gemma and rwkv a family with a TODO attention class; inkling_text
     # (two conv states per layer) was told to write its state section by hand, which cannot help; xlstm
     # (its own xLSTMCache, read off the model's signature before its tiny model runs) drafted TODOs
-    assert _draft(model_type, tmp_path) != 0
+    assert new_from_defaults(model_type, tmp_path) != 0
     err = capsys.readouterr().err.strip().splitlines()
     (line,) = [text for text in err if text.startswith("distconf new:")]
     assert "the runtime cannot hold" in line and where in line
@@ -100,7 +84,7 @@ def test_constructor_layer_type_argument_needs_layer_types_field() -> None:
 def test_named_layer_type_the_model_cannot_build_gets_no_variant(tmp_path: Path) -> None:
     # before: zaya's modeling code names a 'conv' layer type its config class takes but its model cannot
     # build (KeyError: 'conv'): the draft had a variant for it that every check failed on
-    assert _draft("zaya", tmp_path) == 0
+    assert new_from_defaults("zaya", tmp_path) == 0
     (draft,) = (tmp_path / "out").glob("*.yaml")
     text = draft.read_text()
     assert "variant layer type conv" not in text and "- conv" not in text
