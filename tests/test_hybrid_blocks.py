@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from blockhelpers import family_config, hf_model, record_layers, save_checkpoint, write_family
+from sessionhelpers import served, session_with_beam_and_restart, steps
 
 from distconf.blocks.kvcache import kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
@@ -44,19 +45,6 @@ def falcon_h1(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object,
     return _tiny("falcon_h1", tmp_path_factory.mktemp("falcon_h1"))
 
 
-def _steps(blocks: list[object], hidden: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[object]]:
-    pasts: list[object] = [None] * len(blocks)
-    outputs, start = [], 0
-    with torch.no_grad():
-        for size in sizes:
-            step = hidden[:, start:start + size]
-            for i, block in enumerate(blocks):
-                step, pasts[i] = block(step, layer_past=pasts[i], use_cache=True)
-            outputs.append(step)
-            start += size
-    return torch.cat(outputs, dim=1), pasts
-
-
 def test_each_layer_keeps_what_its_type_says(granite: tuple, falcon_h1: tuple) -> None:
     config, _, blocks = granite
     assert list(config.layer_types) == ["linear_attention", "full_attention", "linear_attention"]
@@ -64,7 +52,7 @@ def test_each_layer_keeps_what_its_type_says(granite: tuple, falcon_h1: tuple) -
     assert [keeps_state_at(config, i) for i in range(3)] == [True, False, True]
     assert kv_geometry(config, 0).values_per_token == 0 < kv_geometry(config, 1).values_per_token
     assert state_bytes_per_sequence(config, torch.float32, 1) == 0 < state_bytes_per_sequence(config, torch.float32, 0)
-    _, pasts = _steps(blocks, torch.randn(2, 5, config.hidden_size), [5])
+    _, pasts = steps(blocks, torch.randn(2, 5, config.hidden_size), [5])
     conv, recurrent = pasts[0]
     assert recurrent.dtype == torch.float32 and conv.shape[0] == 2
     key, value = pasts[1]
@@ -72,12 +60,12 @@ def test_each_layer_keeps_what_its_type_says(granite: tuple, falcon_h1: tuple) -
     assert kv_cache_bytes_per_token(config, torch.float32, 1) == (key.numel() + value.numel()) * 4 // (2 * 5)
     h1_config, _, h1_blocks = falcon_h1
     assert all(keeps_kv_at(h1_config, i) and keeps_state_at(h1_config, i) for i in range(2))
-    _, pasts = _steps(h1_blocks, torch.randn(1, 3, h1_config.hidden_size), [3])
+    _, pasts = steps(h1_blocks, torch.randn(1, 3, h1_config.hidden_size), [3])
     assert len(pasts[0]) == 4 and pasts[0][0].shape[-2] == 3 and pasts[0][3].dtype == torch.float32
 
 
 @pytest.mark.parametrize("which", ["granite", "falcon_h1"])
-def test_blocks_equal_the_model_layers_in_any_steps(which: str, request: pytest.FixtureRequest) -> None:
+def test_blocks_equal_the_model_layers_in_anysteps(which: str, request: pytest.FixtureRequest) -> None:
     config, model, blocks = request.getfixturevalue(which)
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     records = record_layers(model, config, ids, use_cache=False)
@@ -85,19 +73,11 @@ def test_blocks_equal_the_model_layers_in_any_steps(which: str, request: pytest.
     with torch.no_grad():
         for block, (inputs, outputs) in zip(blocks, records):
             torch.testing.assert_close(block(inputs)[0], outputs, rtol=1e-5, atol=1e-5)
-    whole, _ = _steps(blocks, hidden, [9])
+    whole, _ = steps(blocks, hidden, [9])
     torch.testing.assert_close(whole, records[-1][1], rtol=1e-5, atol=1e-5)
     for sizes in ([1] * 9, [4, 2, 1, 2]):
-        stepped, _ = _steps(blocks, hidden, sizes)
+        stepped, _ = steps(blocks, hidden, sizes)
         torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
-
-
-def _served(config: object, blocks: list[object]) -> list[object]:
-    from distconf.server.compute import ServedBlock
-
-    return [ServedBlock(f"b.{i}", i, b, torch.float32, kv_geometry(config, i),
-                        kv_cache_bytes_per_token(config, torch.float32, i),
-                        state_bytes_per_sequence(config, torch.float32, i)) for i, b in enumerate(blocks)]
 
 
 @pytest.mark.parametrize("which", ["granite", "falcon_h1"])
@@ -106,25 +86,10 @@ def test_a_session_over_hybrid_blocks(which: str, request: pytest.FixtureRequest
     from distconf.server.compute import SessionCache
 
     config, _, blocks = request.getfixturevalue(which)
-    served = _served(config, blocks)
-    assert SessionCache.nbytes(served, 3, 16) == sum(b.kv_bytes_per_token * 3 * 16 + b.state_bytes_per_sequence * 3
-                                                     for b in served)
-    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected, _ = _steps(blocks, hidden, [7])
-    cache = SessionCache(served, 3, 16)
-    cache.allocate()
-    outputs = [cache.step(hidden[:, :4], [None] * len(served), None)]
-    outputs += [cache.step(hidden[:, i:i + 1], [None] * len(served), None) for i in range(4, 7)]
-    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
-    hypo_ids = torch.tensor([2, 0, 0])
-    nxt = torch.randn(3, 1, config.hidden_size)
-    out = cache.step(nxt, [None] * len(served), hypo_ids)
-    ref, _ = _steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
-    torch.testing.assert_close(out, ref[:, 7:], rtol=1e-5, atol=1e-5)
-    assert "cannot be cut back from position 8" in cache.rewind_refusal(3)
-    cache.restart(0)
-    torch.testing.assert_close(cache.step(hidden, [None] * len(served), None), expected, rtol=1e-5, atol=1e-5)
-    cache.release()
+    chain = served(config, blocks)
+    assert SessionCache.nbytes(chain, 3, 16) == sum(b.kv_bytes_per_token * 3 * 16 + b.state_bytes_per_sequence * 3
+                                                    for b in chain)
+    session_with_beam_and_restart(config, blocks)
 
 
 def test_one_token_continuation_feeds_a_longer_step_token_by_token(tmp_path: Path) -> None:
@@ -147,9 +112,9 @@ def test_one_token_continuation_feeds_a_longer_step_token_by_token(tmp_path: Pat
     handle = blocks[0].mixer.register_forward_pre_hook(seen, with_kwargs=True)
     hidden = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(4))
     try:
-        whole, _ = _steps(blocks, hidden, [9])
+        whole, _ = steps(blocks, hidden, [9])
         calls.clear()
-        stepped, _ = _steps(blocks, hidden, [4, 5])
+        stepped, _ = steps(blocks, hidden, [4, 5])
     finally:
         handle.remove()
     torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
@@ -195,7 +160,7 @@ def test_a_layer_class_per_layer_type(tmp_path: Path) -> None:
     assert type(pickle.loads(pickle.dumps(blocks[1]))) is type(blocks[1])
     ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
     records = record_layers(model, config, ids, use_cache=False)
-    stepped, _ = _steps(blocks, records[0][0], [4, 2, 1, 2])  # Mamba layers continue one token at a time
+    stepped, _ = steps(blocks, records[0][0], [4, 2, 1, 2])  # Mamba layers continue one token at a time
     torch.testing.assert_close(stepped, records[-1][1], rtol=1e-5, atol=1e-5)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from blockhelpers import family_config, hf_model, record_layers, save_checkpoint
+from sessionhelpers import served, steps
 
 from distconf.blocks.kvcache import kv_geometry
 from distconf.blocks.sizing import kv_cache_bytes_per_token, state_bytes_per_sequence
@@ -36,19 +37,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object, list
     return config, model, blocks
 
 
-def _steps(blocks: list[object], hidden: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[object]]:
-    states: list[object] = [None] * len(blocks)
-    outputs, start = [], 0
-    with torch.no_grad():
-        for size in sizes:
-            step = hidden[:, start:start + size]
-            for i, block in enumerate(blocks):
-                step, states[i] = block(step, layer_past=states[i], use_cache=True)
-            outputs.append(step)
-            start += size
-    return torch.cat(outputs, dim=1), states
-
-
 def test_blocks_equal_the_model_layers(tiny: tuple) -> None:
     config, model, blocks = tiny
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -63,9 +51,9 @@ def test_blocks_equal_the_model_layers(tiny: tuple) -> None:
 def test_incremental_steps_equal_one_prefill(tiny: tuple) -> None:
     config, _, blocks = tiny
     hidden = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    whole, states = _steps(blocks, hidden, [9])
+    whole, states = steps(blocks, hidden, [9])
     for sizes in ([1] * 9, [4, 2, 1, 2], [3, 6]):
-        stepped, stepped_states = _steps(blocks, hidden, sizes)
+        stepped, stepped_states = steps(blocks, hidden, sizes)
         torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
         for (conv, rec), (conv2, rec2) in zip(states, stepped_states):
             torch.testing.assert_close(conv2, conv, rtol=1e-5, atol=1e-5)
@@ -75,7 +63,7 @@ def test_incremental_steps_equal_one_prefill(tiny: tuple) -> None:
 def test_state_shapes_and_bytes_come_from_the_family_file(tiny: tuple) -> None:
     config, _, blocks = tiny
     geometry = state_geometry(config)
-    _, states = _steps(blocks, torch.randn(3, 5, config.hidden_size), [5])
+    _, states = steps(blocks, torch.randn(3, 5, config.hidden_size), [5])
     conv, recurrent = states[0]
     assert tuple(conv.shape) == (3, *geometry.conv_shape)
     assert tuple(recurrent.shape) == (3, *geometry.recurrent_shape)
@@ -91,20 +79,20 @@ def test_reordered_state_rows_follow_their_sequences(tiny: tuple) -> None:
     config, _, blocks = tiny
     hidden = torch.randn(3, 6, config.hidden_size, generator=torch.Generator().manual_seed(2))
     hypo_ids = torch.tensor([2, 0, 0])
-    _, states = _steps(blocks, hidden[:, :5], [5])
+    _, states = steps(blocks, hidden[:, :5], [5])
     reordered = [(conv[hypo_ids], rec[hypo_ids]) for conv, rec in states]
     step = hidden[hypo_ids, 5:]
     with torch.no_grad():
         for i, block in enumerate(blocks):
             step, _ = block(step, layer_past=reordered[i], use_cache=True)
-    expected, _ = _steps(blocks, hidden[hypo_ids], [6])
+    expected, _ = steps(blocks, hidden[hypo_ids], [6])
     torch.testing.assert_close(step, expected[:, 5:], rtol=1e-5, atol=1e-5)
 
 
 def test_the_callers_state_is_not_changed_by_a_step(tiny: tuple) -> None:
     """Layers update their state in place: the block works on a copy, so a session's state survives a retry."""
     config, _, blocks = tiny
-    _, states = _steps(blocks, torch.randn(1, 4, config.hidden_size), [4])
+    _, states = steps(blocks, torch.randn(1, 4, config.hidden_size), [4])
     before = [tuple(t.clone() for t in s) for s in states]
     with torch.no_grad():
         blocks[0](torch.randn(1, 1, config.hidden_size), layer_past=states[0], use_cache=True)
@@ -138,25 +126,18 @@ def test_a_family_without_state_still_needs_kv_groups(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- a server's session over such blocks
 
 
-def _served(config: object, blocks: list[object]) -> list[object]:
-    from distconf.server.compute import ServedBlock
-
-    state = state_bytes_per_sequence(config, torch.float32)
-    return [ServedBlock(f"b.{i}", i, b, torch.float32, kv_geometry(config), 0, state) for i, b in enumerate(blocks)]
-
-
 def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
     from distconf.server.batch_step import StepPart, batch_key
     from distconf.server.compute import SessionCache
 
     config, _, blocks = tiny
-    served = _served(config, blocks)
+    chain = served(config, blocks)
     hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected, _ = _steps(blocks, hidden, [7])
+    expected, _ = steps(blocks, hidden, [7])
     # the budget is charged per row (sequence), whatever max_length
-    per_row = 2 * served[0].state_bytes_per_sequence
-    assert SessionCache.nbytes(served, 3, 100) == SessionCache.nbytes(served, 3, 10) == 3 * per_row
-    cache = SessionCache(served, 3, 16)
+    per_row = 2 * chain[0].state_bytes_per_sequence
+    assert SessionCache.nbytes(chain, 3, 100) == SessionCache.nbytes(chain, 3, 10) == 3 * per_row
+    cache = SessionCache(chain, 3, 16)
     cache.allocate()
     outputs = [cache.step(hidden[:, :4], [None, None], None)]
     outputs += [cache.step(hidden[:, i:i + 1], [None, None], None) for i in range(4, 7)]
@@ -165,7 +146,7 @@ def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
     hypo_ids = torch.tensor([1, 1, 0])
     nxt = torch.randn(3, 1, config.hidden_size)
     out = cache.step(nxt, [None, None], hypo_ids)
-    ref, _ = _steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
+    ref, _ = steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
     torch.testing.assert_close(out, ref[:, 7:], rtol=1e-5, atol=1e-5)
     # a rewind: refused except to where it stands or to 0 (which empties the state)
     assert cache.rewind_refusal(8) is None and cache.rewind_refusal(0) is None
@@ -174,7 +155,7 @@ def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
     again = cache.step(hidden, [None, None], None)
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
     # never batched with another session: its rows would be padded through the recurrence
-    other = SessionCache(served, 1, 16)
+    other = SessionCache(chain, 1, 16)
     parts = [StepPart(c, hidden[:1, :1], [None, None]) for c in (cache, other)]
     assert batch_key(parts[0]) != batch_key(parts[1])
     cache.release()

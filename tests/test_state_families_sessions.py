@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from blockhelpers import record_layers
-from test_hybrid_blocks import _served, _steps, _tiny
+from sessionhelpers import session_with_beam_and_restart, steps
+from test_hybrid_blocks import _tiny
 
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
 from distconf.blocks.sizing import state_bytes_per_sequence
-from distconf.server.compute import SessionCache
 
 KINDS = {  # per tiny layer: (keeps K/V, keeps a state)
     "falcon_mamba": [(False, True)] * 2,
@@ -37,45 +37,27 @@ def test_layers_keep_what_the_family_says(tiny: tuple) -> None:
     family, config, _, blocks = tiny
     n = config.num_hidden_layers
     assert [(keeps_kv_at(config, i), keeps_state_at(config, i)) for i in range(n)] == KINDS[family]
-    _, pasts = _steps(blocks, torch.randn(2, 5, config.hidden_size), [5])
+    _, pasts = steps(blocks, torch.randn(2, 5, config.hidden_size), [5])
     for i, past in enumerate(pasts):
         if keeps_state_at(config, i):
             held = sum(t.numel() * t.element_size() for t in past if t is not None) // 2  # per sequence
             assert held == state_bytes_per_sequence(config, torch.float32, i), (family, i)
 
 
-def test_blocks_equal_the_model_layers_in_any_steps(tiny: tuple) -> None:
+def test_blocks_equal_the_model_layers_in_anysteps(tiny: tuple) -> None:
     _, config, model, blocks = tiny
     ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     records = record_layers(model, config, ids, use_cache=False)
     with torch.no_grad():
         for block, (inputs, outputs) in zip(blocks, records):
             torch.testing.assert_close(block(inputs)[0], outputs, rtol=1e-5, atol=1e-5)
-    whole, _ = _steps(blocks, records[0][0], [9])
+    whole, _ = steps(blocks, records[0][0], [9])
     torch.testing.assert_close(whole, records[-1][1], rtol=1e-5, atol=1e-5)
     for sizes in ([1] * 9, [4, 2, 1, 2]):
-        stepped, _ = _steps(blocks, records[0][0], sizes)
+        stepped, _ = steps(blocks, records[0][0], sizes)
         torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_a_session_with_beam_reordering_and_a_restart(tiny: tuple) -> None:
     _, config, _, blocks = tiny
-    served = _served(config, blocks)
-    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected, _ = _steps(blocks, hidden, [7])
-    cache = SessionCache(served, 3, 16)
-    cache.allocate()
-    try:
-        outputs = [cache.step(hidden[:, :4], [None] * len(served), None)]
-        outputs += [cache.step(hidden[:, i:i + 1], [None] * len(served), None) for i in range(4, 7)]
-        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
-        hypo_ids = torch.tensor([2, 0, 0])
-        nxt = torch.randn(3, 1, config.hidden_size)
-        out = cache.step(nxt, [None] * len(served), hypo_ids)
-        ref, _ = _steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
-        torch.testing.assert_close(out, ref[:, 7:], rtol=1e-5, atol=1e-5)
-        assert "cannot be cut back from position 8" in cache.rewind_refusal(3)
-        cache.restart(0)
-        torch.testing.assert_close(cache.step(hidden, [None] * len(served), None), expected, rtol=1e-5, atol=1e-5)
-    finally:
-        cache.release()
+    session_with_beam_and_restart(config, blocks)
