@@ -11,15 +11,14 @@ a position other than 0 or the current one is refused with the precise message.
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, prompts
-from span_swarm import SpanSwarm, cache_left, generate
+from client_swarm import close_swarm
+from span_swarm import SpanSwarm, assert_failover_keeps_the_tokens, assert_generation_equals_local
 
 pytestmark = pytest.mark.swarm
 
@@ -53,20 +52,7 @@ def test_every_span_has_both_layer_kinds(swarm: Swarm) -> None:
 
 
 def test_greedy_and_beam_search_equal_the_local_model(swarm: Swarm) -> None:
-    model = swarm.model()
-    vocab = swarm.local.config.vocab_size
-    full = {s.peer_id: cache_left(model, s.peer_id) for s in swarm.servers}
-    for seed in range(2):
-        ids = prompts(2, 5, vocab=vocab, seed=seed)
-        assert generate(model, ids, max_new_tokens=8, do_sample=False) == \
-            swarm.expected(ids, max_new_tokens=8, do_sample=False)
-    ids = prompts(1, 4, vocab=vocab, seed=7)
-    beams = {"max_new_tokens": 6, "do_sample": False, "num_beams": 3}
-    assert generate(model, ids, **beams) == swarm.expected(ids, **beams)
-    deadline = time.monotonic() + 30  # sessions end when the client closes them: state and K/V are freed
-    while time.monotonic() < deadline and any(cache_left(model, p) != n for p, n in full.items()):
-        time.sleep(0.2)
-    assert {p: cache_left(model, p) for p in full} == full
+    assert_generation_equals_local(swarm.model(), swarm.local, swarm.servers)
 
 
 def test_rewind_inside_a_hybrid_span_is_refused(swarm: Swarm) -> None:
@@ -100,24 +86,4 @@ def test_rewind_inside_a_hybrid_span_is_refused(swarm: Swarm) -> None:
 
 
 def test_failover_mid_generation_rebuilds_state_and_kv(swarm: Swarm) -> None:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    ids = prompts(2, 5, vocab=swarm.local.config.vocab_size, seed=11)
-    expected = swarm.expected(ids, max_new_tokens=12, do_sample=False)
-    model = swarm.model(ban_timeout=600.0, min_backoff=0.05)
-    by_peer = {s.peer_id: s for s in swarm.servers}
-    killed: list[str] = []
-
-    class KillAfterFiveTokens(LogitsProcessor):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            if input_ids.shape[1] == ids.shape[1] + 5 and not killed:
-                victim = cache.session.sessions[-1].peer_id
-                by_peer[victim].kill()
-                killed.append(victim)
-            return scores
-
-    with model.inference_session(32) as cache:
-        out = generate(model, ids, max_new_tokens=12, do_sample=False, cache=cache,
-                       logits_processor=LogitsProcessorList([KillAfterFiveTokens()]))
-        assert killed and cache.session.failovers == 1
-    assert out == expected
+    assert_failover_keeps_the_tokens(swarm)
