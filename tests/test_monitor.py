@@ -332,6 +332,28 @@ def test_a_state_keeping_family_shows_its_state_next_to_the_kv_figure():
         running.stop()
 
 
+@pytest.mark.swarm
+def test_a_preset_given_as_model_gets_its_figures_before_any_listing_names_it():
+    """``--model PRESET``: the prefix, the block count and the preset, whose figures a read of an empty swarm shows."""
+    from distconf.loader.auto import load_preset
+    from distconf.monitor.snapshot import read_listing, read_model
+
+    repo = "ibm-granite/granite-4.0-h-tiny"
+    config = load_preset(repo)
+    prefix, count, preset = cmd_monitor.parse_model(repo)
+    assert (prefix, count, preset) == (config.dht_prefix, 40, repo)
+    assert cmd_monitor.parse_model("some-prefix:4") == ("some-prefix", 4, None)
+    dht = start_local_dht()
+    try:
+        listing = read_listing(dht, {prefix: count}, max_models=8, timeout=10.0, repositories={prefix: preset})
+        (wanted,) = listing.models
+        assert (wanted.repository, wanted.listed) == (repo, False)
+        shown = read_model(dht, wanted, timeout=10.0)
+        assert (shown.kv_bytes_per_token, shown.state_bytes_per_sequence) == (2048, 1_599_488)
+    finally:
+        dht.shutdown()
+
+
 @pytest.mark.slow  # a few seconds: kept out of make test-fast
 def test_a_huge_model_is_paginated():
     """1024 blocks and 3000 spans: the JSON lists one page of servers and counts the rest."""
@@ -352,7 +374,7 @@ def test_cli_arguments():
     args = parser.parse_args(["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--refresh", "500ms",
                               "--model", "_private-hf:12"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.refresh == 0.5
-    assert args.model == [("_private-hf", 12)]
+    assert args.model == [("_private-hf", 12, None)]
     assert [cmd_monitor.parse_duration(t) for t in ("10s", "2m", "1h", "3", "0.5s")] == [10, 120, 3600, 3, 0.5]
     for bad in ("0s", "-1s", "ten", "5 days"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
@@ -31,15 +32,20 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def parse_model(text: str) -> tuple[str, int]:
-    """``PREFIX:NUM_BLOCKS``, a shipped preset or a model directory -> (dht_prefix, block count)."""
+def parse_model(text: str) -> tuple[str, int, str | None]:
+    """``PREFIX:NUM_BLOCKS``, a shipped preset or a model directory -> (dht_prefix, block count, the preset
+    named or None)."""
     from distconf.dht import MAX_NUM_BLOCKS
     from distconf.loader.naming import dht_prefix_problem
 
     head, sep, tail = text.rpartition(":")
+    preset = None
     if sep and tail.isdigit():
         prefix, count = head, int(tail)
     else:
+        from distconf.loader.presets import list_presets
+
+        preset = text if not os.path.isdir(text) and text in list_presets() else None
         try:
             prefix, found = _resolve(text)
         except (ValueError, LookupError, OSError) as exc:
@@ -52,7 +58,7 @@ def parse_model(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"{prefix!r} is not a DHT prefix: {problem}")
     if not 1 <= count <= MAX_NUM_BLOCKS:
         raise argparse.ArgumentTypeError(f"{text!r}: the block count must be in 1..{MAX_NUM_BLOCKS}")
-    return prefix, count
+    return prefix, count, preset
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -103,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     if dht is None:
         return 2
     try:
-        monitor = Monitor(dht_reader(dht, dict(args.model), max_models=max_models, timeout=args.timeout),
+        extra = {prefix: count for prefix, count, _ in args.model}
+        presets = {prefix: preset for prefix, _, preset in args.model if preset}
+        monitor = Monitor(dht_reader(dht, extra, max_models=max_models, timeout=args.timeout, repositories=presets),
                           refresh=args.refresh)
         loopback = is_loopback(args.host)
         if not loopback:

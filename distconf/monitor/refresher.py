@@ -49,21 +49,23 @@ Reader = Callable[[Snapshot], Snapshot]
 
 
 def dht_reader(dht: DHT, extra_models: Mapping[str, int] | None = None, *, max_models: int = DEFAULT_MAX_MODELS,
-               timeout: float = 30.0) -> Reader:
-    """A `Reader` over ``dht``: the listing, then each model (``extra_models``: {prefix: num_blocks})."""
+               timeout: float = 30.0, repositories: Mapping[str, str] | None = None) -> Reader:
+    """A `Reader` over ``dht``: the listing, then each model (``extra_models``: {prefix: num_blocks};
+    ``repositories``: {prefix: shipped preset} for extra models the listing does not name, for their figures)."""
     extra = dict(extra_models or {})
+    named = dict(repositories or {})
 
     def read(previous: Snapshot) -> Snapshot:
         began = time.time()
         error = None
         try:
-            listing = read_listing(dht, extra, max_models=max_models, timeout=timeout)
+            listing = read_listing(dht, extra, max_models=max_models, timeout=timeout, repositories=named)
         except Exception as exc:  # a failed listing read keeps the models read before
             error = f"reading the model listing failed: {describe_error(exc)}"
             logger.warning("%s", error)
             known = [ModelWanted(m.dht_prefix, m.num_blocks, m.repository, m.listed)
                      for m in previous.models.values()]
-            known += [ModelWanted(p, n, None, False) for p, n in extra.items() if p not in previous.models]
+            known += [ModelWanted(p, n, named.get(p), False) for p, n in extra.items() if p not in previous.models]
             listing = ListingRead(known, previous.models_not_read, previous.skipped_listings)
 
         def one(wanted: ModelWanted) -> ModelStateV1:

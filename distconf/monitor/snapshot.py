@@ -65,14 +65,19 @@ class ListingRead:
     skipped: int
 
 
-def read_listing(dht: DHT, extra: Mapping[str, int], *, max_models: int, timeout: float) -> ListingRead:
+def read_listing(dht: DHT, extra: Mapping[str, int], *, max_models: int, timeout: float,
+                 repositories: Mapping[str, str] | None = None) -> ListingRead:
     """Models listed on the swarm plus ``extra`` ({prefix: num_blocks}, which win), at most ``max_models``.
+
+    An extra model the listing does not name takes its repository from ``repositories`` (the preset
+    the operator named), so its cache figures are known.
 
     Models named in ``extra`` always come first (the operator asked for them); listed ones
     follow in prefix order until ``max_models`` is reached.
     """
     listed, skipped = read_model_listing(dht, timeout=timeout)
-    wanted = [ModelWanted(p, n, listed[p].repository if p in listed else None, p in listed)
+    named = repositories or {}
+    wanted = [ModelWanted(p, n, listed[p].repository if p in listed else named.get(p), p in listed)
               for p, n in sorted(extra.items())]
     others = [ModelWanted(p, info.num_blocks, info.repository) for p, info in sorted(listed.items())
               if p not in extra]
