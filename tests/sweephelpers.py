@@ -6,6 +6,7 @@ config.json, drafted with ``distconf new``, proved with ``distconf check`` (in p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ def new_from_defaults(model_type: str, folder: Path) -> int:
     from transformers import AutoConfig
 
     AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    return main(["new", model_type, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
+    family = re.sub(r"[^a-z0-9_]", "_", model_type.lower())  # as the sweep names it
+    return main(["new", family, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
 
 
 def draft_and_check(model_type: str, folder: Path) -> tuple[int, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sweephelpers import draft_and_check, new_fails
+from sweephelpers import draft_and_check, new_fails, new_from_defaults
 
 
 def test_null_experts_per_token_is_filled_for_the_router(tmp_path: Path, fresh_cache,
@@ -115,3 +115,52 @@ def test_heterogeneous_config_fails_in_one_line(tmp_path: Path, fresh_cache,
     # late (in the KV-geometry search) and reported "a drafter bug"
     line = new_fails("dots3_note_text", tmp_path, capsys)
     assert "num_attention_heads" in line and "heterogeneous config" in line
+
+
+def test_state_kept_by_methods_of_the_models_own_cache_drafts_and_checks(tmp_path: Path, fresh_cache,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # before: minimax's lightning-attention layers keep K^T V in MiniMaxCache.linear_cache through
+    # get_linear_cache / set_linear_cache, outside transformers' cache layers; new refused it
+    import yaml
+
+    code, draft = draft_and_check("minimax", tmp_path)
+    out = capsys.readouterr()
+    state = yaml.safe_load(draft)["state"]
+    assert state["recurrent_methods"] == {"get": "get_linear_cache", "set": "set_linear_cache"}
+    assert state["layer_kinds"] == ["linear_attention"] and "recurrent_dtype" not in state
+    assert "TODO review" not in draft
+    assert code == 0, out.err
+
+
+def test_blocks_keeping_a_state_through_cache_methods_step_like_the_model(tmp_path: Path, fresh_cache) -> None:
+    """A chain of the drafted minimax blocks: the layers' outputs, any split into steps, beam reorder and restart."""
+    import torch
+    from blockhelpers import hf_model, record_layers, save_checkpoint
+    from sessionhelpers import session_with_beam_and_restart, steps
+
+    from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
+    from distconf.blocks.weights import load_block
+    from distconf.loader import load_family
+    from distconf.tools.checker.reference import tiny_variants
+
+    assert new_from_defaults("minimax", tmp_path) == 0
+    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
+    (_, values), *_ = tiny_variants(cls.family_spec.tiny_config)
+    config = cls(**values)
+    model = hf_model(cls.hf_config_class(**values))
+    save_checkpoint(model, tmp_path / "ckpt")
+    blocks = [load_block(tmp_path / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    layers = range(config.num_hidden_layers)
+    assert any(keeps_state_at(config, i) for i in layers) and any(keeps_kv_at(config, i) for i in layers)
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for block, (inputs, outputs) in zip(blocks, record_layers(model, config, ids, use_cache=False)):
+            torch.testing.assert_close(block(inputs)[0], outputs, rtol=1e-5, atol=1e-5)
+    hidden = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole, pasts = steps(blocks, hidden, [9])
+    state = next(p for i, p in enumerate(pasts) if keeps_state_at(config, i))
+    assert state[0] is None and tuple(state[1].shape[1:]) == (4, 16, 16)  # K^T V per head
+    for sizes in ([1] * 9, [4, 2, 1, 2], [3, 6]):
+        stepped, _ = steps(blocks, hidden, sizes)
+        torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
+    session_with_beam_and_restart(config, blocks)

@@ -77,6 +77,8 @@ class LayerSettings:
     """The family has rotary embeddings, but not for this layer's type: it gets None."""
     computed_arguments: tuple[tuple[str, Any], ...] = ()
     """(keyword, function of the position ids or None) the model computes for its layers."""
+    recomputes: bool = False
+    """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -142,6 +144,7 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         alibi_function=alibi_function, geometry=kv_geometry(config, layer_idx), layer_writes=spec.kv_cache.layer_writes,
         alibi_takes_device=_takes(alibi_function, "device"),
         keeps_kv=keeps_kv_at(config, layer_idx), keeps_state=keeps_state_at(config, layer_idx),
+        recomputes=block.call.cache_argument is None,
         one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
     )
 
@@ -291,7 +294,8 @@ class BlockAdapter:
         settings = self._distconf
         call = settings.spec.call
         kwargs: dict[str, Any] = dict(call.extra)
-        kwargs[call.cache_argument] = cache
+        if call.cache_argument is not None:
+            kwargs[call.cache_argument] = cache
         if rows is None:
             position_ids = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
             padding_mask = None
@@ -333,6 +337,8 @@ class BlockAdapter:
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
         kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state)
+        if settings.recomputes:
+            return self._recompute(hidden_states, kv_past, use_cache, rows)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
         cache: BlockKVCache | BlockStateCache | BlockHybridCache | None = None
         if use_cache or layer_past is not None:
@@ -346,6 +352,29 @@ class BlockAdapter:
             output = output[0]
         present = cache.present if (use_cache and cache is not None) else None
         return output, present
+
+    def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
+                   rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """A layer that keeps no cache: run it on the earlier inputs followed by the new ones, as one sequence.
+
+        Its past is ``(inputs, empty)``: the inputs ``[batch, 1, tokens, hidden]`` where a K/V layer keeps keys
+        (so sessions, beams and batches handle them as K/V rows), and a ``[batch, 1, tokens, 0]`` value part.
+        """
+        import torch
+
+        new = hidden_states.shape[1]
+        full = hidden_states if kv_past is None else torch.cat([kv_past[0][:, 0].to(hidden_states.dtype),
+                                                                hidden_states], dim=1)
+        full = full.contiguous()
+        full_rows = None
+        if rows is not None:  # left-padded rows: each row's positions over its whole sequence
+            padding = rows.padding_mask.to(hidden_states.device)
+            full_rows = RowLayout(padding, (padding.long().cumsum(-1) - 1).clamp(min=0))
+        output = super().forward(full, **self.layer_kwargs(full, 0, None, full_rows))  # type: ignore[misc]
+        if isinstance(output, (tuple, list)):
+            output = output[0]
+        present = (full.unsqueeze(1), full.new_zeros(*full.shape[:2], 0).unsqueeze(1)) if use_cache else None
+        return output[:, full.shape[1] - new:], present
 
     def _one_token_at_a_time(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, ...],
                              use_cache: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:

@@ -65,11 +65,16 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     """The KV-cache geometry block ``layer_idx`` of ``config`` keeps per token (from its family file); all 0
     for a layer that keeps none (a recurrent or MLP-only layer, `distconf.blocks.layer_types`).
 
-    Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no layer keeps K/V).
+    Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no layer keeps K/V). A layer
+    that keeps no cache (``block.call.cache_argument: null``) has its inputs kept instead: one head of
+    ``hidden_size`` key values and no value values (`distconf.blocks.adapter.BlockAdapter.forward`).
     """
     family = type(config).family_spec
     if not any_layer_keeps_kv(config) or (layer_idx is not None and not keeps_kv_at(config, layer_idx)):
         return KVGeometry(0, 0, 0, 0)
+    if family.block.call.cache_argument is None:  # the block keeps the layer's inputs: one "head" of them
+        hidden = _value(config, "hidden_size", None, lambda: config.hidden_size)
+        return KVGeometry(1, hidden, 0, hidden)
     overrides = family.kv_cache.layer_overrides
     if layer_idx is None:  # the largest of the family's geometries (what a K/V block keeps at most)
         kinds = [None, *overrides]

@@ -51,10 +51,12 @@ class CallSpec(StrictModel):
     may be a tensor or a tuple whose first element is the hidden states.
     """
 
-    cache_argument: Identifier = Field(
+    cache_argument: Identifier | None = Field(
         default="cache",
         description="Keyword receiving the KV cache object (whose .update(key, value, layer_idx) the "
-                    "attention calls), e.g. 'cache' or 'layer_past'.",
+                    "attention calls), e.g. 'cache' or 'layer_past'. null: the layer keeps no cache (its "
+                    "forward takes none); the block then keeps the layer's input hidden states (hidden_size "
+                    "values per token, in place of K/V) and reruns the whole sequence at every step.",
     )
     mask_argument: Identifier | None = Field(
         default="attention_mask", description="Keyword receiving the 4D attention mask (or None)."

@@ -16,7 +16,17 @@ from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["StateSpec"]
+__all__ = ["StateSpec", "StateMethods"]
+
+
+class StateMethods(StrictModel):
+    """Methods of its own cache the layer calls to read and write its recurrent state (instead of
+    ``get_recurrent_state`` / ``update_recurrent_state``): the block's cache answers them with the session's state."""
+
+    get: str = Field(description="Method the layer calls with its layer index to read its recurrent state "
+                                 "(the block answers None before the first step).")
+    set: str = Field(description="Method the layer calls with its layer index and the new recurrent state (the "
+                                 "one tensor argument) to keep it.")
 
 
 class StateSpec(StrictModel):
@@ -57,6 +67,13 @@ class StateSpec(StrictModel):
         description="How the layer continues from an earlier state: 'any_length' (a step of several tokens "
                     "starts from the state, as chunked scans do) or 'one_token' (the layer reads its state "
                     "only in one-token steps; the block then feeds a longer step one token at a time).",
+    )
+
+    recurrent_methods: StateMethods | None = Field(
+        default=None,
+        description="When the layer keeps its recurrent state through methods of a cache class of its own "
+                    "(an attribute of that cache outside transformers' cache layers): their names. Null: the "
+                    "layer uses get_recurrent_state / update_recurrent_state.",
     )
 
     @model_validator(mode="after")

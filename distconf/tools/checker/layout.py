@@ -105,8 +105,12 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
 
 
 def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_size: int) -> None:
-    """The attention class must be the module the KV cache is handed to (not just any submodule)."""
+    """The attention class must be the module the KV cache is handed to (not just any submodule); a layer that
+    keeps no cache (``block.call.cache_argument: null``) is handed none."""
     import torch
+
+    if cls.family_spec.block.call.cache_argument is None:  # type: ignore[attr-defined]
+        return
 
     from distconf.blocks.hybrid_cache import BlockHybridCache
     from distconf.blocks.kvcache import BlockKVCache

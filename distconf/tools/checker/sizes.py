@@ -161,7 +161,8 @@ def check_state(cls: type, config: DistributedConfig, states: list[Any], result:
             if got != shape:
                 raise located_failure(cls, ("state", field), f"block {i} keeps a {field.split('_')[0]} state of "
                                       f"shape {got} per sequence, the family declares {shape}")
-        if state[1] is not None and geometry.recurrent_float32 != (state[1].dtype == torch.float32):
+        # the blocks run in float32 here: a state kept in the block's dtype is float32 too
+        if state[1] is not None and geometry.recurrent_float32 and state[1].dtype != torch.float32:
             raise located_failure(cls, ("state", "recurrent_dtype"), f"block {i} keeps its recurrent state in "
                                   f"{state[1].dtype}")
     held_bytes = [sum(t.numel() * t.element_size() for t in state if t is not None) // BATCH for state in states]

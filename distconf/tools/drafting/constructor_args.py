@@ -1,9 +1,10 @@
-"""Constant constructor arguments of the layers, read from the source of the module that builds them.
+"""Constructor arguments the model passes its layers, read from the source of the module that builds them.
 
 A layer class may require an argument the config does not hold, which the model passes as a
-constant when it builds its layer list (``Layer(config, layer_idx, use_flexible_linear=False)``).
-The ``__init__`` of the module holding the list shows it; each becomes a constant formula of
-``block.constructor.extra``.
+constant when it builds its layer list (``Layer(config, layer_idx, use_flexible_linear=False)``),
+or a config field passed on its own (``Layer(config.n_positions, config, scale=True)``). The
+``__init__`` of the module holding the list shows them; each becomes a formula of
+``block.constructor.extra`` (the constant, or the field's name).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ __all__ = ["constant_arguments"]
 
 
 def constant_arguments(owner: Any, layer_class: type, names: list[str]) -> dict[str, str]:
-    """``{parameter: formula}`` of the constants ``type(owner).__init__`` passes ``layer_class`` for ``names``
-    (the layer constructor's parameter names, in order; a positional constant is matched by its place)."""
+    """``{parameter: formula}`` of the constants and config fields ``type(owner).__init__`` passes ``layer_class``
+    for ``names`` (the layer constructor's parameter names, in order; a positional one is matched by its place)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).__init__)))
     except (OSError, TypeError, SyntaxError):
@@ -32,6 +33,9 @@ def constant_arguments(owner: Any, layer_class: type, names: list[str]) -> dict[
         for name, value in values.items():
             if isinstance(value, ast.Constant) and isinstance(value.value, (bool, int, float)):
                 found.setdefault(name, repr(value.value))
+            elif (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
+                  and value.value.id == "config"):
+                found.setdefault(name, value.attr)  # a config field: the formula naming it
     return found
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
-from distconf.tools.drafting.kv import kv_groups_formula, kv_layout
+from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters
@@ -196,8 +196,8 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         if not any(s.kv for s in tiny.states) and tiny.states:
             continue
         groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
-        layouts.append(VariantKV(name, tiny.config,
-                                 kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
+        layouts.append(VariantKV(name, tiny.config, KVLayout(groups) if draft.call.get("cache_argument", "") is None
+                                 else kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
     if real_kinds - tiny_kinds:
         draft.review.append(f"the real model has {len(real_kinds)} kinds of layers, the tiny config builds "
                             f"{len(tiny_kinds & real_kinds)} of them: change the tiny_config fields that decide "

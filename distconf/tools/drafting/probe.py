@@ -11,6 +11,7 @@ from distconf.tools.drafting.common import field_value, is_int, quiet_transforme
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state import LayerState, foreign_state, layer_states
+from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
 
 __all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS"]
@@ -35,6 +36,8 @@ class TinyRun:
     """The keys ``[batch, tokens, dim]`` a sparse-attention indexer cached next to the last K/V layer's K/V."""
     foreign_state: str | None = None
     """Where the model keeps a per-sequence state outside transformers' cache layers, in words (`foreign_state`)."""
+    state_methods: StateMethodsFound | None = None
+    """The methods of the model's own cache keeping its recurrent states (`find_state_methods`)."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -113,9 +116,16 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     indexers = [getattr(layer, "indexer_keys", None) for layer in
                 getattr(getattr(result, "past_key_values", None), "layers", None) or []]
     indexer = next((t for t in reversed(indexers) if getattr(t, "dim", lambda: 0)() == 3), None)
+    cache = getattr(result, "past_key_values", None)
+    methods = find_state_methods(cache)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result), states=layer_states(getattr(result, "past_key_values", None)),
-                   indexer=indexer, foreign_state=foreign_state(result, model))
+                   layer_shapes=_layer_shapes(result), states=_states(cache, methods), indexer=indexer,
+                   foreign_state=None if methods is not None else foreign_state(result, model), state_methods=methods)
+
+
+def _states(cache: Any, methods: StateMethodsFound | None = None) -> list[LayerState]:
+    """What every layer of ``cache`` holds, with the states its own methods keep (`with_method_states`)."""
+    return with_method_states(cache, layer_states(cache), methods)
 
 
 def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:
@@ -129,7 +139,8 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
             result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
     except Exception:  # the float32 run has reported anything wrong with the config
         return None
-    return {s.recurrent_dtype for s in layer_states(getattr(result, "past_key_values", None)) if s.recurrent_dtype}
+    cache = getattr(result, "past_key_values", None)
+    return {s.recurrent_dtype for s in _states(cache, find_state_methods(cache)) if s.recurrent_dtype}
 
 
 def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:

@@ -61,12 +61,16 @@ def draft_constructor(draft: FamilyDraft, layer_class: type, owner: Any = None) 
     elif idx_name != "layer_idx":
         draft.constructor["layer_idx_argument"] = idx_name
     required = [p.name for p in params if p.default is p.empty and p.name not in (idx_name, config_name or names[0])]
-    constants = constant_arguments(owner, layer_class, names) if required and owner is not None else {}
-    if any(name in constants for name in required):
-        draft.constructor["extra"] = {name: constants[name] for name in required if name in constants}
-        given = ", ".join(f"{k}={v}" for k, v in draft.constructor["extra"].items())
+    passed = constant_arguments(owner, layer_class, names) if owner is not None else {}
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    # an optional argument counts when the model passes another value than its default
+    extra = {name: formula for name, formula in passed.items() if name not in (idx_name, config_name)
+             and (name in required or (name in defaults and formula != repr(defaults[name])))}
+    if extra:
+        draft.constructor["extra"] = extra
+        given = ", ".join(f"{k}={v}" for k, v in extra.items())
         draft.facts.append(f"the model builds its layers with {given}")
-        required = [name for name in required if name not in constants]
+        required = [name for name in required if name not in extra]
     if required:
         draft.review.append(f"{layer_class.__name__}() also requires {', '.join(required)}: add them under "
                             "block.constructor.extra as formulas over config fields")
@@ -88,7 +92,11 @@ def draft_call(draft: FamilyDraft, layer_class: type) -> dict[str, inspect.Param
     """``block.call``: the keyword names of the layer's ``forward``; returns its parameters."""
     params = forward_parameters(layer_class)
     cache_arg = next((n for n in _CACHE_ARGUMENTS if n in params), None)
-    if cache_arg is None:
+    if cache_arg is None and params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        draft.call["cache_argument"] = None
+        draft.facts.append(f"{layer_class.__name__}.forward takes no cache: a block keeps the layer's input hidden "
+                           "states and reruns the whole sequence at every step")
+    elif cache_arg is None:
         draft.review.append(f"{layer_class.__name__}.forward takes no cache argument: incremental decoding "
                             "needs one")
     elif cache_arg != "cache":
