@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
-from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type
+from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
 from distconf.blocks.state import BlockStateCache
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
@@ -77,6 +77,8 @@ class LayerSettings:
     """The family has rotary embeddings, but not for this layer's type: it gets None."""
     computed_arguments: tuple[tuple[str, Any], ...] = ()
     """(keyword, function of the position ids or None) the model computes for its layers."""
+    skipped: bool = False
+    """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
     recomputes: bool = False
     """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
 
@@ -104,7 +106,12 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
     block, position, mask = spec.block, spec.block.position, spec.block.mask
     kind_of_layer = layer_type(config, layer_idx)
     kind = mask.kind
-    if kind_of_layer is not None:
+    skipped = skipped_at(config, layer_idx)
+    if skipped:
+        kind = "none"
+    elif kind_of_layer is not None and kind_of_layer in mask.layer_index_fields:
+        kind = mask.layer_kinds.get(kind_of_layer, mask.kind)
+    elif kind_of_layer is not None:
         if kind_of_layer not in mask.layer_kinds:
             raise _source(block_cls).error(
                 ("block", "mask", "layer_kinds"),
@@ -145,7 +152,7 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         alibi_takes_device=_takes(alibi_function, "device"),
         keeps_kv=keeps_kv_at(config, layer_idx), keeps_state=keeps_state_at(config, layer_idx),
         recomputes=block.call.cache_argument is None,
-        one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
+        one_token_steps=spec.state is not None and spec.state.continuation == "one_token", skipped=skipped,
     )
 
 
@@ -333,6 +340,8 @@ class BlockAdapter:
         ``rows``: each row's positions and padding, when rows of one call have different lengths.
         """
         settings = self._distconf
+        if settings.skipped:
+            return hidden_states, None
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)

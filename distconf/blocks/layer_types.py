@@ -1,14 +1,17 @@
 """Which cache each layer of a family keeps: K/V, a per-sequence state, both, or nothing.
 
 A layer's type is its entry in the config field ``block.mask.layer_types_field`` (e.g.
-``layer_types``). The family file says which types keep what (``kv_cache.layer_kinds``,
+``layer_types``), or the type whose ``block.mask.layer_index_fields`` field lists its index.
+The family file says which types keep what (``kv_cache.layer_kinds``,
 ``state.layer_kinds``), so a hybrid model (attention layers between recurrent ones, layers
 that run both side by side, MLP-only layers) needs no code of its own:
 
 - a layer keeps the ``state`` when the family has one and ``state.layer_kinds`` is null
   (every layer) or names the layer's type;
 - a layer keeps K/V when ``kv_cache.layer_kinds`` names its type, or, when that is null,
-  when it keeps no state.
+  when it keeps no state;
+- a layer of a type in ``block.skipped_layer_kinds`` keeps nothing (the model skips it for
+  hidden states alone; its block passes them through).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 
-__all__ = ["layer_type", "keeps_kv_at", "keeps_state_at", "any_layer_keeps_kv"]
+__all__ = ["layer_type", "skipped_at", "keeps_kv_at", "keeps_state_at", "any_layer_keeps_kv"]
 
 
 def _spec(config: DistributedConfig | type) -> object:
@@ -25,10 +28,18 @@ def _spec(config: DistributedConfig | type) -> object:
 
 
 def layer_type(config: DistributedConfig, layer_idx: int) -> str | None:
-    """The type of layer ``layer_idx`` (its entry in ``block.mask.layer_types_field``), or None when the family
-    or the config names no layer types."""
+    """The type of layer ``layer_idx``: the type whose ``block.mask.layer_index_fields`` field lists the index,
+    else its entry in ``block.mask.layer_types_field``; None when the family or the config names no type."""
     spec = _spec(config)
-    field = spec.block.mask.layer_types_field if spec is not None else None
+    if spec is None:
+        return None
+    for kind, index_field in spec.block.mask.layer_index_fields.items():
+        indices = getattr(config, index_field, None)
+        if indices is not None and not isinstance(indices, (list, tuple, set, frozenset)):
+            raise ConfigValueError(f"{index_field}={indices!r} is not a list of layer indices")
+        if indices is not None and layer_idx in indices:
+            return kind
+    field = spec.block.mask.layer_types_field
     if field is None:
         return None
     types = getattr(config, field, None)
@@ -40,11 +51,19 @@ def layer_type(config: DistributedConfig, layer_idx: int) -> str | None:
         raise ConfigValueError(f"{field}={types!r} has no entry for layer {layer_idx}") from None
 
 
+def skipped_at(config: DistributedConfig, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` is of a type the model skips for hidden states alone
+    (``block.skipped_layer_kinds``)."""
+    spec = _spec(config)
+    kinds = spec.block.skipped_layer_kinds if spec is not None else None
+    return bool(kinds) and layer_type(config, layer_idx) in kinds
+
+
 def keeps_state_at(config: DistributedConfig, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` keeps the family's per-sequence ``state``."""
     spec = _spec(config)
     state = spec.state if spec is not None else None
-    if state is None:
+    if state is None or skipped_at(config, layer_idx):
         return False
     if state.layer_kinds is None:
         return True
@@ -56,6 +75,8 @@ def keeps_kv_at(config: DistributedConfig, layer_idx: int) -> bool:
     spec = _spec(config)
     if spec is None:
         return True
+    if skipped_at(config, layer_idx):
+        return False
     kinds = spec.kv_cache.layer_kinds
     if kinds is not None:
         return layer_type(config, layer_idx) in kinds

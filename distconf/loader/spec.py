@@ -176,10 +176,10 @@ class FamilySpec(StrictModel):
         for where, kinds in named:
             if kinds is None:
                 continue
-            if mask.layer_types_field is None:
+            if mask.layer_types_field is None and not mask.layer_index_fields:
                 raise ValueError(f"{_kinds_field(where)} needs block.mask.layer_types_field (the config field "
                                  "listing each layer's type)")
-            unknown = [k for k in kinds if k not in mask.layer_kinds]
+            unknown = [k for k in kinds if k not in mask.layer_kinds and k not in mask.layer_index_fields]
             if unknown:
                 mapped = ", ".join(map(repr, mask.layer_kinds))
                 raise ValueError(f"{_kinds_field(where)} names {', '.join(map(repr, unknown))}, which "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
 
@@ -202,6 +202,13 @@ class MaskSpec(StrictModel):
         description="Config field holding a list with one type per layer (e.g. 'layer_types'); when the "
                     "config has it, the layer's entry is mapped to a mask kind through layer_kinds.",
     )
+    layer_index_fields: dict[str, Identifier] = Field(
+        default_factory=dict,
+        description="Layer type -> config field listing the indices of the layers of that type (e.g. "
+                    "cross_attention: cross_attention_layers), for configs that list layer indices rather than "
+                    "one type per layer; it takes precedence over layer_types_field. A type not in layer_kinds "
+                    "gets the mask `kind`.",
+    )
     layer_kinds: dict[str, MaskKind] = Field(
         default_factory=lambda: {"full_attention": "causal", "sliding_attention": "sliding_window"},
         description="Layer type (value in layer_types_field) -> mask kind.",
@@ -286,11 +293,37 @@ class BlockSpec(StrictModel):
         default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
     )
     mask: MaskSpec = Field(default_factory=MaskSpec, description="Attention mask kind, per layer if needed.")
+    skipped_layer_kinds: list[str] = Field(
+        default_factory=list,
+        description="Layer types the model skips when it gets no input besides the hidden states (e.g. "
+                    "cross-attention layers without image features): a swarm carries hidden states only, so "
+                    "blocks of these types pass them through unchanged and keep no cache. Their weights still "
+                    "load (the block is the layer), so a checkpoint's tensors of those layers are accepted.",
+    )
+
+    @field_validator("skipped_layer_kinds")
+    @classmethod
+    def _skipped_kinds_named(cls, kinds: list[str], info: ValidationInfo) -> list[str]:
+        mask = info.data.get("mask")
+        if not kinds or mask is None:
+            return kinds
+        if mask.layer_types_field is None and not mask.layer_index_fields:
+            raise ValueError("skipped_layer_kinds needs mask.layer_types_field or mask.layer_index_fields (which "
+                             "config field says each layer's type)")
+        known = set(mask.layer_kinds) | set(mask.layer_index_fields)
+        unknown = [k for k in kinds if k not in known]
+        if unknown:
+            raise ValueError(f"names {', '.join(map(repr, unknown))}, a type neither mask.layer_kinds nor "
+                             f"mask.layer_index_fields names (they name {', '.join(map(repr, sorted(known)))})")
+        return kinds
+
 
     @model_validator(mode="after")
     def _layer_types_for_classes(self) -> BlockSpec:
-        if self.layer_classes and self.mask.layer_types_field is None:
-            raise ValueError("layer_classes needs mask.layer_types_field (the config field listing each layer's type)")
+        typed = self.mask.layer_types_field is not None or bool(self.mask.layer_index_fields)
+        if self.layer_classes and not typed:
+            raise ValueError("layer_classes needs mask.layer_types_field (the config field listing each layer's type) "
+                             "or mask.layer_index_fields")
         if self.constructor.layer_type_argument and self.mask.layer_types_field is None:
             raise ValueError("constructor.layer_type_argument needs mask.layer_types_field (the config field "
                              "listing each layer's type)")

@@ -123,4 +123,19 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
                               f"{'run' if len(looped) > 1 else 'runs'} {max(len(records[i]) for i in looped)} "
                               "times in one forward pass (a looped layer stack); a chain of blocks runs each "
                               "layer once, so this architecture cannot be served as blocks")
-    return records[0][0][0], [records[i][0][1] for i in range(reference.layers)]
+    if not any(records.values()):
+        raise located_failure(type(reference.config), ("block", "prefix"),
+                              "the model called none of the layers at block.prefix in its forward pass")
+    return _chain(records, reference.layers)
+
+
+def _chain(records: dict[int, list[tuple[Any, Any]]], layers: int) -> tuple[Any, list[Any]]:
+    """The first layer's input and every layer's output; a layer the model skipped (e.g. a cross-attention layer
+    given no image input) passes its input on, which is what its block must do too."""
+    hidden = next(records[i][0][0] for i in range(layers) if records[i])
+    first, outputs = hidden, []
+    for i in range(layers):
+        if records[i]:
+            hidden = records[i][0][1]
+        outputs.append(hidden)
+    return first, outputs

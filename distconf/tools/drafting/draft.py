@@ -30,6 +30,7 @@ from distconf.tools.drafting.sections import (
     draft_position,
 )
 from distconf.tools.drafting.shrink import shrink_config
+from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.state import foreign_cache_class, state_layout
 from distconf.tools.drafting.statedraft import (
     apply_state,
@@ -129,8 +130,9 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     variants += _named_type_variants(draft, plan, layer_class)
     if run_tiny:
         _verify_tiny(draft, variants)
-        draft_computed_positions(draft, plan.config_class,
-                                 {k: v for k, v in draft.tiny_config.items() if k != "variants"}, layer_class)
+        base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
+        draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
+        draft_skipped_layers(draft, plan.config_class, base_tiny)
         finish_state(draft, by_type, mixer, layer_class)
     return draft
 

@@ -3,7 +3,10 @@
 The layer list of such a model holds modules of several classes (an attention layer
 class and a state-space layer class, say). When the config's per-layer type field
 says which is which (every layer of one type is of one class), each type whose class
-is not the first layer's gets its own entry. The block's call keywords are those any
+is not the first layer's gets its own entry. A config that lists the indices of the
+layers of a class instead (a list of ints naming exactly those layers, e.g.
+``cross_attention_layers``) gives that class a type of its own through
+``block.mask.layer_index_fields``. The block's call keywords are those any
 of the classes takes: a keyword is left out only when no class takes it.
 """
 
@@ -17,7 +20,7 @@ from distconf.tools.drafting.common import DraftingError, field_value, module_pa
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
 
-__all__ = ["layer_classes_by_type", "merge_call_parameters", "draft_layer_classes"]
+__all__ = ["layer_classes_by_type", "layer_classes_by_index_field", "merge_call_parameters", "draft_layer_classes"]
 
 # block.call keys the drafter sets to null when the layer's forward lacks the argument, and that argument
 _OPTIONAL_ARGUMENTS = {"mask_argument": "attention_mask", "position_ids_argument": "position_ids",
@@ -44,6 +47,36 @@ def layer_classes_by_type(scan: ModelScan, layer_types: Any) -> dict[str, type] 
         return (f"layers have different classes ({names}), and layers of type {layer_type!r} are of several "
                 f"({', '.join(sorted(c.__name__ for c in mixed_classes))}): the layer types do not decide the class")
     return {t: next(iter(c)) for t, c in found.items()}
+
+
+def _index_type_name(field: str) -> str:
+    """The layer type named after an index field: 'cross_attention_layers' -> 'cross_attention'."""
+    for suffix in ("_layer_indices", "_layer_ids", "_layers", "_indices"):
+        if field.endswith(suffix) and len(field) > len(suffix):
+            return field[: -len(suffix)]
+    return field
+
+
+def layer_classes_by_index_field(scan: ModelScan, config: Any) -> dict[str, tuple[str, type]] | None:
+    """Layer type -> (config field listing its layers' indices, their class), one per class other than the first
+    layer's; None unless every such class has a config field listing exactly its layers."""
+    count = len(scan.layers)
+    lists = {name: value for name in sorted(_config_fields(config)) if name != "layer_types"
+             and isinstance(value := field_value(config, name), (list, tuple)) and value
+             and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)}
+    found: dict[str, tuple[str, type]] = {}
+    for cls in _classes(scan)[1:]:
+        indices = {i for i, layer in enumerate(scan.layers) if type(layer) is cls}
+        fields = [name for name, value in lists.items() if set(value) == indices]
+        if len(fields) != 1:
+            return None
+        found[_index_type_name(fields[0])] = (fields[0], cls)
+    return found
+
+
+def _config_fields(config: Any) -> list[str]:
+    to_dict = getattr(config, "to_dict", None)
+    return list(to_dict()) if callable(to_dict) else list(vars(config))
 
 
 def merge_call_parameters(draft: FamilyDraft, scan: ModelScan,
@@ -82,6 +115,13 @@ def _constructor_mismatch(draft: FamilyDraft, cls: type) -> str | None:
             "own, which a family's layer constructor cannot do (a block.adapter written by hand could)")
 
 
+def _check_constructors(draft: FamilyDraft, classes: list[type]) -> None:
+    for cls in classes:
+        problem = _constructor_mismatch(draft, cls)
+        if problem is not None:
+            raise DraftingError(f"the layers are of {len(classes)} classes, and {problem}")
+
+
 def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> None:
     """``block.layer_classes`` when the layers are of several classes and the layer types tell them apart.
 
@@ -93,16 +133,22 @@ def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> Non
     if len(classes) < 2:
         return
     by_type = layer_classes_by_type(scan, field_value(config, draft.mask.get("layer_types_field") or "layer_types"))
+    by_index = layer_classes_by_index_field(scan, config) if isinstance(by_type, str) else None
+    if by_index is not None:
+        _check_constructors(draft, classes)
+        draft.mask["layer_index_fields"] = {kind: field for kind, (field, _) in by_index.items()}
+        draft.layer_classes = {kind: module_path(cls) for kind, (_, cls) in by_index.items()}
+        draft.facts.append("layers of different classes, listed by index: " + ", ".join(
+            f"{field} -> {cls.__name__} (type {kind!r})" for kind, (field, cls) in by_index.items())
+            + " (block.mask.layer_index_fields, block.layer_classes)")
+        return
     if isinstance(by_type, str) or not draft.mask.get("layer_types_field"):
         draft.review.append((by_type if isinstance(by_type, str) else
                              f"layers have different classes ({', '.join(c.__name__ for c in classes)}) but the "
                              "mask names no layer-type field")
                             + ": a family has one layer class per layer type (block.layer_classes)")
         return
-    for cls in classes:
-        problem = _constructor_mismatch(draft, cls)
-        if problem is not None:
-            raise DraftingError(f"the layers are of {len(classes)} classes, and {problem}")
+    _check_constructors(draft, classes)
     draft.layer_classes = {t: module_path(c) for t, c in by_type.items() if c is not scan.layer_class}
     draft.facts.append("layers of different classes, one per layer type: " + ", ".join(
         f"{t} -> {c.__name__}" for t, c in by_type.items()) + " (block.layer_classes)")

@@ -24,6 +24,7 @@ class FamilyDraft:
     prefix: str
     base_model_prefix: str | None = None
     layer_classes: dict[str, str] = field(default_factory=dict)  # layer type -> its own decoder-layer class
+    skipped_layer_kinds: list[str] = field(default_factory=list)  # layer types the model skips for ids alone
     model_buffers: dict[str, str] = field(default_factory=dict)  # buffer path in a layer -> function making it
     attn_implementation: str = "sdpa"
     constructor: dict[str, Any] = field(default_factory=dict)
@@ -67,6 +68,7 @@ class FamilyDraft:
         block: dict[str, Any] = {
             "layer_class": self.layer_class,
             **({"layer_classes": self.layer_classes} if self.layer_classes else {}),
+            **({"skipped_layer_kinds": self.skipped_layer_kinds} if self.skipped_layer_kinds else {}),
             "attention_class": self.attention_class or "transformers.TODO_AttentionClass",
             "prefix": self.prefix,
         }

@@ -1,0 +1,65 @@
+"""``block.skipped_layer_kinds``: layer types the model does not run for token ids alone.
+
+Some models hold layers that run only with an input besides the hidden states (e.g.
+cross-attention layers run only when given image features): for text alone the model's
+forward skips them. A swarm carries hidden states only, so the block of such a layer
+passes them through. The drafter runs the tiny model on token ids and names the layer
+types none of whose layers ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.render import FamilyDraft
+
+__all__ = ["draft_skipped_layers", "layers_not_run"]
+
+
+def layers_not_run(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
+                   ) -> tuple[Any, list[int]] | None:
+    """The tiny config and the indices of the layers its model does not call on token ids (None if it fails)."""
+    import torch
+
+    from distconf.tools.drafting.probe import build_tiny_model
+    from distconf.tools.drafting.scan import find_layer_list
+
+    try:
+        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+    except Exception:  # the tiny run reports why the config does not build
+        return None
+    ran: set[int] = set()
+    handles = [layer.register_forward_pre_hook(lambda *_, i=i: ran.add(i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad(), quiet_transformers():
+            model(torch.randint(0, 8, (1, 5)), use_cache=True)
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return config, [i for i in range(len(layers)) if i not in ran]
+
+
+def draft_skipped_layers(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+    """Name the layer types (of ``block.mask.layer_index_fields``) whose layers the tiny model never runs."""
+    fields = draft.mask.get("layer_index_fields")
+    if not fields:
+        return
+    seen = layers_not_run(config_class, tiny, draft.attn_implementation)
+    if seen is None or not seen[1]:
+        return
+    config, skipped = seen
+    kinds = []
+    for kind, field in fields.items():
+        indices = field_value(config, field)
+        if isinstance(indices, (list, tuple)) and indices and set(indices) <= set(skipped):
+            kinds.append(kind)
+    if kinds:
+        draft.skipped_layer_kinds = kinds
+        draft.facts.append(f"the model skips its layers of type {', '.join(kinds)} for token ids alone (they run "
+                           "only with another input): their blocks pass hidden states through "
+                           "(block.skipped_layer_kinds)")
