@@ -73,6 +73,8 @@ class LayerSettings:
     keeps_state: bool = False
     one_token_steps: bool = False
     """The layer reads its state only in one-token steps (``state.continuation: one_token``)."""
+    state_slots: tuple[int, int] = (1, 1)
+    """Conv and recurrent states the layer keeps (``StateSpec.slots``): the state part of its past."""
     no_rotary: bool = False
     """The family has rotary embeddings, but not for this layer's type: it gets None."""
     computed_arguments: tuple[tuple[str, Any], ...] = ()
@@ -152,7 +154,8 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         alibi_takes_device=_takes(alibi_function, "device"),
         keeps_kv=keeps_kv_at(config, layer_idx), keeps_state=keeps_state_at(config, layer_idx),
         recomputes=block.call.cache_argument is None,
-        one_token_steps=spec.state is not None and spec.state.continuation == "one_token", skipped=skipped,
+        one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
+        state_slots=spec.state.slots if spec.state is not None else (1, 1), skipped=skipped,
     )
 
 
@@ -179,17 +182,18 @@ def prepare_config(config: DistributedConfig) -> None:
         config._experts_implementation = "eager"  # a standalone layer gets no dispatch from a model
 
 
-def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool,
-                ) -> tuple[tuple[Any, ...] | None, tuple[Any, Any] | None]:
-    """The K/V part and the state part of a block's past (either None when absent or all None)."""
+def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool, state_width: int = 2,
+                ) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
+    """The K/V part and the state part (``state_width`` entries) of a block's past (either None when absent or
+    all None)."""
     if layer_past is None:
         return None, None
     if keeps_kv and keeps_state:
-        kv, state = tuple(layer_past[:2]), tuple(layer_past[2:4])
+        kv, state = tuple(layer_past[:2]), tuple(layer_past[2:2 + state_width])
     elif keeps_kv:
         kv, state = tuple(layer_past[:3]), None  # (key, value) or (key, value, indexer)
     else:
-        kv, state = None, tuple(layer_past[:2])
+        kv, state = None, tuple(layer_past[:state_width])
     kv = None if kv is None or kv[0] is None else kv
     state = None if state is None or all(t is None for t in state) else state
     return kv, state  # type: ignore[return-value]
@@ -345,7 +349,8 @@ class BlockAdapter:
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
-        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state)
+        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state,
+                                          sum(settings.state_slots))
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
@@ -353,7 +358,7 @@ class BlockAdapter:
         if use_cache or layer_past is not None:
             kv = (BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes)
                   if settings.keeps_kv else None)
-            state = BlockStateCache(state_past) if settings.keeps_state else None
+            state = BlockStateCache(state_past, settings.state_slots) if settings.keeps_state else None
             cache = BlockHybridCache(kv, state) if (kv is not None and state is not None) else (kv or state)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
         output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]

@@ -16,7 +16,8 @@ __all__ = ["BlockHybridCache"]
 
 
 class BlockHybridCache:
-    """K/V calls (``update``, ``get_seq_length``) go to a `BlockKVCache`, state calls to a `BlockStateCache`."""
+    """K/V calls (``update``, ``get_seq_length``, ``get_mask_sizes``, ``get_query_offset``) go to a `BlockKVCache`,
+    state calls to a `BlockStateCache`."""
 
     def __init__(self, kv: BlockKVCache, state: BlockStateCache) -> None:
         self.kv, self.state = kv, state
@@ -24,6 +25,14 @@ class BlockHybridCache:
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """Tokens already cached (the K/V part counts them)."""
         return self.kv.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = 0) -> tuple[int, int]:
+        """See `BlockKVCache.get_mask_sizes`."""
+        return self.kv.get_mask_sizes(query_length, layer_idx)
+
+    def get_query_offset(self, layer_idx: int | None = 0) -> int:
+        """See `BlockKVCache.get_query_offset`."""
+        return self.kv.get_query_offset(layer_idx)
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int | None = None,
                *args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -54,8 +63,9 @@ class BlockHybridCache:
 
     @property
     def present(self) -> tuple[Any, ...] | None:
-        """``(key, value, conv, recurrent)``, or None if the layer kept nothing."""
+        """``(key, value, conv, recurrent)`` (every conv, then every recurrent state when the layer keeps several),
+        or None if the layer kept nothing."""
         kv, state = self.kv.present, self.state.present
         if kv is None and state is None:
             return None
-        return (*(kv or (None, None)), *(state or (None, None)))
+        return (*(kv or (None, None)), *(state or (None,) * self.state.width))

@@ -124,6 +124,15 @@ class BlockKVCache:
         """Tokens already cached."""
         return 0 if self.key is None else int(self.key.shape[-2])
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys `update` will return for ``query_length`` new tokens: every
+        cached token is kept (a sliding window is applied by the block's mask), so the offset is 0."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_query_offset(self, layer_idx: int | None = 0) -> int:
+        """Position of the first new token: the tokens already cached."""
+        return self.get_seq_length()
+
     def update(self, key_states: Any, value_states: Any, layer_idx: int | None = None,
                *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Append new entries; return the whole cache in the layout the layer wrote."""

@@ -5,7 +5,9 @@ A recurrent layer (convolution + SSM / linear-attention state) keeps a fixed-siz
 per sequence: its size does not grow with the tokens seen, so it is counted in bytes per
 sequence (`distconf.blocks.sizing.state_bytes_per_sequence`), not per token. A block's state is the tuple
 ``(conv, recurrent)`` of ``[batch, *shape]`` tensors (an entry is None when the family keeps
-no such state); rows are sequences, so beam search reorders them like KV rows.
+no such state); rows are sequences, so beam search reorders them like KV rows. A layer keeping several
+states (cache ``state_idx`` 0, 1, ...) has ``(conv_0, ..., conv_n, recurrent_0, ..., recurrent_m)``
+(`distconf.loader.spec_state.StateSpec.slots`).
 """
 
 from __future__ import annotations
@@ -24,21 +26,42 @@ __all__ = ["StateGeometry", "state_geometry", "keeps_state", "BlockStateCache"]
 
 @dataclass(frozen=True)
 class StateGeometry:
-    """What one block keeps per sequence: the shapes of its conv and recurrent states (None: none kept)."""
+    """What one block keeps per sequence: the shapes of its conv and recurrent states, one per ``state_idx``
+    (empty: none kept)."""
 
-    conv_shape: tuple[int, ...] | None
-    recurrent_shape: tuple[int, ...] | None
+    conv_shapes: tuple[tuple[int, ...], ...]
+    recurrent_shapes: tuple[tuple[int, ...], ...]
     recurrent_float32: bool
 
     @property
+    def conv_shape(self) -> tuple[int, ...] | None:
+        """The shape of the first convolution state (None: none kept)."""
+        return self.conv_shapes[0] if self.conv_shapes else None
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...] | None:
+        """The shape of the first recurrent state (None: none kept)."""
+        return self.recurrent_shapes[0] if self.recurrent_shapes else None
+
+    @property
     def conv_values(self) -> int:
-        """Values of the convolution state of one sequence."""
-        return math.prod(self.conv_shape) if self.conv_shape else 0
+        """Values of the convolution states of one sequence (all of them)."""
+        return sum(math.prod(shape) for shape in self.conv_shapes)
 
     @property
     def recurrent_values(self) -> int:
-        """Values of the recurrent state of one sequence."""
-        return math.prod(self.recurrent_shape) if self.recurrent_shape else 0
+        """Values of the recurrent states of one sequence (all of them)."""
+        return sum(math.prod(shape) for shape in self.recurrent_shapes)
+
+    @property
+    def expected(self) -> tuple[tuple[str, tuple[int, ...] | None], ...]:
+        """(field, shape) of every entry of the state part of a block's past, in order (None: the entry is
+        None), with ``field`` naming the family file's field (and the state's index when there are several)."""
+        def entries(field: str, shapes: tuple[tuple[int, ...], ...]) -> list[tuple[str, tuple[int, ...] | None]]:
+            if not shapes:
+                return [(field, None)]
+            return [(field if len(shapes) == 1 else f"{field}[{i}]", shape) for i, shape in enumerate(shapes)]
+        return (*entries("conv_shape", self.conv_shapes), *entries("recurrent_shape", self.recurrent_shapes))
 
 
 def keeps_state(config: DistributedConfig | type) -> bool:
@@ -49,9 +72,7 @@ def keeps_state(config: DistributedConfig | type) -> bool:
     return spec is not None and spec.state is not None
 
 
-def _shape(config: DistributedConfig, field: str, entries: list[int | Formula] | None) -> tuple[int, ...] | None:
-    if entries is None:
-        return None
+def _shape(config: DistributedConfig, field: str, entries: list[int | Formula]) -> tuple[int, ...]:
     spec = type(config).family_spec
     out = []
     for i, entry in enumerate(entries):
@@ -73,8 +94,11 @@ def state_geometry(config: DistributedConfig, layer_idx: int | None = None) -> S
     state = spec.state if spec is not None else None
     if state is None or (layer_idx is not None and not keeps_state_at(config, layer_idx)):
         return None
-    return StateGeometry(_shape(config, "conv_shape", state.conv_shape),
-                         _shape(config, "recurrent_shape", state.recurrent_shape),
+    def shapes(field: str, listed: list[list[int | Formula]]) -> tuple[tuple[int, ...], ...]:
+        if len(listed) == 1:
+            return (_shape(config, field, listed[0]),)
+        return tuple(_shape(config, f"{field}[{i}]", entries) for i, entries in enumerate(listed))
+    return StateGeometry(shapes("conv_shape", state.conv_shapes), shapes("recurrent_shape", state.recurrent_shapes),
                          state.recurrent_dtype == "float32")
 
 
@@ -86,13 +110,41 @@ class BlockStateCache:
     ``update_recurrent_state``, ``is_recording_past``), for this one layer whatever
     ``layer_idx`` the layer passes. The state given in is copied first: layers update their
     state in place, and the caller's tensors (a session's state, kept for a retry) stay intact.
+    ``slots``: how many conv and recurrent states the layer keeps (``StateSpec.slots``), one per
+    ``state_idx``; ``past`` holds the conv states, then the recurrent ones.
     """
 
-    def __init__(self, past: tuple[Any, Any] | None) -> None:
-        conv, recurrent = past if past is not None else (None, None)
-        self.conv = None if conv is None else conv.clone()
-        self.recurrent = None if recurrent is None else recurrent.clone()
+    def __init__(self, past: tuple[Any, ...] | None, slots: tuple[int, int] = (1, 1)) -> None:
+        convs, recurrents = slots
+        entries = tuple(past) if past is not None else (None,) * (convs + recurrents)
+        if len(entries) != convs + recurrents:
+            raise ConfigValueError(f"a state of {len(entries)} tensors was given to a layer keeping {convs} conv "
+                                   f"and {recurrents} recurrent states")
+        self.convs = [None if t is None else t.clone() for t in entries[:convs]]
+        self.recurrents = [None if t is None else t.clone() for t in entries[convs:]]
         self.has_previous_state = past is not None
+
+    @property
+    def width(self) -> int:
+        """Entries of the state part of the layer's past (conv states, then recurrent states)."""
+        return len(self.convs) + len(self.recurrents)
+
+    @property
+    def conv(self) -> Any:
+        """The first convolution state (None: not kept yet)."""
+        return self.convs[0]
+
+    @property
+    def recurrent(self) -> Any:
+        """The first recurrent state (None: not kept yet)."""
+        return self.recurrents[0]
+
+    @staticmethod
+    def _slot(states: list[Any], kind: str, state_idx: int) -> int:
+        if not 0 <= state_idx < len(states):
+            raise ConfigValueError(f"the layer uses {kind} state {state_idx}, but the family's state.{kind}_shape "
+                                   f"declares {len(states)} (a list of shapes declares one per state_idx)")
+        return state_idx
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         """A recurrent state has no token dimension (transformers' linear-attention layers say 0 too)."""
@@ -103,12 +155,14 @@ class BlockStateCache:
         return False
 
     def get_conv_state(self, layer_idx: int | None = None, state_idx: int = 0) -> Any:
-        """The convolution state of earlier tokens, or None before the first step."""
-        return self.conv if self.has_previous_state else None
+        """The convolution state ``state_idx`` of earlier tokens, or None before the first step."""
+        return self.convs[self._slot(self.convs, "conv", state_idx)] if self.has_previous_state else None
 
     def get_recurrent_state(self, layer_idx: int | None = None, state_idx: int = 0) -> Any:
-        """The recurrent state of earlier tokens, or None before the first step."""
-        return self.recurrent if self.has_previous_state else None
+        """The recurrent state ``state_idx`` of earlier tokens, or None before the first step."""
+        if not self.has_previous_state:
+            return None
+        return self.recurrents[self._slot(self.recurrents, "recurrent", state_idx)]
 
     def update_conv_state(self, conv_states: Any, layer_idx: int | None = None, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs: Any) -> Any:
@@ -116,25 +170,27 @@ class BlockStateCache:
         (as transformers' linear-attention cache layer does)."""
         import torch
 
-        kernel = conv_kernel_size or (self.conv.shape[-1] if self.conv is not None else conv_states.shape[-1])
-        if self.conv is not None and self.has_previous_state:
-            full = torch.cat([self.conv.to(conv_states.dtype), conv_states], dim=-1)
+        slot = self._slot(self.convs, "conv", state_idx)
+        conv = self.convs[slot]
+        kernel = conv_kernel_size or (conv.shape[-1] if conv is not None else conv_states.shape[-1])
+        if conv is not None and self.has_previous_state:
+            full = torch.cat([conv.to(conv_states.dtype), conv_states], dim=-1)
         else:
             full = conv_states
             if full.shape[-1] < kernel:
                 full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
-        self.conv = full[..., -kernel:].contiguous()
+        self.convs[slot] = full[..., -kernel:].contiguous()
         return full
 
     def update_recurrent_state(self, recurrent_states: Any, layer_idx: int | None = None, state_idx: int = 0,
                                **kwargs: Any) -> Any:
-        """Keep the new recurrent state."""
-        self.recurrent = recurrent_states
+        """Keep the new recurrent state ``state_idx``."""
+        self.recurrents[self._slot(self.recurrents, "recurrent", state_idx)] = recurrent_states
         return recurrent_states
 
     @property
-    def present(self) -> tuple[Any, Any] | None:
-        """The state to hand back to the caller: ``(conv, recurrent)``, or None if the layer kept none."""
-        if self.conv is None and self.recurrent is None:
-            return None
-        return (self.conv, self.recurrent)
+    def present(self) -> tuple[Any, ...] | None:
+        """The state to hand back to the caller: ``(conv, recurrent)`` (with several states: every conv state, then
+        every recurrent state), or None if the layer kept none."""
+        entries = (*self.convs, *self.recurrents)
+        return None if all(t is None for t in entries) else entries

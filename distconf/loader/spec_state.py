@@ -5,18 +5,32 @@ fixed-size state per sequence, whatever its length: the family's ``state`` secti
 its shapes as formulas over config fields, so a server sizes it (bytes per sequence, not
 per token), and the block's cache object hands it to the layer the way transformers'
 cache does (``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` /
-``update_recurrent_state``).
+``update_recurrent_state``). A layer keeping several conv (or recurrent) states, one per cache
+``state_idx``, gives a list of shapes instead of one shape.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["StateSpec", "StateMethods"]
+__all__ = ["StateSpec", "StateMethods", "Shapes"]
+
+Shape = list[IntOrFormula]
+Shapes = Shape | list[Annotated[Shape, Field(min_length=1)]]
+"""One shape (a list of entries), or a list of shapes: one per cache ``state_idx`` (0, 1, ...)."""
+
+
+def _shapes(value: Shapes | None) -> list[Shape]:
+    """The shapes of a ``conv_shape`` / ``recurrent_shape`` field: one per ``state_idx`` (none for null)."""
+    if value is None:
+        return []
+    if value and all(isinstance(entry, list) for entry in value):
+        return list(value)  # type: ignore[arg-type]
+    return [value]  # type: ignore[list-item]
 
 
 class StateMethods(StrictModel):
@@ -34,21 +48,24 @@ class StateSpec(StrictModel):
 
     Every layer of the family keeps this state and no KV cache, unless ``layer_kinds`` names the
     layer types that do (a hybrid family). Bytes per sequence per block =
-    ``prod(conv_shape) x bytes(block dtype) + prod(recurrent_shape) x bytes(recurrent_dtype)``.
+    ``prod(conv_shape) x bytes(block dtype) + prod(recurrent_shape) x bytes(recurrent_dtype)``, summed over
+    the states when a field lists several shapes (one per cache ``state_idx``).
     ``distconf check`` verifies the shapes against what the layer really keeps.
     """
 
-    conv_shape: list[IntOrFormula] | None = Field(
+    conv_shape: Shapes | None = Field(
         default=None, min_length=1,
         description="Shape of the convolution state of one sequence (e.g. [channels, conv_kernel]), each entry "
                     "an integer or a formula over config fields; the layer reads it with get_conv_state and "
-                    "writes it with update_conv_state. Null: the layer keeps no convolution state.",
+                    "writes it with update_conv_state. A list of shapes (e.g. [[channels, kernel], [hidden, "
+                    "kernel]]) when the layer keeps several, one per state_idx. Null: no convolution state.",
     )
-    recurrent_shape: list[IntOrFormula] | None = Field(
+    recurrent_shape: Shapes | None = Field(
         default=None, min_length=1,
         description="Shape of the recurrent (SSM / linear-attention) state of one sequence (e.g. [num_heads, "
                     "head_dim, state_size]); read with get_recurrent_state, written with update_recurrent_state "
-                    "(or in place). Null: the layer keeps no recurrent state.",
+                    "(or in place). A list of shapes when the layer keeps several, one per state_idx. Null: "
+                    "the layer keeps no recurrent state.",
     )
     recurrent_dtype: Literal["block", "float32"] = Field(
         default="block",
@@ -75,6 +92,22 @@ class StateSpec(StrictModel):
                     "(an attribute of that cache outside transformers' cache layers): their names. Null: the "
                     "layer uses get_recurrent_state / update_recurrent_state.",
     )
+
+    @property
+    def conv_shapes(self) -> list[Shape]:
+        """The convolution states' shapes, one per ``state_idx`` (empty: none kept)."""
+        return _shapes(self.conv_shape)
+
+    @property
+    def recurrent_shapes(self) -> list[Shape]:
+        """The recurrent states' shapes, one per ``state_idx`` (empty: none kept)."""
+        return _shapes(self.recurrent_shape)
+
+    @property
+    def slots(self) -> tuple[int, int]:
+        """Entries of the state part of a block's past: conv states, then recurrent states (at least one each,
+        None when the family keeps no such state), so a one-state family's past stays ``(conv, recurrent)``."""
+        return max(1, len(self.conv_shapes)), max(1, len(self.recurrent_shapes))
 
     @model_validator(mode="after")
     def _some_state(self) -> StateSpec:

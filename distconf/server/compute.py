@@ -49,6 +49,12 @@ class ServedBlock:
         return bool(settings is not None and settings.keeps_state)
 
     @property
+    def state_width(self) -> int:
+        """Tensors of the block's state: its conv states, then its recurrent states (``(conv, recurrent)``: 2)."""
+        settings = getattr(self.module, "_distconf", None)
+        return sum(settings.state_slots) if settings is not None else 2
+
+    @property
     def keeps_kv(self) -> bool:
         """The block keeps a K/V cache (False for a recurrent or MLP-only layer)."""
         settings = getattr(self.module, "_distconf", None)
@@ -108,9 +114,9 @@ class SessionCache:
     """The preallocated KV cache of one inference session: every block of its chain, ``batch x max_length``.
 
     A block that keeps a per-sequence state (`ServedBlock.keeps_state`, alone or next to K/V) holds
-    its ``(conv, recurrent)`` state in ``states`` (None before the first token); its bytes were
-    reserved with the session (`nbytes`), the tensors come from the block's first step. A block
-    that keeps no K/V has empty ``keys``/``values`` entries.
+    its ``(conv, recurrent)`` state (every state, `ServedBlock.state_width`) in ``states`` (None before
+    the first token); its bytes were reserved with the session (`nbytes`), the tensors come from the
+    block's first step. A block that keeps no K/V has empty ``keys``/``values`` entries.
     """
 
     blocks: Sequence[ServedBlock]
@@ -213,13 +219,14 @@ class SessionCache:
                 kv: tuple[Any, ...] = (k[:, :, :pos], v[:, :, :pos]) if (block.keeps_kv and pos > 0) else (None, None)
                 if indexers[i] is not None and pos > 0:
                     kv = (*kv, indexers[i][:, :pos])
-                state = tuple(states[i]) if (block.keeps_state and states[i] is not None) else (None, None)
+                state = (tuple(states[i]) if (block.keeps_state and states[i] is not None)
+                         else (None,) * block.state_width)
                 past = (*kv, *state) if block.keeps_kv and block.keeps_state else (kv if block.keeps_kv else state)
                 hidden, present = block.module(add_prompt(hidden, prompt, pos), layer_past=past, use_cache=True)
                 if present is None:
                     continue
                 if block.keeps_state:
-                    states[i] = tuple(present[-2:])
+                    states[i] = tuple(present[-block.state_width:])
                 if block.keeps_kv:
                     k[:, :, pos:pos + n] = present[0][:, :, pos:pos + n]
                     v[:, :, pos:pos + n] = present[1][:, :, pos:pos + n]

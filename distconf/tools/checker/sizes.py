@@ -70,8 +70,10 @@ def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
 
 
 def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
-    """The ``(conv, recurrent)`` of a block's cache (its last two entries)."""
-    return None if cache is None else tuple(cache[-2:])
+    """The ``(conv, recurrent)`` of a block's cache (its last entries: every conv state, then every recurrent
+    state, `distconf.loader.spec_state.StateSpec.slots`)."""
+    width = sum(type(config).family_spec.state.slots)
+    return None if cache is None else tuple(cache[-width:])
 
 
 def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any, actual: int,
@@ -141,7 +143,8 @@ def check_block_sizes(cls: type, config: DistributedConfig, blocks: list[Any], r
 
 
 def check_state(cls: type, config: DistributedConfig, states: list[Any], result: CheckResult) -> None:
-    """Each block's ``(conv, recurrent)`` state must have the family's ``state`` shapes and dtypes per sequence.
+    """Each block's ``(conv, recurrent)`` state (every one, when the layer keeps several) must have the family's
+    ``state`` shapes and dtypes per sequence.
 
     ``result.kv_declared`` / ``kv_actual`` then hold bytes per sequence (not per token).
     """
@@ -154,17 +157,18 @@ def check_state(cls: type, config: DistributedConfig, states: list[Any], result:
     assert geometry is not None  # the caller checks only families with a state section
     declared = state_bytes_per_sequence(config, torch.float32)
     result.kv_declared, result.cache_unit = declared, "sequence"
-    expected = (("conv_shape", geometry.conv_shape), ("recurrent_shape", geometry.recurrent_shape))
     for i, state in enumerate(states):
-        for (field, shape), held in zip(expected, state):
+        for (field, shape), held in zip(geometry.expected, state, strict=True):
             got = None if held is None else tuple(held.shape[1:])
             if got != shape:
-                raise located_failure(cls, ("state", field), f"block {i} keeps a {field.split('_')[0]} state of "
-                                      f"shape {got} per sequence, the family declares {shape}")
-        # the blocks run in float32 here: a state kept in the block's dtype is float32 too
-        if state[1] is not None and geometry.recurrent_float32 and state[1].dtype != torch.float32:
-            raise located_failure(cls, ("state", "recurrent_dtype"), f"block {i} keeps its recurrent state in "
-                                  f"{state[1].dtype}")
+                raise located_failure(cls, ("state", field.split("[")[0]), f"block {i} keeps a "
+                                      f"{field.split('_')[0]} state of shape {got} per sequence, the family "
+                                      f"declares {shape}" + (f" ({field})" if "[" in field else ""))
+            # the blocks run in float32 here: a state kept in the block's dtype is float32 too
+            if field.startswith("recurrent") and held is not None and geometry.recurrent_float32 \
+                    and held.dtype != torch.float32:
+                raise located_failure(cls, ("state", "recurrent_dtype"), f"block {i} keeps its recurrent state "
+                                      f"in {held.dtype}")
     held_bytes = [sum(t.numel() * t.element_size() for t in state if t is not None) // BATCH for state in states]
     result.kv_actual = max(held_bytes)
     if result.kv_actual != declared:

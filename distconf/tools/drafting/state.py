@@ -40,27 +40,52 @@ class LayerState:
     recurrent: tuple[int, ...] | None = None
     recurrent_dtype: str | None = None  # torch dtype name
     kv: bool = False
-    extra_states: bool = False  # more than one conv / recurrent state in the layer
+    extra_convs: tuple[tuple[int, ...], ...] = ()  # conv states of cache state_idx 1 and up
+    extra_recurrents: tuple[tuple[int, ...], ...] = ()  # recurrent states of state_idx 1 and up
+    gap: bool = False  # a state_idx below a kept one keeps nothing
 
     @property
     def keeps_state(self) -> bool:
         """The layer keeps a conv or a recurrent state."""
         return self.conv is not None or self.recurrent is not None
 
+    def shapes(self, kind: str) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the layer's ``kind`` (``conv`` / ``recurrent``) states, one per ``state_idx``."""
+        first = getattr(self, kind)
+        return () if first is None else (first, *getattr(self, f"extra_{kind}s"))
+
 
 def layer_states(cache: Any) -> list[LayerState]:
     """One `LayerState` per layer of a transformers cache (empty when it has no layers)."""
     found = []
     for layer in getattr(cache, "layers", None) or []:
-        convs = [t for t in (getattr(layer, "conv_states", None) or {}).values() if t is not None]
-        recurrents = [t for t in (getattr(layer, "recurrent_states", None) or {}).values() if t is not None]
+        convs, conv_gap = _by_index(getattr(layer, "conv_states", None))
+        recurrents, recurrent_gap = _by_index(getattr(layer, "recurrent_states", None))
         keys = getattr(layer, "keys", None)
         found.append(LayerState(
-            conv=tuple(int(d) for d in convs[0].shape[1:]) if convs else None,
-            recurrent=tuple(int(d) for d in recurrents[0].shape[1:]) if recurrents else None,
-            recurrent_dtype=str(recurrents[0].dtype).removeprefix("torch.") if recurrents else None,
-            kv=getattr(keys, "dim", lambda: 0)() == 4, extra_states=len(convs) > 1 or len(recurrents) > 1))
+            conv=convs[0] if convs else None, recurrent=recurrents[0] if recurrents else None,
+            recurrent_dtype=_first_dtype(getattr(layer, "recurrent_states", None)),
+            kv=getattr(keys, "dim", lambda: 0)() == 4, extra_convs=tuple(convs[1:]),
+            extra_recurrents=tuple(recurrents[1:]), gap=conv_gap or recurrent_gap))
     return found
+
+
+def _by_index(states: Mapping[int, Any] | None) -> tuple[list[tuple[int, ...]], bool]:
+    """The shapes (without the batch dimension) of a cache layer's states in ``state_idx`` order, up to the last
+    kept one, and whether a lower ``state_idx`` keeps nothing."""
+    items = sorted((states or {}).items())
+    kept = [i for i, (_, t) in enumerate(items) if t is not None]
+    if not kept:
+        return [], False
+    listed = items[:kept[-1] + 1]
+    gap = any(t is None for _, t in listed)
+    return [tuple(int(d) for d in t.shape[1:]) for _, t in listed if t is not None], gap
+
+
+def _first_dtype(states: Mapping[int, Any] | None) -> str | None:
+    """The torch dtype name of a cache layer's first kept state (None: none kept)."""
+    first = next((t for _, t in sorted((states or {}).items()) if t is not None), None)
+    return None if first is None else str(first.dtype).removeprefix("torch.")
 
 
 _STATE_ATTRIBUTE_WORDS = frozenset({"state", "states", "cache"})  # a module attribute kept between calls
@@ -149,28 +174,40 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
     if not keeping:
         return None
     first = keeping[0]
-    if any(s.extra_states for s in keeping):
-        return StateLayout({}, problem="a layer keeps more than one conv or recurrent state (cache state_idx 1 "
-                                       "and up), and a server's block cache holds one conv and one recurrent "
-                                       "state per layer", beyond_runtime=True)
-    if len({(s.conv, s.recurrent) for s in keeping}) > 1:
+    if any(s.gap for s in keeping):
+        return StateLayout({}, problem="a layer keeps a conv or recurrent state at a cache state_idx above one "
+                                       "it leaves empty, and a server's block cache holds states 0, 1, ... in "
+                                       "order", beyond_runtime=True)
+    if len({(s.shapes("conv"), s.shapes("recurrent")) for s in keeping}) > 1:
         return StateLayout({}, problem="the state-keeping layers keep states of different shapes ("
-                           + ", ".join(f"{s.conv} / {s.recurrent}" for s in keeping) + ")")
+                           + ", ".join(f"{_listed_shapes(s.shapes('conv'))} / {_listed_shapes(s.shapes('recurrent'))}"
+                                       for s in keeping) + ")")
     section: dict[str, Any] = {}
-    for key, shape in (("conv_shape", first.conv), ("recurrent_shape", first.recurrent)):
-        if shape is None:
-            continue
-        formulas = []
-        for index, value in enumerate(shape):
-            formula = _formula(config, raw, value, (key, index, len(shape)), probe, perturb)
-            if formula is None:
-                return StateLayout({}, problem=f"no formula over config fields gives state.{key}[{index}] "
-                                               f"({value}) on the tiny models")
-            formulas.append(formula)
-        section[key] = formulas
+    for kind in ("conv", "recurrent"):
+        key, shapes = f"{kind}_shape", first.shapes(kind)
+        listed = []
+        for state_idx, shape in enumerate(shapes):
+            formulas = []
+            for index, value in enumerate(shape):
+                formula = _formula(config, raw, value, (key, state_idx, index, len(shape)), probe, perturb)
+                if formula is None:
+                    where = f"state.{key}[{index}]" if len(shapes) == 1 else f"state.{key}[{state_idx}][{index}]"
+                    return StateLayout({}, problem=f"no formula over config fields gives {where} ({value}) on the "
+                                                   "tiny models")
+                formulas.append(formula)
+            listed.append(formulas)
+        if listed:
+            section[key] = listed[0] if len(listed) == 1 else listed
     layout = StateLayout(section)
     layout.state_types, layout.kv_types, layout.all_types = _types(config, states)
     return layout
+
+
+def _listed_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
+    """``shapes`` in words: one shape as it is, several as a list (None: none)."""
+    if not shapes:
+        return "None"
+    return str(shapes[0]) if len(shapes) == 1 else str(list(shapes))
 
 
 def _types(config: Any, states: list[LayerState]) -> tuple[list[str] | None, list[str] | None, list[str] | None]:
@@ -244,28 +281,30 @@ def _score(text: str, combo: tuple[str, ...], key: str, index: int, length: int,
     return (literals + len(combo), -liked, len(combo), position)
 
 
-def _measure(run: tuple[Any, list[LayerState]] | None, raw: Mapping[str, Any], key: str,
+def _measure(run: tuple[Any, list[LayerState]] | None, raw: Mapping[str, Any], key: str, state_idx: int,
              length: int) -> tuple[dict[str, int], tuple[int, ...]] | None:
-    """The fields of a run's config and the ``key`` shape its first state-keeping layer holds."""
+    """The fields of a run's config and the ``key`` shape of ``state_idx`` its first state-keeping layer holds."""
     if run is None:
         return None
     run_config, run_states = run
-    measured = next((getattr(s, key.removesuffix("_shape")) for s in run_states if s.keeps_state), None)
+    shapes = next((s.shapes(key.removesuffix("_shape")) for s in run_states if s.keeps_state), ())
+    measured = shapes[state_idx] if state_idx < len(shapes) else None
     if measured is None or len(measured) != length:
         return None
     return _fields(run_config, raw), measured
 
 
-def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, int, int], probe: Run,
+def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, int, int, int], probe: Run,
              perturb: Perturb) -> str | int | None:
-    """The best formula for ``state.<key>[index]``, confirmed on the probe model and on perturbed ones."""
-    key, index, length = where
+    """The best formula for entry ``index`` of state ``state_idx`` of ``state.<key>`` (``where`` is ``(key,
+    state_idx, index, length)``), confirmed on the probe model and on perturbed ones."""
+    key, state_idx, index, length = where
     candidates = _candidates(config, raw, value)
     if not candidates:
         return value if value == 1 else None
 
     def keep(run: tuple[Any, list[LayerState]] | None) -> None:
-        found = _measure(run, raw, key, length)
+        found = _measure(run, raw, key, state_idx, length)
         if found is not None:
             fields, measured = found
             candidates[:] = [(t, c) for t, c in candidates

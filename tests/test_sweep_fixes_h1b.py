@@ -1,0 +1,134 @@
+"""Several conv / recurrent states per layer (cache ``state_idx`` 0, 1, ...), as the architecture sweep found them.
+
+A layer of the inkling family keeps four short-convolution windows next to its K/V (two on the
+keys and values, two on the attention and MLP outputs), each under its own ``state_idx``; the
+family file lists their shapes (``state.conv_shape`` as a list of shapes), a server's block
+cache holds every one, sizes them all, and a session's beam reorder and rewind refusal cover them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from blockhelpers import hf_model, record_layers, save_checkpoint
+from sessionhelpers import served, session_with_beam_and_restart, steps
+from sweephelpers import new_from_defaults
+
+from distconf.blocks.sizing import state_bytes_per_sequence
+from distconf.blocks.state import BlockStateCache, state_geometry
+from distconf.blocks.weights import load_block
+from distconf.errors import ConfigValueError
+from distconf.loader import load_family
+from distconf.loader.spec_state import StateSpec
+
+_TINY = {
+    "bos_token_id": 1, "eos_token_id": 2, "conv_kernel_size": 4, "d_rel": 4, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 64, "intermediate_size": 128, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+    "log_scaling_alpha": 0.1, "max_position_embeddings": 128, "mlp_layer_types": ["dense", "sparse", "dense"],
+    "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1, "num_attention_heads": 4,
+    "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2, "rel_extent": 1024,
+    "sliding_window_size": 4, "swa_head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "vocab_size": 256,
+}
+_FAMILY = {
+    "family": "inkling_text_h1",
+    "model_type": "inkling_text",
+    "config_class": "transformers.InklingTextConfig",
+    "block": {
+        "layer_class": "transformers.models.inkling.modeling_inkling.InklingDecoderLayer",
+        "attention_class": "transformers.models.inkling.modeling_inkling.InklingAttention",
+        "prefix": "model.layers", "base_model_prefix": "model",
+        "call": {"position_ids_argument": None, "position_embeddings_argument": None},
+        "mask": {"layer_types_field": "layer_types", "sliding_window": "sliding_window",
+                 "layer_kinds": {"hybrid_sliding": "sliding_window", "hybrid": "causal"}},
+    },
+    "kv_groups": "num_attention_heads // num_key_value_heads",
+    "kv_cache": {"layer_kinds": ["hybrid_sliding", "hybrid"]},
+    "state": {"conv_shape": [["swa_head_dim * swa_num_key_value_heads", "conv_kernel_size"],
+                             ["swa_head_dim * swa_num_key_value_heads", "conv_kernel_size"],
+                             ["hidden_size", "conv_kernel_size"], ["hidden_size", "conv_kernel_size"]]},
+    "dht_prefix": {"name": "repo"},
+    "tiny_config": _TINY,
+}
+
+
+@pytest.fixture(scope="module")
+def inkling(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object, list[object]]:
+    """A tiny inkling (three hybrid layers, each keeping K/V and four conv states) and its served blocks."""
+    folder = tmp_path_factory.mktemp("inkling")
+    path = folder / "inkling_text_h1.yaml"
+    path.write_text(yaml.safe_dump(_FAMILY, sort_keys=False), encoding="utf-8")
+    cls = load_family(path)
+    config = cls(**_TINY)
+    model = hf_model(cls.hf_config_class(**_TINY))
+    save_checkpoint(model, folder / "ckpt")
+    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    return config, model, blocks
+
+
+def test_a_layer_keeps_every_conv_state_after_its_kv(inkling: tuple) -> None:
+    config, _, blocks = inkling
+    _, pasts = steps(blocks, torch.randn(2, 5, config.hidden_size), [5])
+    key, value, *convs, recurrent = pasts[0]  # the family keeps no recurrent state: its one entry is None
+    assert key.shape[-2] == value.shape[-2] == 5 and recurrent is None
+    assert [tuple(c.shape) for c in convs] == [(2, 32, 4), (2, 32, 4), (2, 64, 4), (2, 64, 4)]
+
+
+def test_incremental_steps_equal_the_model(inkling: tuple) -> None:
+    """Prefill then decode steps (the layer updates its conv windows in place) give the model's layers."""
+    config, model, blocks = inkling
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    records = record_layers(model, config, ids, use_cache=False)
+    with torch.no_grad():
+        for block, (inputs, outputs) in zip(blocks, records):
+            torch.testing.assert_close(block(inputs)[0], outputs, rtol=1e-5, atol=1e-5)
+    hidden = records[0][0]
+    whole, _ = steps(blocks, hidden, [9])
+    torch.testing.assert_close(whole, records[-1][1], rtol=1e-5, atol=1e-5)
+    for sizes in ([1] * 9, [4, 1, 1, 3]):
+        stepped, _ = steps(blocks, hidden, sizes)
+        torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_session_holds_sizes_and_reorders_every_state(inkling: tuple) -> None:
+    """A served session (prefill, decode, beam reorder, refused rewind, restart) and its budget count all states."""
+    from distconf.server.compute import SessionCache
+
+    config, _, blocks = inkling
+    geometry = state_geometry(config, 0)
+    assert geometry is not None and len(geometry.conv_shapes) == 4
+    assert state_bytes_per_sequence(config, torch.float32, 0) == (32 * 4 * 2 + 64 * 4 * 2) * 4
+    chain = served(config, blocks)
+    assert [b.state_width for b in chain] == [5] * 3  # four conv states, no recurrent one
+    assert SessionCache.nbytes(chain, 3, 16) == sum(b.kv_bytes_per_token * 3 * 16 + b.state_bytes_per_sequence * 3
+                                                    for b in chain)
+    session_with_beam_and_restart(config, blocks)
+
+
+def test_one_shape_keeps_the_two_entry_state() -> None:
+    """A family with one conv shape keeps ``(conv, recurrent)``; a list of shapes gives one entry per state_idx."""
+    one = StateSpec(conv_shape=["hidden_size", 4], recurrent_shape=["hidden_size", 8])
+    assert one.slots == (1, 1) and len(one.conv_shapes) == 1 and one.conv_shapes[0][1] == 4
+    several = StateSpec(conv_shape=[["hidden_size", 4], [8, 4]])
+    assert several.slots == (2, 1) and len(several.conv_shapes) == 2
+
+
+def test_a_state_idx_the_family_does_not_declare_is_named() -> None:
+    cache = BlockStateCache(None, (2, 1))
+    cache.update_conv_state(torch.zeros(1, 3, 2), state_idx=1, conv_kernel_size=4)
+    assert cache.present is not None and cache.present[0] is None and cache.present[1].shape == (1, 3, 4)
+    with pytest.raises(ConfigValueError, match="conv state 2, but the family's state.conv_shape declares 2"):
+        cache.update_conv_state(torch.zeros(1, 3, 2), state_idx=2)
+
+
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text", "inkling2_loop_text"])
+def test_several_conv_states_per_layer_are_drafted(model_type: str, tmp_path: Path) -> None:
+    """The drafter lists every conv state of a layer (cache state_idx 0..3), not a refusal."""
+    assert new_from_defaults(model_type, tmp_path) == 0
+    (draft,) = (tmp_path / "out").glob("*.yaml")
+    state = yaml.safe_load(draft.read_text())["state"]
+    assert len(state["conv_shape"]) == 4 and all(isinstance(shape, list) for shape in state["conv_shape"])
+    assert state["conv_shape"][2] == ["hidden_size", "conv_kernel_size"]
