@@ -132,34 +132,59 @@ def test_state_kept_by_methods_of_the_models_own_cache_drafts_and_checks(tmp_pat
     assert code == 0, out.err
 
 
-def test_blocks_keeping_a_state_through_cache_methods_step_like_the_model(tmp_path: Path, fresh_cache) -> None:
-    """A chain of the drafted minimax blocks: the layers' outputs, any split into steps, beam reorder and restart."""
+def test_state_passed_to_the_layers_as_a_list_drafts_and_checks(tmp_path: Path, fresh_cache,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # before: rwkv's model hands every layer its state as a list of five [batch, hidden, layers]
+    # tensors (two token-shift states in the model's dtype, three float32 WKV states) and returns
+    # it as a list, not a transformers Cache; new refused it
+    import yaml
+
+    code, draft = draft_and_check("rwkv", tmp_path)
+    out = capsys.readouterr()
+    spec = yaml.safe_load(draft)
+    state = spec["state"]
+    assert state["layer_list"] == {"conv_entries": 2, "initial": [0.0, 0.0, 0.0, 0.0, -1e30]}
+    assert state["conv_shape"][0] == 2 and state["recurrent_shape"][0] == 3
+    assert state["recurrent_dtype"] == "float32"
+    # the model's one-token step broadcasts a state of several rows against its input: row by row
+    assert state["one_token_rows"] == "one_at_a_time"
+    assert spec["block"]["call"]["cache_argument"] == "state"
+    assert "TODO review" not in draft
+    assert code == 0, out.err
+
+
+@pytest.mark.parametrize("model_type", ["minimax", "rwkv"])
+def test_blocks_keeping_a_state_outside_cache_layers_step_like_the_model(model_type: str, tmp_path: Path,
+                                                                       fresh_cache) -> None:
+    """A chain of the drafted blocks: the layers' outputs, any split into steps, beam reorder and restart."""
     import torch
     from blockhelpers import hf_model, record_layers, save_checkpoint
     from sessionhelpers import session_with_beam_and_restart, steps
 
-    from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
+    from distconf.blocks.layer_types import keeps_state_at
+    from distconf.blocks.state import state_geometry
     from distconf.blocks.weights import load_block
     from distconf.loader import load_family
     from distconf.tools.checker.reference import tiny_variants
 
-    assert new_from_defaults("minimax", tmp_path) == 0
+    assert new_from_defaults(model_type, tmp_path) == 0
     cls = load_family(next((tmp_path / "out").glob("*.yaml")))
     (_, values), *_ = tiny_variants(cls.family_spec.tiny_config)
     config = cls(**values)
     model = hf_model(cls.hf_config_class(**values))
     save_checkpoint(model, tmp_path / "ckpt")
     blocks = [load_block(tmp_path / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
-    layers = range(config.num_hidden_layers)
-    assert any(keeps_state_at(config, i) for i in layers) and any(keeps_kv_at(config, i) for i in layers)
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for block, (inputs, outputs) in zip(blocks, record_layers(model, config, ids, use_cache=False)):
             torch.testing.assert_close(block(inputs)[0], outputs, rtol=1e-5, atol=1e-5)
     hidden = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(1))
     whole, pasts = steps(blocks, hidden, [9])
-    state = next(p for i, p in enumerate(pasts) if keeps_state_at(config, i))
-    assert state[0] is None and tuple(state[1].shape[1:]) == (4, 16, 16)  # K^T V per head
+    layer = next(i for i in range(config.num_hidden_layers) if keeps_state_at(config, i))
+    geometry = state_geometry(config, layer)
+    conv, recurrent = pasts[layer]
+    assert (conv is None) == (geometry.conv_shape is None)
+    assert tuple(recurrent.shape) == (2, *geometry.recurrent_shape)
     for sizes in ([1] * 9, [4, 2, 1, 2], [3, 6]):
         stepped, _ = steps(blocks, hidden, sizes)
         torch.testing.assert_close(stepped, whole, rtol=1e-5, atol=1e-5)

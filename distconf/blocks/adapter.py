@@ -28,6 +28,7 @@ from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
 from distconf.blocks.state import BlockStateCache
+from distconf.blocks.state_carriers import carry_state, row_by_row, steps_row_by_row
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.source import FamilySource
@@ -346,6 +347,8 @@ class BlockAdapter:
         settings = self._distconf
         if settings.skipped:
             return hidden_states, None
+        if steps_row_by_row(settings, hidden_states, layer_past, use_cache):
+            return row_by_row(self.forward, hidden_states, layer_past, use_cache, rows)  # type: ignore[arg-type]
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
@@ -360,6 +363,8 @@ class BlockAdapter:
                   if settings.keeps_kv else None)
             state = BlockStateCache(state_past, settings.state_slots) if settings.keeps_state else None
             cache = BlockHybridCache(kv, state) if (kv is not None and state is not None) else (kv or state)
+            if state is not None:
+                cache = carry_state(cache, settings, hidden_states)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
         output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]
         if isinstance(output, (tuple, list)):

@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["StateSpec", "StateMethods", "Shapes"]
+__all__ = ["StateSpec", "StateMethods", "StateList", "Shapes"]
 
 Shape = list[IntOrFormula]
 Shapes = Shape | list[Annotated[Shape, Field(min_length=1)]]
@@ -41,6 +41,21 @@ class StateMethods(StrictModel):
                                  "(the block answers None before the first step).")
     set: str = Field(description="Method the layer calls with its layer index and the new recurrent state (the "
                                  "one tensor argument) to keep it.")
+
+
+class StateList(StrictModel):
+    """A layer given its state as a list of the model's per-layer tensors ``[batch, size, num_hidden_layers]`` (under
+    ``block.call.cache_argument``), of which it reads and writes its own slice ``[..., layer_idx]``.
+
+    The block builds that list from the session's state and collects its slice back: the first
+    ``conv_entries`` entries (kept in the block's dtype) form the conv state ``[conv_entries, size]``,
+    the others the recurrent state ``[entries, size]``.
+    """
+
+    conv_entries: int = Field(default=0, ge=0, description="How many leading entries of the list are kept in the "
+                                                           "block's dtype (the conv state); the rest are recurrent.")
+    initial: list[float] = Field(min_length=1, description="The value each entry holds before the first token "
+                                                           "(the model's initial state), one per entry.")
 
 
 class StateSpec(StrictModel):
@@ -91,6 +106,17 @@ class StateSpec(StrictModel):
         description="When the layer keeps its recurrent state through methods of a cache class of its own "
                     "(an attribute of that cache outside transformers' cache layers): their names. Null: the "
                     "layer uses get_recurrent_state / update_recurrent_state.",
+    )
+    layer_list: StateList | None = Field(
+        default=None,
+        description="When the layer takes its state as a list of the model's [batch, size, layers] tensors (see "
+                    "StateList). Null: the layer gets a cache object.",
+    )
+    one_token_rows: Literal["together", "one_at_a_time"] = Field(
+        default="together",
+        description="How the block runs a one-token step after an earlier state: 'together' (all rows in one "
+                    "call) or 'one_at_a_time' (a layer whose one-token step is right for one row only, e.g. "
+                    "one broadcasting its state's rows against its input's).",
     )
 
     @property

@@ -32,6 +32,7 @@ from distconf.tools.drafting.sections import (
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.state import foreign_cache_class, state_layout
+from distconf.tools.drafting.state_list_draft import apply_state_list
 from distconf.tools.drafting.statedraft import (
     apply_state,
     attention_by_type,
@@ -234,6 +235,11 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     base_values = values
     layout = state_layout(tiny.config, plan.raw, tiny.states, probe, perturb)
     if layout is None:
+        return
+    if tiny.state_methods is not None and layout.problem is None:
+        layout.state["recurrent_methods"] = {"get": tiny.state_methods.get, "set": tiny.state_methods.set}
+    if tiny.state_list is not None and layout.problem is None:
+        apply_state(draft, layout, apply_state_list(draft, layout, tiny.state_list, plan.config_class, values))
         return
     dtypes = state_dtypes(plan.config_class, values, draft.attn_implementation)
     if dtypes is None:  # most scans accumulate in float32; sizing then errs on the large side

@@ -11,6 +11,7 @@ from distconf.tools.drafting.common import field_value, is_int, quiet_transforme
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state import LayerState, foreign_state, layer_states
+from distconf.tools.drafting.state_list import StateListFound, find_state_list, list_states
 from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
 
 __all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
@@ -38,6 +39,8 @@ class TinyRun:
     """Where the model keeps a per-sequence state outside transformers' cache layers, in words (`foreign_state`)."""
     state_methods: StateMethodsFound | None = None
     """The methods of the model's own cache keeping its recurrent states (`find_state_methods`)."""
+    state_list: StateListFound | None = None
+    """The list of per-layer state tensors the model passes its layers (`find_state_list`)."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -118,9 +121,12 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     indexer = next((t for t in reversed(indexers) if getattr(t, "dim", lambda: 0)() == 3), None)
     cache = getattr(result, "past_key_values", None)
     methods = find_state_methods(cache)
+    listed = find_state_list(result, len(layers))
+    states = list_states(listed, len(layers)) if listed is not None else _states(cache, methods)
+    foreign = None if methods is not None or listed is not None else foreign_state(result, model)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result), states=_states(cache, methods), indexer=indexer,
-                   foreign_state=None if methods is not None else foreign_state(result, model), state_methods=methods)
+                   layer_shapes=_layer_shapes(result), states=states, indexer=indexer,
+                   foreign_state=foreign, state_methods=methods, state_list=listed)
 
 
 def _states(cache: Any, methods: StateMethodsFound | None = None) -> list[LayerState]:

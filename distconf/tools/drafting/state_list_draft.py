@@ -1,0 +1,141 @@
+"""Writing a state list (`distconf.tools.drafting.state_list.StateListFound`) into a draft's ``state.layer_list``.
+
+The entries' split (leading entries kept in the model's dtype form the conv state, the float32
+rest the recurrent one), their initial values (read as the first layer receives them), whether
+one-token steps of several rows need running row by row, and the layer's keyword.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, field_value
+from distconf.tools.drafting.probe import build_tiny_model
+from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.scan import find_layer_list
+from distconf.tools.drafting.state_list import StateListFound
+
+__all__ = ["apply_state_list"]
+
+_NO_CACHE_NOTES = ("forward takes no cache",)
+
+
+def _first_layer_state(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
+                       name: str, dtype: Any) -> tuple[list[Any], list[Any]] | None:
+    """(the state list as the first layer receives it, as the model returns it), in ``dtype``; None if it fails."""
+    import torch
+
+    seen: list[Any] = []
+
+    def capture(module: Any, args: Any, kwargs: Any) -> None:
+        if not seen and isinstance(kwargs.get(name), (list, tuple)):
+            seen.extend(t.detach().clone() for t in kwargs[name])
+
+    try:
+        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        model = model.to(dtype)
+        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+        hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
+        finally:
+            hook.remove()
+    except Exception:  # the float32 run has reported anything wrong with the config
+        return None
+    returned = result.get(name) if callable(getattr(result, "get", None)) else None
+    return (seen, list(returned)) if seen and returned else None
+
+
+def _initial(entries: list[Any]) -> list[float]:
+    """The one value each entry holds before the first token; raises `DraftingError` when one varies."""
+    values = []
+    for i, entry in enumerate(entries):
+        distinct = entry.unique()
+        if distinct.numel() != 1:
+            raise DraftingError(f"the layers keep a per-sequence state, but entry {i} of the model's state list "
+                                "does not start from one value; a family file for it needs its state section "
+                                "written by hand")
+        values.append(float(f"{distinct.item():.7g}"))  # as written in float32 (-1e30, not -1.00000002e30)
+    return values
+
+
+def _conv_entries(dtypes: list[Any]) -> int:
+    """How many leading entries a bfloat16 model keeps in bfloat16 (the rest must be float32)."""
+    import torch
+
+    count = next((i for i, dtype in enumerate(dtypes) if dtype != torch.bfloat16), len(dtypes))
+    if any(dtype != torch.float32 for dtype in dtypes[count:]):
+        raise DraftingError("the layers keep a per-sequence state, but the entries of the model's state list kept "
+                            "in the model's dtype do not all come before the float32 ones; a family file for it "
+                            "needs its state section written by hand")
+    return count
+
+
+def _rows_together(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, name: str) -> bool:
+    """Whether the model's one-token step after a state of two rows equals each row's own (some layers broadcast
+    their state's rows against their input's in that step); True when it cannot tell."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
+    try:
+        _, model = build_tiny_model(config_class, tiny, attn_implementation)
+        with torch.no_grad():
+            state = model(ids, use_cache=True).get(name)
+            rows = [model(nxt[r:r + 1], **{name: model(ids[r:r + 1], use_cache=True).get(name)},
+                          use_cache=True).get("logits") for r in range(2)]
+            try:
+                batched = model(nxt, **{name: state}, use_cache=True).get("logits")
+            except RuntimeError:  # the rows do not broadcast: the step is wrong for several rows
+                return False
+    except Exception:  # the float32 run has reported anything wrong with the config
+        return True
+    expected = torch.cat(rows)
+    return batched.shape == expected.shape and torch.allclose(batched, expected, rtol=1e-4, atol=1e-5)
+
+
+def apply_state_list(draft: FamilyDraft, layout: Any, found: StateListFound, config_class: type,
+                     tiny: Mapping[str, Any]) -> bool:
+    """Write ``layout.state`` for a state list (shapes, ``layer_list``) and the layer's keyword into ``draft``;
+    whether the recurrent entries are float32. Raises `DraftingError` when the list cannot be declared."""
+    import torch
+
+    if len(set(found.sizes)) > 1:
+        raise DraftingError(f"the layers keep a per-sequence state, but the entries of the model's state list have "
+                            f"different sizes ({', '.join(map(str, found.sizes))}); a family file for it needs its "
+                            "state section written by hand")
+    first = _first_layer_state(config_class, tiny, draft.attn_implementation, found.name, torch.float32)
+    if first is None:
+        raise DraftingError("the layers keep a per-sequence state as a list, but the first layer was not given it; "
+                            "a family file for it needs its state section written by hand")
+    initial = _initial(first[0])
+    low = _first_layer_state(config_class, tiny, draft.attn_implementation, found.name, torch.bfloat16)
+    if low is None:
+        conv, float32 = 0, True
+        draft.facts.append("the tiny model does not run in bfloat16 here: every entry of the state list is taken "
+                           "as float32")
+    else:
+        conv = _conv_entries([t.dtype for t in low[1]])
+        float32 = conv < len(initial) and low[1][-1].dtype == torch.float32
+    size = layout.state.pop("recurrent_shape")
+    state: dict[str, Any] = {}
+    if conv:
+        state["conv_shape"] = [conv, *size]
+    if conv < len(initial):
+        state["recurrent_shape"] = [len(initial) - conv, *size]
+    state["layer_list"] = {"conv_entries": conv, "initial": initial}
+    if not _rows_together(config_class, tiny, draft.attn_implementation, found.name):
+        state["one_token_rows"] = "one_at_a_time"
+        draft.facts.append("the model's one-token step after a state of several rows differs from each row's own: "
+                           "blocks run such steps one row at a time")
+    layout.state = {**state, **layout.state}
+    draft.call["cache_argument"] = found.name
+    draft.facts[:] = [fact for fact in draft.facts if not any(note in fact for note in _NO_CACHE_NOTES)]
+    carried = f" passes {found.name} from each layer's output"  # the list is that stream: each block keeps it
+    draft.review[:] = [note for note in draft.review
+                       if not any(n in note for n in _NO_CACHE_NOTES) and carried not in note]
+    draft.facts.append(f"the model passes its layers their state as a list of {len(initial)} [batch, size, layers] "
+                       f"tensors ('{found.name}'), each layer using its own slice")
+    return float32
