@@ -15,7 +15,7 @@ import torch
 import yaml
 from blockhelpers import hf_model, record_layers, save_checkpoint
 from sessionhelpers import served, session_with_beam_and_restart, steps
-from sweephelpers import new_from_defaults
+from sweephelpers import draft_and_check, new_fails
 
 from distconf.blocks.sizing import state_bytes_per_sequence
 from distconf.blocks.state import BlockStateCache, state_geometry
@@ -120,15 +120,35 @@ def test_a_state_idx_the_family_does_not_declare_is_named() -> None:
     cache = BlockStateCache(None, (2, 1))
     cache.update_conv_state(torch.zeros(1, 3, 2), state_idx=1, conv_kernel_size=4)
     assert cache.present is not None and cache.present[0] is None and cache.present[1].shape == (1, 3, 4)
-    with pytest.raises(ConfigValueError, match="conv state 2, but the family's state.conv_shape declares 2"):
+    with pytest.raises(ConfigValueError, match=r"conv state 2, but the family's state\.conv_shape declares 2"):
         cache.update_conv_state(torch.zeros(1, 3, 2), state_idx=2)
 
 
-@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text", "inkling2_loop_text"])
-def test_several_conv_states_per_layer_are_drafted(model_type: str, tmp_path: Path) -> None:
-    """The drafter lists every conv state of a layer (cache state_idx 0..3), not a refusal."""
-    assert new_from_defaults(model_type, tmp_path) == 0
-    (draft,) = (tmp_path / "out").glob("*.yaml")
-    state = yaml.safe_load(draft.read_text())["state"]
-    assert len(state["conv_shape"]) == 4 and all(isinstance(shape, list) for shape in state["conv_shape"])
-    assert state["conv_shape"][2] == ["hidden_size", "conv_kernel_size"]
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
+def test_layers_reading_a_stack_of_earlier_outputs_are_refused_in_one_line(
+        model_type: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Their layers keep four conv states too, but each reads every earlier layer's output (``block_states``)."""
+    line = new_fails(model_type, tmp_path, capsys)
+    assert "block_states, a stack of every earlier layer's hidden states" in line
+    assert "blocks exchange one hidden state only" in line
+
+
+def test_inkling_defaults_draft_and_check(tmp_path: Path, fresh_cache: None) -> None:
+    """Four conv states and K/V per layer, a ``hybrid_sliding`` layer type masked by its window, and the layer
+    types its modeling code names but its layers refuse (no tiny variant, and check does not ask for one)."""
+    code, text = draft_and_check("inkling_text", tmp_path)
+    draft = yaml.safe_load(text)
+    assert draft["block"]["mask"]["layer_kinds"] == {"hybrid_sliding": "sliding_window", "hybrid": "causal"}
+    assert "variants" not in draft["tiny_config"]
+    assert len(draft["state"]["conv_shape"]) == 4
+    assert code == 0
+
+
+@pytest.mark.parametrize(("layer_type", "kind"), [
+    ("hybrid_sliding", "sliding_window"), ("hybrid", "causal"), ("local_chunked", "chunked"),
+    ("sliding_attention", "sliding_window"),
+])
+def test_a_layer_type_named_by_its_kind_gets_that_mask(layer_type: str, kind: str) -> None:
+    from distconf.tools.drafting.sections import mask_kind_of
+
+    assert mask_kind_of(layer_type) == kind

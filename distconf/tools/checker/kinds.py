@@ -161,12 +161,16 @@ def coverage(cls: type) -> LayerKinds:
 def _add_named_layer_types(cls: type, reals: list[tuple[str, Any]], result: LayerKinds) -> None:
     """Kinds of the layer types the architecture names that no real config has (`named_kinds`)."""
     from distconf.errors import FamilyValidationError
-    from distconf.tools.checker.named_kinds import named_layer_type_configs
+    from distconf.tools.checker.named_kinds import model_refuses_layer_type, named_layer_type_configs
 
     for name, config in named_layer_type_configs(cls, reals):
         try:
             kinds = layer_kinds(config, first=1)
         except FamilyValidationError as exc:
+            refusal = model_refuses_layer_type(cls, config)
+            if refusal is not None:  # the modeling code names it, its layers do not run it
+                result.notes.append(f"{name}: the model itself does not run it ({refusal.splitlines()[0]})")
+                continue
             problem = exc.problems[0] if exc.problems else None
             raise located_failure(cls, ("block", "mask", "layer_kinds"), f"the architecture has layers of {name}, "
                                   f"which the family cannot build: {problem.message if problem else exc}; map "

@@ -20,7 +20,7 @@ import inspect
 import logging
 from typing import Any
 
-__all__ = ["layer_types_named_by", "named_layer_types", "named_layer_type_configs"]
+__all__ = ["layer_types_named_by", "named_layer_types", "named_layer_type_configs", "model_refuses_layer_type"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +92,35 @@ def named_layer_type_configs(cls: type, reals: list[tuple[str, Any]]) -> list[tu
             continue
         out.append((f"layer type {layer_type!r} (named by {where}; no real config has it)", config))
     return out
+
+
+def model_refuses_layer_type(cls: type, config: Any) -> str | None:
+    """Why the architecture's own model cannot run a layer of the type of ``config``'s first layer (a config of
+    `named_layer_type_configs`; None: it runs one).
+
+    The family's tiny config with its first layer of that type, built as the transformers model and
+    run on a few tokens with a cache: a type the modeling code names (in a mask mapping, say) but its
+    layers refuse is not one of the architecture's layers.
+    """
+    import torch
+
+    from distconf.blocks.hf_compat import causal_lm_from_config
+    from distconf.tools.checker.reference import tiny_variants
+
+    tiny = cls.family_spec.tiny_config  # type: ignore[attr-defined]
+    if not tiny:
+        return None
+    _, values = tiny_variants(tiny)[0]
+    field = _types_field(cls)
+    layer_type = getattr(config, field)[0]
+    types = values.get(field)
+    if not isinstance(types, (list, tuple)) or not types:
+        return None
+    try:
+        config = cls.hf_config_class(**{**values, field: [layer_type, *types[1:]]})  # type: ignore[attr-defined]
+        model = causal_lm_from_config(config).float().eval()
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long), use_cache=True)
+    except Exception as exc:  # the model's own refusal, reported as the reason
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -40,7 +40,7 @@ from distconf.tools.drafting.statedraft import (
     finish_state,
     refuse_foreign_state,
 )
-from distconf.tools.drafting.streams import note_carried_streams
+from distconf.tools.drafting.streams import note_carried_streams, refuse_stacked_streams
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -114,6 +114,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft_layer_classes(draft, scan, text)
     draft_model_buffers(draft, scan, text)
     draft_model_inputs(draft, scan, params)
+    refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
     note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
     draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:
@@ -169,6 +170,18 @@ def _named_type_variants(draft: FamilyDraft, plan: TinyPlan, layer_class: type) 
     return [(f"layer type {layer_type}", plan, values) for layer_type, values in found]
 
 
+def _drop_variant(draft: FamilyDraft, values: dict[str, Any]) -> bool:
+    """Remove the tiny variant ``values`` (the very dict) from the draft's tiny_config; whether it was there."""
+    listed = draft.tiny_config.get("variants", [])
+    kept = [v for v in listed if v is not values]
+    if len(kept) == len(listed):
+        return False
+    draft.tiny_config["variants"] = kept
+    if kept == [{}]:
+        del draft.tiny_config["variants"]
+    return True
+
+
 def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
     """Run every tiny variant; check sizes and kinds of layers; decide kv_groups / kv_cache from the caches."""
     base = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
@@ -180,6 +193,10 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         prefix = "" if name == "tiny" else f"variant {name}: "
         tiny = run_tiny(plan.config_class, {**base, **values}, draft.attn_implementation)
         if isinstance(tiny, str):
+            if name.startswith("layer type ") and _drop_variant(draft, values):  # a type its layers refuse
+                draft.facts.append(f"{name} is named by the modeling code, but the model does not run it "
+                                   f"({tiny.splitlines()[0]}): no tiny variant for it")
+                continue
             draft.review.append(f"{prefix}the tiny config does not run: {tiny}; fix tiny_config")
             continue
         refuse_foreign_state(tiny.foreign_state)

@@ -32,8 +32,13 @@ _KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_
 
 
 def mask_kind_of(layer_type: str) -> str:
-    """The mask kind of a K/V layer of a known ``layer_types`` value (causal for one not known)."""
-    return _KNOWN_LAYER_TYPES.get(layer_type, "causal")
+    """The mask kind of a K/V layer of a known ``layer_types`` value; of another, the kind a word of its name
+    says (``sliding`` / ``chunked``, e.g. a hybrid layer type ``hybrid_sliding``), else causal."""
+    known = _KNOWN_LAYER_TYPES.get(layer_type)
+    if known is not None:
+        return known
+    words = set(layer_type.lower().split("_"))
+    return "sliding_window" if "sliding" in words else "chunked" if "chunked" in words else "causal"
 
 
 _DEFAULT_LAYER_KINDS = {"full_attention": "causal", "sliding_attention": "sliding_window"}

@@ -14,7 +14,7 @@ import inspect
 import textwrap
 from typing import Any
 
-__all__ = ["carried_streams", "note_carried_streams"]
+__all__ = ["carried_streams", "note_carried_streams", "stacked_streams", "refuse_stacked_streams"]
 
 _HIDDEN = "hidden_states"
 
@@ -43,6 +43,52 @@ def carried_streams(owner: Any, layers_attribute: str) -> list[str]:
             passed = {name for value in [*call.args, *(k.value for k in call.keywords)] for name in _names(value)}
             found += sorted((targets & passed) - {_HIDDEN})
     return list(dict.fromkeys(found))
+
+
+_STACKING = frozenset({"cat", "concat", "concatenate", "stack"})
+
+
+def _called(call: ast.Call) -> str:
+    """The name of the function a call calls (``torch.cat`` -> ``cat``)."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def stacked_streams(owner: Any, layers_attribute: str) -> list[str]:
+    """Names the loop over ``owner.<layers_attribute>`` passes to its layers and grows from the hidden states
+    (``stack = torch.cat([stack, hidden_states...])``): every layer reads the outputs of the layers before it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(owner).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    found: list[str] = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or not any(isinstance(n, ast.Attribute) and n.attr == layers_attribute
+                                                    for n in ast.walk(loop.iter)):
+            continue
+        layer_names = set(_names(loop.target))
+        passed = {name for node in ast.walk(loop) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in layer_names
+                  for value in [*node.args, *(k.value for k in node.keywords)] for name in _names(value)}
+        for node in ast.walk(loop):
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+                continue
+            name, used = node.targets[0].id, set(_names(node.value))
+            grows = any(isinstance(call, ast.Call) and _called(call) in _STACKING for call in ast.walk(node.value))
+            if grows and name in passed and name != _HIDDEN and {name, _HIDDEN} <= used:
+                found.append(name)
+    return list(dict.fromkeys(found))
+
+
+def refuse_stacked_streams(owner: Any, layers_attribute: str) -> None:
+    """Raise `DraftingError` when every layer reads a stack of the earlier layers' outputs (`stacked_streams`)."""
+    from distconf.tools.drafting.common import DraftingError
+
+    stacked = stacked_streams(owner, layers_attribute)
+    if stacked:
+        raise DraftingError(f"{type(owner).__name__} gives each layer {', '.join(stacked)}, a stack of every "
+                            "earlier layer's hidden states it grows in its layer loop; blocks exchange one hidden "
+                            "state only (as the Petals wire does), so no family file can serve this model")
 
 
 def note_carried_streams(review: list[str], owner: Any, layers_attribute: str) -> None:
