@@ -29,6 +29,7 @@ from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import carry_state, row_by_row, steps_row_by_row
+from distconf.blocks.sublayer_cache import BlockSublayerKVCache
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.source import FamilySource
@@ -80,10 +81,10 @@ class LayerSettings:
     """The family has rotary embeddings, but not for this layer's type: it gets None."""
     computed_arguments: tuple[tuple[str, Any], ...] = ()
     """(keyword, function of the position ids or None) the model computes for its layers."""
-    skipped: bool = False
-    """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
     recomputes: bool = False
     """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
+    skipped: bool = False
+    """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -198,6 +199,14 @@ def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state:
     kv = None if kv is None or kv[0] is None else kv
     state = None if state is None or all(t is None for t in state) else state
     return kv, state  # type: ignore[return-value]
+
+
+def _kv_cache(kv_past: tuple[Any, ...] | None, settings: LayerSettings) -> BlockKVCache | BlockSublayerKVCache:
+    """The K/V cache object of one call: one per block, or one per attention sublayer (``kv_cache.sublayers``)."""
+    sublayers = type(settings.config).family_spec.kv_cache.sublayers
+    if sublayers > 1:
+        return BlockSublayerKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes, sublayers)
+    return BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes)
 
 
 class BlockAdapter:
@@ -357,10 +366,9 @@ class BlockAdapter:
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
-        cache: BlockKVCache | BlockStateCache | BlockHybridCache | None = None
+        cache: BlockKVCache | BlockSublayerKVCache | BlockStateCache | BlockHybridCache | None = None
         if use_cache or layer_past is not None:
-            kv = (BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes)
-                  if settings.keeps_kv else None)
+            kv = (_kv_cache(kv_past, settings) if settings.keeps_kv else None)
             state = BlockStateCache(state_past, settings.state_slots) if settings.keeps_state else None
             cache = BlockHybridCache(kv, state) if (kv is not None and state is not None) else (kv or state)
             if state is not None:

@@ -99,7 +99,7 @@ def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
     value_dim = _value(config, *field("value_head_dim"), lambda: key_dim)
     indexer = 0 if spec.indexer_head_dim is None else _value(config, "indexer_head_dim", spec.indexer_head_dim, int)
     total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim) + indexer)
-    return KVGeometry(heads, key_dim, value_dim, total, indexer)
+    return KVGeometry(heads * spec.sublayers, key_dim, value_dim, total * spec.sublayers, indexer)
 
 
 class BlockKVCache:

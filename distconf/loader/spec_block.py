@@ -261,6 +261,13 @@ class BlockSpec(StrictModel):
         pattern=_PREFIX,
         description="State-dict prefix of the layers: tensors of layer i start with '{prefix}.{i}.'.",
     )
+    modules_field: Identifier | None = Field(
+        default=None,
+        description="Config field counting the model's layer modules, for a model whose every module holds "
+                    "several attention sublayers and whose num_hidden_layers counts the sublayers (e.g. "
+                    "'num_layers'). A swarm serves one block per module: the family's config then reads "
+                    "num_hidden_layers from this field, and kv_cache.sublayers says how many sublayers cache.",
+    )
     base_model_prefix: str | None = Field(
         default=None, pattern=_PREFIX,
         description="The architecture's base-model prefix (e.g. 'transformer', 'model'). Checkpoints may "
@@ -316,7 +323,6 @@ class BlockSpec(StrictModel):
             raise ValueError(f"names {', '.join(map(repr, unknown))}, a type neither mask.layer_kinds nor "
                              f"mask.layer_index_fields names (they name {', '.join(map(repr, sorted(known)))})")
         return kinds
-
 
     @model_validator(mode="after")
     def _layer_types_for_classes(self) -> BlockSpec:
@@ -388,6 +394,12 @@ class KVCacheSpec(StrictModel):
         default_factory=dict,
         description="Layer type (value of block.mask.layer_types_field) -> the KV geometry of layers of that type "
                     "where it differs (fields left out keep this section's values).",
+    )
+    sublayers: int = Field(
+        default=1, ge=1,
+        description="Attention sublayers of one block that each keep their own K/V of the geometry above (a "
+                    "layer module calling the cache with several layer indices); the block keeps them side by "
+                    "side along the head axis, so it caches this many times the values per token.",
     )
     layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
         default="kv_heads",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -135,6 +136,10 @@ def _check_names(source: FamilySource, config_class: type) -> None:
             if not hasattr(default, name):
                 problems.append(source.problem(
                     ("after_load", section, name), f"{name!r} is not a field of {config_class.__name__}"))
+    modules = source.spec.block.modules_field
+    if modules is not None and not isinstance(getattr(default, modules, None), int):
+        problems.append(source.problem(("block", "modules_field"),
+                                       f"{modules!r} is not an integer field of {config_class.__name__}"))
     if problems:
         raise FamilyValidationError(problems)
 
@@ -214,6 +219,23 @@ class SynthesizedConfigMethods:
 _METHODS = ("__setattr__", "__post_init__", "__reduce__", "num_key_value_groups", "from_pretrained")
 
 
+def _blocks_counted_by(config_class: type, field: str) -> property:
+    """``num_hidden_layers`` read from ``field`` (``block.modules_field``: one block per layer module); setting
+    it keeps the config class's own meaning (the sublayers it counts)."""
+    inherited = inspect.getattr_static(config_class, "num_hidden_layers", None)
+
+    def get(self: Any) -> int:
+        return getattr(self, field)
+
+    def put(self: Any, value: int) -> None:
+        if isinstance(inherited, property) and inherited.fset is not None:
+            inherited.fset(self, value)
+        else:
+            self.__dict__["_hf_num_hidden_layers"] = value
+
+    return property(get, put, doc=f"Blocks of the model: its layer modules, counted by {field!r}.")
+
+
 def _block_class(cls: type) -> type:
     factory = import_object(cls.family_spec.block.adapter)  # type: ignore[attr-defined]
     return factory(cls)
@@ -257,6 +279,8 @@ def synthesize_config_class(source: FamilySource, *, module: str) -> type:
     })
     if spec.revisions:
         namespace["pinned_revisions"] = dict(spec.revisions)
+    if spec.block.modules_field:
+        namespace["num_hidden_layers"] = _blocks_counted_by(config_class, spec.block.modules_field)
     cls = type(spec.class_name, bases, namespace)
     cls.synthesized_class = cls
     return cls

@@ -116,11 +116,13 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
     from distconf.blocks.kvcache import BlockKVCache
     from distconf.blocks.state import BlockStateCache
     from distconf.blocks.state_carriers import LayerStateList, MethodStateCache
+    from distconf.blocks.sublayer_cache import BlockSublayerKVCache
 
     got_cache: list[bool] = []
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
-        caches = (BlockKVCache, BlockStateCache, BlockHybridCache, MethodStateCache, LayerStateList)
+        caches = (BlockKVCache, BlockSublayerKVCache, BlockStateCache, BlockHybridCache, MethodStateCache,
+                  LayerStateList)
         got_cache.append(any(isinstance(v, caches) for v in (*args, *kwargs.values())))
 
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]

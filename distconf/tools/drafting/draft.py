@@ -41,6 +41,7 @@ from distconf.tools.drafting.statedraft import (
     refuse_foreign_state,
 )
 from distconf.tools.drafting.streams import note_carried_streams, refuse_stacked_streams
+from distconf.tools.drafting.sublayers import draft_modules_field, finish_sublayers
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -105,6 +106,8 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft = _new_draft(family, str(config["model_type"]), config_class, scan)
     if nested is not None:
         draft.facts.insert(0, nested_fact)
+    draft_modules_field(draft, scan, text)
+    sublayers = scan.sublayers
     draft_constructor(draft, scan.layer_class, scan.base_model)
     params = merge_call_parameters(draft, scan, draft_call(draft, scan.layer_class))
     draft_position(draft, scan, params, full)
@@ -136,6 +139,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         finish_state(draft, by_type, mixer, layer_class)
+    finish_sublayers(draft, sublayers)
     return draft
 
 

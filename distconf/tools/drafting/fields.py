@@ -41,6 +41,22 @@ def config_class_for(config: Mapping[str, Any]) -> type | None:
         return None
 
 
+def _derived_layer_count(config_class: type | None) -> str | None:
+    """The one field a config class derives ``num_hidden_layers`` from (a property reading it, e.g. twice the
+    layer modules, each holding two sublayers), or None."""
+    import inspect
+    import re
+
+    prop = inspect.getattr_static(config_class, "num_hidden_layers", None) if config_class is not None else None
+    if not isinstance(prop, property) or prop.fget is None:
+        return None
+    try:
+        read = set(re.findall(r"self\.([A-Za-z_]\w*)", inspect.getsource(prop.fget)))
+    except (OSError, TypeError):
+        return None
+    return read.pop() if len(read) == 1 else None
+
+
 @dataclass(frozen=True)
 class FieldNames:
     """Standard names of stored fields, from a config class's ``attribute_map`` (identity without one)."""
@@ -51,7 +67,11 @@ class FieldNames:
     def of(cls, config_class: type | None) -> FieldNames:
         """The names of ``config_class`` (None: every name is its own standard name)."""
         attribute_map = getattr(config_class, "attribute_map", None) or {}
-        return cls({stored: standard for standard, stored in attribute_map.items()})
+        aliases = {stored: standard for standard, stored in attribute_map.items()}
+        counted_by = _derived_layer_count(config_class)
+        if counted_by is not None:
+            aliases.setdefault(counted_by, "num_hidden_layers")
+        return cls(aliases)
 
     def standard(self, key: str) -> str:
         """The standard name transformers reads ``key`` by (an anchor's own name stays itself)."""

@@ -13,7 +13,7 @@ from distconf.tools.drafting.common import DraftingError, crash_line, quiet_tran
 from distconf.tools.drafting.fields import ANCHOR_NAMES
 
 __all__ = ["ModelScan", "find_attention", "meta_model", "scan_model", "layer_signature", "forward_parameters",
-           "find_layer_list", "config_reads"]
+           "find_layer_list", "find_layer_modules", "config_reads"]
 
 
 @dataclass
@@ -28,6 +28,8 @@ class ModelScan:
     attention_class: type | None
     attention_name: str | None
     rotary_class: type | None
+    sublayers: int = 1
+    """Attention sublayers per layer module (num_hidden_layers counts them; the list holds the modules)."""
 
     @property
     def layer_class(self) -> type:
@@ -94,7 +96,7 @@ def scan_model(model: Any, num_layers: int | None) -> ModelScan:
         raise DraftingError(f"the config of {type(model).__name__} counts no layers at its top level (no "
                             f"num_hidden_layers); its layer stacks ({stacks or 'none found'}) are sized by nested "
                             "sub-configs, and a family serves the one stack of layers num_hidden_layers counts")
-    prefix, layers = find_layer_list(model, num_layers)
+    prefix, layers, sublayers = find_layer_modules(model, num_layers)
     base_prefix = getattr(type(model), "base_model_prefix", None)
     base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
     attention_class, attention_name = find_attention(layers[0])
@@ -103,7 +105,7 @@ def scan_model(model: Any, num_layers: int | None) -> ModelScan:
     return ModelScan(model=model, prefix=prefix, layers=layers, base_prefix=base_prefix,
                      base_model=model.get_submodule(owner) if owner else model,
                      attention_class=attention_class, attention_name=attention_name,
-                     rotary_class=rotary_class)
+                     rotary_class=rotary_class, sublayers=sublayers)
 
 
 def layer_signature(layer: Any) -> tuple[str, ...]:
@@ -127,33 +129,68 @@ def _layer_stacks(model: Any) -> list[tuple[str, Any]]:
 
 
 def find_layer_list(model: Any, num_layers: int | None) -> tuple[str, Any]:
-    """The ``ModuleList`` of ``num_layers`` layers holding the most parameters, and its path."""
+    """The ``ModuleList`` of ``num_layers`` layers holding the most parameters, and its path (or the list of
+    layer modules holding sublayers, `find_layer_modules`)."""
+    name, module, _ = find_layer_modules(model, num_layers)
+    return name, module
+
+
+def find_layer_modules(model: Any, num_layers: int | None) -> tuple[str, Any, int]:
+    """The ``ModuleList`` of ``num_layers`` layers holding the most parameters, its path, and 1; or, when the
+    model has none, a list of modules each holding ``s`` attention sublayers (``num_layers / s`` of them), and s."""
+    candidates = _layer_lists(model, lambda n: num_layers is None or n == num_layers)
+    if candidates:
+        return (*candidates[0], 1)
+    for name, module in _layer_lists(model, lambda n: num_layers is not None and n < num_layers
+                                     and num_layers % n == 0):
+        sublayers = num_layers // len(module)  # type: ignore[operator]
+        if all(_attention_count(layer) == sublayers for layer in module):
+            return name, module, sublayers
+    raise DraftingError(
+        f"no ModuleList of {num_layers} layers in {type(model).__name__}; is num_hidden_layers right?")
+
+
+def _layer_lists(model: Any, length_fits: Any) -> list[tuple[str, Any]]:
+    """(path, ModuleList) of the lists of layers with parameters whose length fits, most parameters first."""
     import torch
 
     candidates = []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        if num_layers is not None and len(module) != num_layers:
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0 or not length_fits(len(module)):
             continue
         if not all(any(True for _ in child.parameters()) for child in module):
             continue
         params = sum(p.numel() for p in module.parameters())
         candidates.append((params, -name.count("."), name, module))
-    if not candidates:
-        raise DraftingError(
-            f"no ModuleList of {num_layers} layers in {type(model).__name__}; is num_hidden_layers right?")
     candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    _, _, name, module = candidates[0]
-    return name, module
+    return [(name, module) for _, _, name, module in candidates]
+
+
+def _attention_count(layer: Any) -> int:
+    """Attention modules of ``layer`` that hold no other attention module (its sublayers' attentions)."""
+    found = [name for name, module in layer.named_modules() if name and _is_attention(module)]
+    return sum(1 for name in found if not any(other.startswith(name + ".") for other in found))
+
+
+_CACHE_PARAMETERS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_attention(module: Any) -> bool:
+    """An attention module: named so, or (latent attention classes are not) one whose forward takes the
+    cache and the rotary embeddings."""
+    cls_name = type(module).__name__
+    if "Attention" in cls_name:
+        return "Norm" not in cls_name
+    params = forward_parameters(type(module))
+    return "position_embeddings" in params and any(name in params for name in _CACHE_PARAMETERS) \
+        and not cls_name.endswith("Layer")
 
 
 def find_attention(layer: Any) -> tuple[type | None, str | None]:
     """The attention module class inside ``layer`` and its name (None, None when there is none)."""
     found = []
     for name, module in layer.named_modules():
-        cls_name = type(module).__name__
-        if name and "Attention" in cls_name and "Norm" not in cls_name:
+        if name and _is_attention(module):
             found.append((name.count("."), name, type(module)))
     if not found:
         return None, None
