@@ -1,4 +1,4 @@
-"""Sweep fixes (h2, round 25): layers the model skips for token ids alone (cross-attention layers listed by index)."""
+"""Sweep fixes (h2, round 25): layers the model skips for token ids alone (mllama); a non-causal model (cpmant)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from sweephelpers import draft_and_check
+from sweephelpers import draft_and_check, new_fails
 
 from distconf import FamilyValidationError
 from distconf.loader.source import read_family_file
@@ -86,3 +86,60 @@ def test_a_skipped_layer_keeps_nothing_and_passes_hidden_states(tmp_path: Path) 
     hidden = torch.randn(1, 4, 64)
     out, present = block(hidden, use_cache=True)
     assert present is None and torch.equal(out, hidden)
+
+
+# cpmant attends bidirectionally over its whole input (context=1 for every token): no step-by-step run of blocks
+# gives its full-sequence outputs, whatever its position bias; drafter and check say so in one line
+_CPMANT = """family: cpmant
+model_type: cpmant
+config_class: transformers.CpmAntConfig
+block:
+  layer_class: transformers.models.cpmant.modeling_cpmant.CpmAntTransformerBlock
+  attention_class: transformers.models.cpmant.modeling_cpmant.CpmAntSelfAttentionBlock
+  prefix: cpmant.encoder.layers
+  base_model_prefix: cpmant
+  attn_implementation: eager
+  call:
+    position_ids_argument: null
+    position_embeddings_argument: null
+kv_groups: 1
+dht_prefix:
+  name: repo
+tiny_config:
+  dim_ff: 160
+  dim_head: 16
+  hidden_size: 64
+  num_attention_heads: 4
+  num_hidden_layers: 2
+  prompt_length: 4
+  vocab_size: 256
+"""
+
+
+def test_a_model_that_is_not_causal_fails_new_in_one_line(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    line = new_fails("cpmant", tmp_path, capsys)
+    assert "the model is not causal" in line and "bidirectional" in line, line
+
+
+def test_check_names_a_model_that_is_not_causal(tmp_path: Path) -> None:
+    from distconf.tools.checker.run import check_family
+
+    path = tmp_path / "cpmant.yaml"
+    path.write_text(_CPMANT, encoding="utf-8")
+    (result,) = check_family(path)
+    assert result.failure is not None and result.failure.field == "block", result.failure
+    assert "the model is not causal" in str(result.failure), result.failure
+
+
+def test_a_causal_model_does_not_change_its_first_outputs() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distconf.tools.checker.causal import later_tokens_change
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, vocab_size=256)).eval()
+    change = later_tokens_change(model, 256)
+    assert change is not None and change < 1e-5

@@ -14,7 +14,7 @@ from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
 __all__ = ["SEQ_LEN", "BATCH", "tiny_variants", "Reference", "build_reference", "save_sharded",
-           "find_layer_module", "record_layer_io"]
+           "find_layer_module", "record_layer_io", "perturb_weights"]
 
 SEQ_LEN = 9
 """Tokens per sequence of the reference run."""
@@ -70,11 +70,19 @@ def build_reference(cls: type, values: dict[str, Any]) -> Reference:
     except Exception as exc:
         raise located_failure(cls, ("config_class",),
                               f"cannot build a causal LM from the tiny config: {exc}") from None
+    perturb_weights(model)
+    return Reference(config, model)
+
+
+def perturb_weights(model: Any) -> None:
+    """Add seeded noise to every parameter of ``model``, so zero-initialized biases and norms matter too (and
+    no two learned values tie, as in a trained model)."""
+    import torch
+
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * _WEIGHT_NOISE)
-    return Reference(config, model)
 
 
 def save_sharded(model: Any, directory: Path) -> None:

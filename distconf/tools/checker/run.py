@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
+from distconf.tools.checker.causal import non_causal_cause
 from distconf.tools.checker.failures import CheckFailure, crash_failure, located_failure, validation_failure
 from distconf.tools.checker.kinds import check_coverage
 from distconf.tools.checker.layout import (
@@ -44,11 +45,16 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
         check_layer_tensors(cls, reference, files)
         blocks = load_blocks(cls, directory, reference, attn_class)
     result.params_per_block = sum(p.numel() for p in blocks[0].parameters())
-    check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.hidden_size)
-
-    ref_in, ref_out = record_layer_io(reference)
-    compare_full(cls, blocks, ref_in, ref_out, result)
-    caches = compare_cached(cls, blocks, ref_in, ref_out, result)
+    try:
+        check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.hidden_size)
+        ref_in, ref_out = record_layer_io(reference)
+        compare_full(cls, blocks, ref_in, ref_out, result)
+        caches = compare_cached(cls, blocks, ref_in, ref_out, result)
+    except Exception:
+        cause = non_causal_cause(reference.model, getattr(reference.config, "vocab_size", 2) or 2)
+        if cause is not None:  # the cause, not a symptom no family file could cure
+            raise located_failure(cls, ("block",), cause) from None
+        raise
     check_kv_cache(cls, reference.config, caches, result)
     check_block_sizes(cls, reference.config, blocks, result)
     check_meta_build(cls, reference.config)

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
@@ -136,6 +137,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     if run_tiny:
         _verify_tiny(draft, variants)
         base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
+        refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         finish_state(draft, by_type, mixer, layer_class)
@@ -265,8 +267,8 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     dtypes = state_dtypes(plan.config_class, values, draft.attn_implementation)
     if dtypes is None:  # most scans accumulate in float32; sizing then errs on the large side
         draft.facts.append("the tiny model does not run in bfloat16 here: recurrent_dtype float32 is assumed")
-    float32 = dtypes is None or "float32" in dtypes
-    apply_state(draft, layout, float32)
+    float32 = dtypes is None or "float32" in dtypes["recurrent"]
+    apply_state(draft, layout, float32, conv_float32=dtypes is not None and "float32" in dtypes["conv"])
 
 
 def _per_layer_geometry(prefix: str, tiny: TinyRun) -> list[str]:

@@ -1,0 +1,27 @@
+"""The drafter refuses a model that is not causal (`distconf.tools.checker.causal`), in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import DraftingError, field_value, quiet_transformers
+
+__all__ = ["refuse_non_causal"]
+
+
+def refuse_non_causal(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> None:
+    """Raise `DraftingError` when the tiny model's first tokens' outputs depend on later tokens."""
+    from distconf.tools.checker.causal import non_causal_cause
+    from distconf.tools.checker.reference import perturb_weights
+    from distconf.tools.drafting.probe import build_tiny_model
+
+    try:
+        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+    except Exception:  # the tiny run reports why the config does not build
+        return
+    perturb_weights(model)  # as the check does: an initializer's equal values would tie in top-k choices
+    with quiet_transformers():
+        cause = non_causal_cause(model, field_value(config, "vocab_size", 2) or 2)
+    if cause is not None:
+        raise DraftingError(cause + ": it cannot be served as blocks")
