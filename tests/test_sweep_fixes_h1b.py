@@ -152,3 +152,20 @@ def test_a_layer_type_named_by_its_kind_gets_that_mask(layer_type: str, kind: st
     from distconf.tools.drafting.sections import mask_kind_of
 
     assert mask_kind_of(layer_type) == kind
+
+
+def test_float32_conv_states_of_a_bfloat16_block_are_sized_in_float32(tmp_path: Path) -> None:
+    """``state.conv_dtype: float32``: the layers run their short convolutions in float32 whatever the block's
+    dtype; the bytes per sequence count them so, and equal what a bfloat16 block keeps."""
+    family = {**_FAMILY, "family": "inkling_text_h1_f32", "state": {**_FAMILY["state"], "conv_dtype": "float32"}}
+    path = tmp_path / "inkling_text_h1_f32.yaml"
+    path.write_text(yaml.safe_dump(family, sort_keys=False), encoding="utf-8")
+    cls = load_family(path)
+    config = cls(**_TINY)
+    save_checkpoint(hf_model(cls.hf_config_class(**_TINY)), tmp_path / "ckpt")
+    blocks = [load_block(tmp_path / "ckpt", config, i, dtype=torch.bfloat16) for i in range(config.num_hidden_layers)]
+    _, pasts = steps(blocks, torch.randn(2, 6, config.hidden_size, dtype=torch.bfloat16), [4, 1, 1])
+    convs = [t for t in pasts[0][2:] if t is not None]
+    assert len(convs) == 4 and all(t.dtype == torch.float32 for t in convs)
+    held = sum(t.numel() * t.element_size() for t in convs) // 2
+    assert state_bytes_per_sequence(config, torch.bfloat16, 0) == held == (32 * 4 * 2 + 64 * 4 * 2) * 4

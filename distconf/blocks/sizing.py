@@ -146,4 +146,5 @@ def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | Non
     if geometry is None:
         return 0
     recurrent_bytes = 4 if geometry.recurrent_float32 else bytes_per_value(dtype)
-    return int(geometry.conv_values * bytes_per_value(dtype) + geometry.recurrent_values * recurrent_bytes)
+    conv_bytes = 4 if geometry.conv_float32 else bytes_per_value(dtype)
+    return int(geometry.conv_values * conv_bytes + geometry.recurrent_values * recurrent_bytes)

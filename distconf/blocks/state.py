@@ -32,6 +32,8 @@ class StateGeometry:
     conv_shapes: tuple[tuple[int, ...], ...]
     recurrent_shapes: tuple[tuple[int, ...], ...]
     recurrent_float32: bool
+    conv_float32: bool = False
+    """The convolution states are kept in float32 (``state.conv_dtype``), else in the block's dtype."""
 
     @property
     def conv_shape(self) -> tuple[int, ...] | None:
@@ -99,7 +101,7 @@ def state_geometry(config: DistributedConfig, layer_idx: int | None = None) -> S
             return (_shape(config, field, listed[0]),)
         return tuple(_shape(config, f"{field}[{i}]", entries) for i, entries in enumerate(listed))
     return StateGeometry(shapes("conv_shape", state.conv_shapes), shapes("recurrent_shape", state.recurrent_shapes),
-                         state.recurrent_dtype == "float32")
+                         state.recurrent_dtype == "float32", state.conv_dtype == "float32")
 
 
 class BlockStateCache:

@@ -87,6 +87,11 @@ class StateSpec(StrictModel):
         description="dtype the layer keeps its recurrent state in: 'block' (the block's dtype) or 'float32' "
                     "(layers whose scan accumulates in float32 whatever the weights' dtype).",
     )
+    conv_dtype: Literal["block", "float32"] = Field(
+        default="block",
+        description="dtype the layer keeps its convolution states in: 'block' (the block's dtype) or 'float32' "
+                    "(layers that run their short convolutions in float32 whatever the weights' dtype).",
+    )
 
     layer_kinds: list[str] | None = Field(
         default=None, min_length=1,

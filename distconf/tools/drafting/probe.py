@@ -134,8 +134,10 @@ def _states(cache: Any, methods: StateMethodsFound | None = None) -> list[LayerS
     return with_method_states(cache, layer_states(cache), methods)
 
 
-def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:
-    """The dtypes of the recurrent states a bfloat16 tiny model keeps (None when it cannot run in bfloat16)."""
+def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
+                 ) -> dict[str, set[str]] | None:
+    """The dtypes of the ``recurrent`` and of the ``conv`` states a bfloat16 tiny model keeps (None when it cannot
+    run in bfloat16)."""
     import torch
 
     try:
@@ -146,7 +148,9 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
     except Exception:  # the float32 run has reported anything wrong with the config
         return None
     cache = getattr(result, "past_key_values", None)
-    return {s.recurrent_dtype for s in _states(cache, find_state_methods(cache)) if s.recurrent_dtype}
+    states = _states(cache, find_state_methods(cache))
+    return {"recurrent": {s.recurrent_dtype for s in states if s.recurrent_dtype},
+            "conv": {s.conv_dtype for s in states if s.conv_dtype}}
 
 
 def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:

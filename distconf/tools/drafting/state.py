@@ -39,6 +39,7 @@ class LayerState:
     conv: tuple[int, ...] | None = None
     recurrent: tuple[int, ...] | None = None
     recurrent_dtype: str | None = None  # torch dtype name
+    conv_dtype: str | None = None  # torch dtype name of the first conv state
     kv: bool = False
     extra_convs: tuple[tuple[int, ...], ...] = ()  # conv states of cache state_idx 1 and up
     extra_recurrents: tuple[tuple[int, ...], ...] = ()  # recurrent states of state_idx 1 and up
@@ -65,6 +66,7 @@ def layer_states(cache: Any) -> list[LayerState]:
         found.append(LayerState(
             conv=convs[0] if convs else None, recurrent=recurrents[0] if recurrents else None,
             recurrent_dtype=_first_dtype(getattr(layer, "recurrent_states", None)),
+            conv_dtype=_first_dtype(getattr(layer, "conv_states", None)),
             kv=getattr(keys, "dim", lambda: 0)() == 4, extra_convs=tuple(convs[1:]),
             extra_recurrents=tuple(recurrents[1:]), gap=conv_gap or recurrent_gap))
     return found

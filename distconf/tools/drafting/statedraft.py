@@ -78,8 +78,9 @@ def refuse_foreign_state(where: str | None) -> None:
                             "recurrent_states) only")
 
 
-def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) -> None:
+def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool, conv_float32: bool = False) -> None:
     """Set the draft's state section and the per-type kinds ``layout`` found; drop the notes it answers.
+    ``float32_state`` / ``conv_float32``: a bfloat16 model keeps its recurrent / conv states in float32.
 
     Raises `DraftingError` when the layout cannot be declared (the draft could not pass the check).
     """
@@ -91,6 +92,8 @@ def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool) ->
     state = dict(layout.state)
     if float32_state and "recurrent_shape" in state:
         state["recurrent_dtype"] = "float32"
+    if conv_float32 and "conv_shape" in state:
+        state["conv_dtype"] = "float32"
     types, kv_types = layout.state_types, layout.kv_types or []
     all_types = layout.all_types or list(dict.fromkeys([*(types or []), *kv_types]))
     if types is not None and draft.mask.get("layer_types_field"):
