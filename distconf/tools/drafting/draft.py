@@ -267,8 +267,8 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     dtypes = state_dtypes(plan.config_class, values, draft.attn_implementation)
     if dtypes is None:  # most scans accumulate in float32; sizing then errs on the large side
         draft.facts.append("the tiny model does not run in bfloat16 here: recurrent_dtype float32 is assumed")
-    float32 = dtypes is None or "float32" in dtypes
-    apply_state(draft, layout, float32)
+    float32 = dtypes is None or "float32" in dtypes["recurrent"]
+    apply_state(draft, layout, float32, conv_float32=dtypes is not None and "float32" in dtypes["conv"])
 
 
 def _per_layer_geometry(prefix: str, tiny: TinyRun) -> list[str]:
