@@ -38,6 +38,13 @@ dht_prefix:
     return path
 
 
+_SKIPPED_BLOCK = ("  layer_classes:\n    cross_attention: "
+                  "transformers.models.mllama.modeling_mllama.MllamaCrossAttentionDecoderLayer\n"
+                  "  skipped_layer_kinds: [cross_attention]\n  mask:\n    layer_index_fields:\n"
+                  "      cross_attention: cross_attention_layers\n  position:\n    rotary_class: "
+                  "transformers.models.mllama.modeling_mllama.MllamaRotaryEmbedding\n")
+
+
 def _problem(path: Path):
     with pytest.raises(FamilyValidationError) as info:
         read_family_file(path)
@@ -64,7 +71,7 @@ def test_an_index_field_must_be_an_identifier(tmp_path: Path) -> None:
     assert problem.field.startswith("block.mask.layer_index_fields"), problem
 
 
-def test_a_skipped_layer_keeps_nothing_and_passes_hidden_states(tmp_path: Path) -> None:
+def test_a_skipped_layer_keeps_nothing_and_passes_hidden_states(tmp_path: Path, fresh_cache: None) -> None:
     """Block 1 (a cross-attention layer) keeps no cache and returns its input; KV sizing counts the others."""
     import torch
 
@@ -72,10 +79,7 @@ def test_a_skipped_layer_keeps_nothing_and_passes_hidden_states(tmp_path: Path) 
     from distconf.blocks.build import build_block
     from distconf.blocks.layer_types import keeps_kv_at, layer_type
 
-    path = _family(tmp_path, "  layer_classes:\n    cross_attention: "
-                             "transformers.models.mllama.modeling_mllama.MllamaCrossAttentionDecoderLayer\n"
-                             "  skipped_layer_kinds: [cross_attention]\n  mask:\n    layer_index_fields:\n"
-                             "      cross_attention: cross_attention_layers\n")
+    path = _family(tmp_path, _SKIPPED_BLOCK)
     cls = load_family(path)
     config = cls(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  num_hidden_layers=3, cross_attention_layers=[1], vocab_size=256)
@@ -143,3 +147,38 @@ def test_a_causal_model_does_not_change_its_first_outputs() -> None:
                                          num_attention_heads=4, vocab_size=256)).eval()
     change = later_tokens_change(model, 256)
     assert change is not None and change < 1e-5
+
+
+def test_a_server_session_runs_a_chain_with_a_skipped_layer(tmp_path: Path, fresh_cache: None) -> None:
+    """A session (prefill, decode steps, a beam reorder) through blocks 0-2 of a tiny mllama text model: the
+    skipped cross-attention block is sized at no cache, and every output equals the chain run by hand."""
+    import torch
+    from sessionhelpers import served, steps
+
+    from distconf import load_family
+    from distconf.blocks.build import build_block
+    from distconf.blocks.sizing import kv_cache_bytes_per_token
+    from distconf.server.compute import SessionCache
+
+    cls = load_family(_family(tmp_path, _SKIPPED_BLOCK))
+    config = cls(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=3, cross_attention_layers=[1], vocab_size=256)
+    sizes = [kv_cache_bytes_per_token(config, torch.float32, i) for i in range(3)]
+    assert sizes[1] == 0 and sizes[0] == sizes[2] > 0
+    torch.manual_seed(0)
+    blocks = [build_block(config, i, device="cpu") for i in range(3)]
+    hidden = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(3))
+    expected, _ = steps(blocks, hidden, [7])
+    cache = SessionCache(served(config, blocks), 3, 16)
+    cache.allocate()
+    try:
+        no_prompts = [None] * 3
+        outputs = [cache.step(hidden[:, :4], no_prompts, None)]
+        outputs += [cache.step(hidden[:, i:i + 1], no_prompts, None) for i in range(4, 7)]
+        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
+        hypo_ids = torch.tensor([2, 0, 0])
+        nxt = torch.randn(3, 1, 64)
+        ref, _ = steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
+        torch.testing.assert_close(cache.step(nxt, no_prompts, hypo_ids), ref[:, 7:], rtol=1e-5, atol=1e-5)
+    finally:
+        cache.release()
