@@ -206,7 +206,8 @@ def _kv_cache(kv_past: tuple[Any, ...] | None, settings: LayerSettings) -> Block
     sublayers = type(settings.config).family_spec.kv_cache.sublayers
     if sublayers > 1:
         return BlockSublayerKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes, sublayers)
-    return BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes)
+    return BlockKVCache(kv_past, settings.geometry.num_kv_heads, settings.layer_writes,
+                        keeps_indexer=settings.geometry.indexer_head_dim > 0)
 
 
 class BlockAdapter:

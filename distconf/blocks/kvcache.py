@@ -79,8 +79,8 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     if layer_idx is None:  # the largest of the family's geometries (what a K/V block keeps at most)
         kinds = [None, *overrides]
         return max((_geometry(config, kind) for kind in kinds), key=lambda g: g.values_per_token)
-    kind = layer_type(config, layer_idx) if overrides else None
-    return _geometry(config, kind if kind in overrides else None)
+    by_kind = overrides or family.kv_cache.indexer_layer_kinds is not None
+    return _geometry(config, layer_type(config, layer_idx) if by_kind else None)
 
 
 def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
@@ -97,9 +97,21 @@ def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
     heads = _value(config, *field("num_kv_heads"), lambda: config.num_attention_heads // config.num_key_value_groups)
     key_dim = _value(config, *field("key_head_dim"), lambda: _default_head_dim(config))
     value_dim = _value(config, *field("value_head_dim"), lambda: key_dim)
-    indexer = 0 if spec.indexer_head_dim is None else _value(config, "indexer_head_dim", spec.indexer_head_dim, int)
+    indexer_here = spec.indexer_layer_kinds is None or kind is None or kind in spec.indexer_layer_kinds
+    indexer = 0 if spec.indexer_head_dim is None or not indexer_here else _value(
+        config, "indexer_head_dim", spec.indexer_head_dim, int)
     total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim) + indexer)
     return KVGeometry(heads * spec.sublayers, key_dim, value_dim, total * spec.sublayers, indexer)
+
+
+class _EveryLayer:
+    """``cache.layers``: whatever index a layer reads, its block's own cache object."""
+
+    def __init__(self, cache: BlockKVCache) -> None:
+        self.cache = cache
+
+    def __getitem__(self, index: Any) -> BlockKVCache:
+        return self.cache
 
 
 class BlockKVCache:
@@ -112,9 +124,11 @@ class BlockKVCache:
     kept and the layer gets the expanded view back.
     """
 
-    def __init__(self, past: tuple[Any, ...] | None, num_kv_heads: int, layer_writes: str) -> None:
+    def __init__(self, past: tuple[Any, ...] | None, num_kv_heads: int, layer_writes: str,
+                 keeps_indexer: bool = False) -> None:
         self.key, self.value = (past[0], past[1]) if past is not None else (None, None)
         self.indexer = past[2] if past is not None and len(past) > 2 else None
+        self.keeps_indexer = keeps_indexer
         self.num_kv_heads = num_kv_heads
         self.layer_writes = layer_writes
         self.expansion = 1
@@ -166,6 +180,19 @@ class BlockKVCache:
 
         self.indexer = indexer_keys if self.indexer is None else torch.cat([self.indexer, indexer_keys], dim=1)
         return self.indexer
+
+    def update_index(self, indexer_keys: Any) -> Any:
+        """The same for a model's own cache layer API (``cache.layers[i].update_index``): one-head keys
+        ``[batch, 1, tokens, dim]``, kept as ``[batch, tokens, dim]``."""
+        return self.update_indexer(indexer_keys[:, 0]).unsqueeze(1)
+
+    @property
+    def layers(self) -> Any:
+        """Every cache layer of this block's layer is this object (a layer indexing ``cache.layers[i]`` for its
+        indexer cache reaches `update_index`); only a block keeping an indexer has them."""
+        if not self.keeps_indexer:
+            raise AttributeError("layers")
+        return _EveryLayer(self)
 
     @property
     def present(self) -> tuple[Any, ...] | None:

@@ -170,7 +170,8 @@ class FamilySpec(StrictModel):
         position = self.block.position
         named = [("state", self.state.layer_kinds if self.state else None),
                  ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides),
-                 ("block.position.rotary", position.rotary_layer_kinds)]
+                 ("block.position.rotary", position.rotary_layer_kinds),
+                 ("kv_cache.indexer", self.kv_cache.indexer_layer_kinds)]
         named += [(f"block.position.computed_arguments.{name}", argument.layer_kinds)
                   for name, argument in position.computed_arguments.items()]
         for where, kinds in named:
@@ -247,7 +248,7 @@ def _kinds_field(where: str) -> str:
     """The field naming layer types: ``<section>.layer_kinds``, or the overrides mapping itself."""
     if where.endswith("layer_overrides"):
         return where
-    return f"{where}_layer_kinds" if where.endswith(".rotary") else f"{where}.layer_kinds"
+    return f"{where}_layer_kinds" if where.endswith((".rotary", ".indexer")) else f"{where}.layer_kinds"
 
 
 def _again(error: Any) -> InitErrorDetails:

@@ -390,6 +390,12 @@ class KVCacheSpec(StrictModel):
                     "calls cache.update_indexer with [batch, tokens, indexer_head_dim] keys), e.g. "
                     "'index_head_dim'. Null: no indexer cache.",
     )
+    indexer_layer_kinds: list[str] | None = Field(
+        default=None, min_length=1,
+        description="Layer types (values of block.mask.layer_types_field) whose layers keep the indexer cache, "
+                    "when only some K/V layers have an indexer (sparse-attention layers next to dense ones). "
+                    "Null: every K/V layer keeps one.",
+    )
     layer_overrides: dict[str, KVGeometryOverride] = Field(
         default_factory=dict,
         description="Layer type (value of block.mask.layer_types_field) -> the KV geometry of layers of that type "

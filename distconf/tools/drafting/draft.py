@@ -29,6 +29,7 @@ from distconf.tools.drafting.sections import (
     draft_mask_skip,
     draft_model_inputs,
     draft_position,
+    map_layer_kinds,
 )
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
@@ -170,6 +171,7 @@ def _named_type_variants(draft: FamilyDraft, plan: TinyPlan, layer_class: type) 
     if not found:
         return []
     draft.tiny_config["variants"] = [*draft.tiny_config.get("variants", [{}]), *(values for _, values in found)]
+    map_layer_kinds(draft, [layer_type for layer_type, _ in found])
     draft.facts.append(f"tiny_config has a variant per layer type named by {where} that the config.json does not "
                        f"build ({', '.join(layer_type for layer_type, _ in found)}): `distconf check` runs every "
                        "layer type of the architecture")
@@ -223,7 +225,8 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
             continue
         groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
         layouts.append(VariantKV(name, tiny.config, KVLayout(groups) if draft.call.get("cache_argument", "") is None
-                                 else kv_layout(groups, tiny, plan.raw, _probe(plan, draft.attn_implementation))))
+                                 else kv_layout(groups, tiny, plan.raw,
+                                                _probe(plan, draft.attn_implementation, values))))
     if real_kinds - tiny_kinds:
         draft.review.append(f"the real model has {len(real_kinds)} kinds of layers, the tiny config builds "
                             f"{len(tiny_kinds & real_kinds)} of them: change the tiny_config fields that decide "
@@ -300,16 +303,25 @@ def _layer_overrides(draft: FamilyDraft, first: tuple[TinyPlan, TinyRun] | None)
     return True
 
 
-def _probe(plan: TinyPlan, attn_implementation: str) -> Any:
-    """A function running, once, the second (differently shaped) tiny model of ``plan``."""
+def _probe(plan: TinyPlan, attn_implementation: str, variant: Mapping[str, Any] | None = None) -> Any:
+    """A function running, once, the second (differently shaped) tiny model of ``plan`` (with the per-layer type
+    lists of tiny ``variant`` when they fit its layers, so it builds the variant's kinds of layers)."""
     cache: list[TinyRun | None] = []
 
     def probe() -> TinyRun | None:
         if not cache:
             values = with_attention_layer(plan.config_class, None, fit_tiny_config(plan, PROBE, [], []),
                                           attn_implementation, [])
+            values.update(_type_lists(variant or {}, values))
             result = run_tiny(plan.config_class, values, attn_implementation)
             cache.append(result if isinstance(result, TinyRun) else None)
         return cache[0]
 
     return probe
+
+
+def _type_lists(variant: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-layer lists of layer types in ``variant`` that have as many entries as ``values`` has layers."""
+    layers = values.get("num_hidden_layers")
+    return {key: value for key, value in variant.items()
+            if isinstance(value, list) and value and all(isinstance(v, str) for v in value) and len(value) == layers}

@@ -18,6 +18,7 @@ from typing import Any
 from distconf.loader.formula import Formula, FormulaError, evaluate_on
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import SIZE_WORDS, FieldNames, role_of
+from distconf.tools.drafting.indexer import indexer_kinds
 from distconf.tools.drafting.probe import TinyRun
 
 __all__ = ["kv_groups_formula", "KVLayout", "kv_layout", "formula_value"]
@@ -87,6 +88,10 @@ def kv_layout(groups: int | str, tiny: TinyRun, raw: Mapping[str, Any],
                              lambda run: int(run.indexer.shape[-1]) if run.indexer is not None else None)
         layout.kv_cache = {**(layout.kv_cache or {}), "indexer_head_dim": found}
         layout.facts.append(f"an indexer caches [*, tokens, {dim}] keys next to K/V: kv_cache.indexer_head_dim")
+        kinds = indexer_kinds(tiny)
+        if kinds:
+            layout.kv_cache["indexer_layer_kinds"] = kinds
+            layout.facts.append(f"only layers of type {', '.join(kinds)} keep it: kv_cache.indexer_layer_kinds")
         if not isinstance(found, str):
             layout.review.append(f"no config field gives the {dim} of kv_cache.indexer_head_dim on two tiny models; "
                                  "the tiny value is written: replace it with a formula over config fields")

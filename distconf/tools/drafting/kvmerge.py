@@ -72,6 +72,10 @@ def merge_kv(runs: list[VariantKV]) -> KVLayout:
     else:
         merged.kv_groups = groups
     sections = [run.layout.kv_cache for run in runs]
+    indexer = _merged_indexer(sections)
+    if indexer is not None:  # variants with sparse-attention layers: their indexer holds for the others too
+        sections = [{k: v for k, v in section.items() if k not in indexer} for section in sections]
+        merged.kv_cache = {**{k: v for k, v in merged.kv_cache.items() if k not in indexer}, **indexer}
     if any(section != sections[0] for section in sections):
         if all(section in ({}, _REPEAT) for section in sections):
             merged.kv_cache = dict(_REPEAT)
@@ -84,3 +88,19 @@ def merge_kv(runs: list[VariantKV]) -> KVLayout:
         merged.review.append(reasons[0] + ": if other settings of this architecture change the KV heads, make "
                              "kv_groups a conditional formula")
     return merged
+
+
+_INDEXER_KEYS = ("indexer_head_dim", "indexer_layer_kinds")
+
+
+def _merged_indexer(sections: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The indexer fields of variants that differ only in which layer types keep an indexer: one size, and the
+    union of their types (None when no variant has one, or they disagree on its size)."""
+    with_indexer = [section for section in sections if "indexer_head_dim" in section]
+    if not with_indexer or len({str(section["indexer_head_dim"]) for section in with_indexer}) != 1:
+        return None
+    if len(with_indexer) < len(sections) and not all("indexer_layer_kinds" in s for s in with_indexer):
+        return None  # a variant keeping it on every layer, another on none: not a per-type rule
+    kinds = sorted({k for section in with_indexer for k in section.get("indexer_layer_kinds") or []})
+    found = {"indexer_head_dim": with_indexer[0]["indexer_head_dim"]}
+    return {**found, "indexer_layer_kinds": kinds} if kinds else found

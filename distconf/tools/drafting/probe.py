@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.indexer import find_indexers
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state import LayerState, foreign_state, layer_states
@@ -35,6 +36,8 @@ class TinyRun:
     """What every layer of the cache holds: a conv / recurrent state, K/V."""
     indexer: Any | None = None
     """The keys ``[batch, tokens, dim]`` a sparse-attention indexer cached next to the last K/V layer's K/V."""
+    indexer_layers: list[bool] = field(default_factory=list)
+    """Whether each cache layer keeps an indexer's keys (`distconf.tools.drafting.indexer`)."""
     foreign_state: str | None = None
     """Where the model keeps a per-sequence state outside transformers' cache layers, in words (`foreign_state`)."""
     state_methods: StateMethodsFound | None = None
@@ -116,16 +119,14 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
     key, value = _last_cache(result)
-    indexers = [getattr(layer, "indexer_keys", None) for layer in
-                getattr(getattr(result, "past_key_values", None), "layers", None) or []]
-    indexer = next((t for t in reversed(indexers) if getattr(t, "dim", lambda: 0)() == 3), None)
+    indexer, indexer_layers = find_indexers(getattr(result, "past_key_values", None))
     cache = getattr(result, "past_key_values", None)
     methods = find_state_methods(cache)
     listed = find_state_list(result, len(layers))
     states = list_states(listed, len(layers)) if listed is not None else _states(cache, methods)
     foreign = None if methods is not None or listed is not None else foreign_state(result, model)
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result), states=states, indexer=indexer,
+                   layer_shapes=_layer_shapes(result), states=states, indexer=indexer, indexer_layers=indexer_layers,
                    foreign_state=foreign, state_methods=methods, state_list=listed)
 
 

@@ -19,7 +19,8 @@ from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
 
-__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_mask_skip", "draft_model_inputs"]
+__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_mask_skip", "draft_model_inputs",
+           "map_layer_kinds", "mask_kind_of"]
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "past_key_value")
 _LAYER_IDX_ARGUMENTS = ("layer_idx", "layer_id", "layer_number", "layer_index")
@@ -177,6 +178,16 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
                                "q-window+1 .. q)")
     elif has_window and not source:
         draft.review.append("the config has sliding_window; check whether every layer slides (mask.kind)")
+
+
+def map_layer_kinds(draft: FamilyDraft, types: list[str]) -> None:
+    """Map layer types only a tiny variant builds (`mask_kind_of`) in ``block.mask.layer_kinds``."""
+    if "layer_types_field" not in draft.mask:
+        return
+    kinds = dict(draft.mask.get("layer_kinds") or _DEFAULT_LAYER_KINDS)
+    added = {t: mask_kind_of(t) for t in types if t not in kinds}
+    if added:
+        draft.mask["layer_kinds"] = {**kinds, **added}
 
 
 def draft_mask_skip(draft: FamilyDraft, *classes: type | None) -> None:

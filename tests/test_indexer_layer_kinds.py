@@ -1,0 +1,89 @@
+"""A sparse-attention indexer's key cache on some layer types only (``kv_cache.indexer_layer_kinds``), reached
+through a model's own cache layer API (``cache.layers[i].update_index`` with one-head ``[batch, 1, tokens, dim]``
+keys).
+
+The sweep's minimax_m3_vl_text: its defaults build only full-attention layers, and the modeling code names a
+``minimax_m3_sparse`` type whose layers add a block-selecting indexer. Drafted from the defaults (a tiny variant
+builds the sparse layer) and proved by ``check``; then a session over the tiny blocks holds the indexer's keys
+on the sparse block only, through steps, beam search's ``hypo_ids`` and a rewind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from blockhelpers import hf_model, record_layers, save_checkpoint
+from sessionhelpers import served, steps
+from sweephelpers import draft_and_check
+
+from distconf.blocks.kvcache import BlockKVCache, kv_geometry
+from distconf.blocks.weights import load_block
+from distconf.loader import load_family
+from distconf.tools.checker import tiny_variants
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object, list[object], Path]:
+    """minimax_m3_vl_text drafted and checked; the tiny variant with a sparse layer, its model and blocks."""
+    folder = tmp_path_factory.mktemp("minimax_m3")
+    code, text = draft_and_check("minimax_m3_vl_text", folder)
+    assert code == 0, text
+    assert "indexer_layer_kinds:\n  - minimax_m3_sparse" in text and "minimax_m3_sparse: causal" in text
+    path = next((folder / "out").glob("*.yaml"))
+    cls = load_family(path)
+    (_, values), = [(n, v) for n, v in tiny_variants(cls.family_spec.tiny_config)
+                    if "minimax_m3_sparse" in v.get("layer_types", [])]
+    config = cls(**values)
+    model = hf_model(cls.hf_config_class(**values))
+    save_checkpoint(model, folder / "ckpt")
+    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    return config, model, blocks, path
+
+
+def test_only_the_sparse_layers_keep_indexer_keys(drafted: tuple) -> None:
+    config, model, blocks, _ = drafted
+    sparse = [i for i, t in enumerate(config.layer_types) if t == "minimax_m3_sparse"]
+    dense = [i for i in range(len(blocks)) if i not in sparse]
+    assert sparse and dense
+    assert all(kv_geometry(config, i).indexer_head_dim == config.index_head_dim for i in sparse)
+    assert all(kv_geometry(config, i).indexer_head_dim == 0 for i in dense)
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    records = record_layers(model, config, ids, use_cache=False)
+    stepped, pasts = steps(blocks, records[0][0], [3, 1, 1, 2])
+    torch.testing.assert_close(stepped, records[-1][1], rtol=1e-5, atol=1e-5)
+    assert all(len(pasts[i]) == 3 and pasts[i][2].shape == (2, 7, config.index_head_dim) for i in sparse)
+    assert all(len(pasts[i]) == 2 for i in dense)
+
+
+def test_a_session_over_sparse_blocks_steps_reorders_and_rewinds(drafted: tuple) -> None:
+    from distconf.server.compute import SessionCache
+
+    config, _, blocks, _ = drafted
+    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected, _ = steps(blocks, hidden, [7])
+    cache = SessionCache(served(config, blocks), 3, 16)
+    cache.allocate()
+    try:
+        none = [None] * len(blocks)
+        outputs = [cache.step(hidden[:, :4], none, None)] + [cache.step(hidden[:, i:i + 1], none, None)
+                                                             for i in range(4, 7)]
+        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
+        hypo_ids, nxt = torch.tensor([2, 0, 0]), torch.randn(3, 1, config.hidden_size)
+        ref, _ = steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
+        torch.testing.assert_close(cache.step(nxt, none, hypo_ids), ref[:, 7:], rtol=1e-5, atol=1e-5)
+        cache.restart(3)
+        ref, _ = steps(blocks, hidden[hypo_ids], [7])
+        torch.testing.assert_close(cache.step(hidden[hypo_ids][:, 3:], none, None), ref[:, 3:], rtol=1e-5, atol=1e-5)
+    finally:
+        cache.release()
+
+
+def test_cache_layers_exist_only_where_an_indexer_is_kept() -> None:
+    plain = BlockKVCache(None, 2, "kv_heads")
+    assert not hasattr(plain, "layers")  # a layer probing ``cache.layers`` sees a cache without them
+    kept = BlockKVCache(None, 2, "kv_heads", keeps_indexer=True)
+    first = kept.layers[5].update_index(torch.ones(1, 1, 3, 4))
+    both = kept.layers[5].update_index(torch.zeros(1, 1, 2, 4))
+    assert first.shape == (1, 1, 3, 4) and both.shape == (1, 1, 5, 4) and kept.indexer.shape == (1, 5, 4)
