@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (first imported outside capsys: its log handler keeps the session's stderr)
 import yaml
 from blockhelpers import hf_model, record_layers, save_checkpoint
 from sessionhelpers import served, session_with_beam_and_restart, steps
-from sweephelpers import draft_and_check, new_fails
+from sweephelpers import new_fails
 
 from distconf.blocks.sizing import state_bytes_per_sequence
 from distconf.blocks.state import BlockStateCache, state_geometry
@@ -133,15 +134,41 @@ def test_layers_reading_a_stack_of_earlier_outputs_are_refused_in_one_line(
     assert "blocks exchange one hidden state only" in line
 
 
-def test_inkling_defaults_draft_and_check(tmp_path: Path, fresh_cache: None) -> None:
-    """Four conv states and K/V per layer, a ``hybrid_sliding`` layer type masked by its window, and the layer
-    types its modeling code names but its layers refuse (no tiny variant, and check does not ask for one)."""
-    code, text = draft_and_check("inkling_text", tmp_path)
-    draft = yaml.safe_load(text)
-    assert draft["block"]["mask"]["layer_kinds"] == {"hybrid_sliding": "sliding_window", "hybrid": "causal"}
-    assert "variants" not in draft["tiny_config"]
-    assert len(draft["state"]["conv_shape"]) == 4
-    assert code == 0
+def test_inkling_defaults_are_refused_for_per_type_state_sizes(tmp_path: Path, fresh_cache: None,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The runtime holds inkling's four conv states, but their sizes differ per layer type in the real model
+    (``swa_head_dim * swa_num_key_value_heads`` on sliding layers, ``head_dim * num_key_value_heads`` on the
+    others) and the tiny config gives those fields one value: a perturbed tiny run shows it, and the draft says
+    so in one line rather than writing a family right for one layer type only."""
+    line = new_fails("inkling_text", tmp_path, capsys)
+    assert "keep states of different shapes once" in line and "differs per layer type" in line
+
+
+def test_several_states_of_a_layer_get_a_shape_each() -> None:
+    """The drafter lists one shape per cache state_idx (four conv windows: two per KV head, two per hidden)."""
+    from transformers import InklingTextConfig
+
+    from distconf.tools.drafting.state import LayerState, state_layout
+
+    config = InklingTextConfig(**_TINY)
+
+    def layer(c: object) -> LayerState:
+        kv = (c.num_key_value_heads * c.head_dim, c.conv_kernel_size)  # type: ignore[attr-defined]
+        hidden = (c.hidden_size, c.conv_kernel_size)  # type: ignore[attr-defined]
+        return LayerState(conv=kv, extra_convs=(kv, hidden, hidden), kv=True)
+
+    def perturb(name: str, value: int) -> tuple[object, list[LayerState]] | None:
+        try:
+            changed = InklingTextConfig(**{**_TINY, name: value})
+        except Exception:  # the class refuses inconsistent sizes, as the tiny run would
+            return None
+        return changed, [layer(changed)] * 3
+
+    layout = state_layout(config, {}, [layer(config)] * 3, lambda: None, perturb)
+    assert layout is not None and layout.problem is None
+    shapes = layout.state["conv_shape"]
+    assert len(shapes) == 4 and shapes[2] == shapes[3] == ["hidden_size", "conv_kernel_size"]
+    assert shapes[0] == shapes[1] and shapes[0][1] == "conv_kernel_size"
 
 
 @pytest.mark.parametrize(("layer_type", "kind"), [

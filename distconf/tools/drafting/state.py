@@ -176,6 +176,13 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
     if not keeping:
         return None
     first = keeping[0]
+    perturbed: list[tuple[str, int, tuple[Any, list[LayerState]] | None]] = []
+
+    def tracked(name: str, value: int) -> tuple[Any, list[LayerState]] | None:
+        run = perturb(name, value)
+        perturbed.append((name, value, run))
+        return run
+
     if any(s.gap for s in keeping):
         return StateLayout({}, problem="a layer keeps a conv or recurrent state at a cache state_idx above one "
                                        "it leaves empty, and a server's block cache holds states 0, 1, ... in "
@@ -191,7 +198,7 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
         for state_idx, shape in enumerate(shapes):
             formulas = []
             for index, value in enumerate(shape):
-                formula = _formula(config, raw, value, (key, state_idx, index, len(shape)), probe, perturb)
+                formula = _formula(config, raw, value, (key, state_idx, index, len(shape)), probe, tracked)
                 if formula is None:
                     where = f"state.{key}[{index}]" if len(shapes) == 1 else f"state.{key}[{state_idx}][{index}]"
                     return StateLayout({}, problem=f"no formula over config fields gives {where} ({value}) on the "
@@ -200,9 +207,27 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
             listed.append(formulas)
         if listed:
             section[key] = listed[0] if len(listed) == 1 else listed
+    differing = _differing_run(perturbed)
+    if differing is not None:
+        return StateLayout({}, problem=differing)
     layout = StateLayout(section)
     layout.state_types, layout.kv_types, layout.all_types = _types(config, states)
     return layout
+
+
+def _differing_run(perturbed: list[tuple[str, int, tuple[Any, list[LayerState]] | None]]) -> str | None:
+    """In words, a perturbed run whose state-keeping layers keep states of different shapes (None: none does):
+    the tiny model gives two fields the same value that size different layers (per layer type)."""
+    for name, value, run in perturbed:
+        if run is None:
+            continue
+        shapes = [(s.shapes("conv"), s.shapes("recurrent")) for s in run[1] if s.keeps_state]
+        if len(set(shapes)) > 1:
+            per_layer = ", ".join(f"{_listed_shapes(c)} / {_listed_shapes(r)}" for c, r in dict.fromkeys(shapes))
+            return (f"the state-keeping layers keep states of different shapes once {name} is {value} ({per_layer}): "
+                    "the state's size differs per layer type, which the tiny config, giving the fields the same "
+                    "value, hides")
+    return None
 
 
 def _listed_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
