@@ -28,7 +28,7 @@ from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache, KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
 from distconf.blocks.state import BlockStateCache
-from distconf.blocks.state_carriers import carry_state, row_by_row, steps_row_by_row
+from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
@@ -375,7 +375,7 @@ class BlockAdapter:
             if state is not None:
                 cache = carry_state(cache, settings, hidden_states)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
-        output = super().forward(hidden_states, **kwargs)  # type: ignore[misc]
+        output = call_with_state(super().forward, hidden_states, kwargs, cache, settings)
         if isinstance(output, (tuple, list)):
             output = output[0]
         present = cache.present if (use_cache and cache is not None) else None

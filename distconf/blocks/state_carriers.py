@@ -3,7 +3,8 @@
 Some layers read and write their recurrent state through methods of a cache class of their
 own (``state.recurrent_methods`` of the family file: a getter taking the layer index, a setter
 taking the layer index and the new state); others take the model's state as a list of
-``[batch, size, layers]`` tensors and use their own slice (``state.layer_list``).
+``[batch, size, layers]`` tensors and use their own slice (``state.layer_list``), or take their own
+states as a tuple and return the new one (``state.returned_tuple``).
 `carry_state` gives the layer its session's state that way and collects it back: the block's
 state tuple, its sizing, beam reorder and batching stay those of every state-keeping block.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MethodStateCache", "LayerStateList", "carry_state", "steps_row_by_row", "row_by_row"]
+__all__ = ["MethodStateCache", "LayerStateList", "ReturnedState", "carry_state", "call_with_state",
+           "steps_row_by_row", "row_by_row"]
 
 
 class MethodStateCache:
@@ -93,7 +95,7 @@ def carry_state(cache: Any, settings: Any, hidden_states: Any) -> Any:
 
     Wrapped in a `MethodStateCache` when the family's ``state`` section names methods of the layer's
     own cache (``recurrent_methods``); a `LayerStateList` when the layer takes the model's state list
-    (``layer_list``); else unchanged.
+    (``layer_list``); a `ReturnedState` when it takes and returns a tuple (``returned_tuple``); else unchanged.
     """
     from distconf.blocks.state import BlockStateCache, state_geometry
 
@@ -105,6 +107,10 @@ def carry_state(cache: Any, settings: Any, hidden_states: Any) -> Any:
             raise TypeError("state.layer_list: a layer taking its state as a list keeps no K/V besides")
         return LayerStateList(cache, spec.layer_list, settings.layer_idx,
                               state_geometry(settings.config, settings.layer_idx), hidden_states)
+    if spec.returned_tuple:
+        if not isinstance(cache, BlockStateCache):
+            raise TypeError("state.returned_tuple: a layer returning its state keeps no K/V besides")
+        return ReturnedState(cache)
     if spec.recurrent_methods is not None:
         return MethodStateCache(cache, spec.recurrent_methods.get, spec.recurrent_methods.set)
     return cache
@@ -137,3 +143,43 @@ def row_by_row(forward: Any, hidden_states: Any, layer_past: tuple[Any, ...] | N
         return torch.cat(outputs, dim=0), None
     merged = tuple(None if parts[0] is None else torch.cat(parts, dim=0) for parts in zip(*presents, strict=True))
     return torch.cat(outputs, dim=0), merged
+
+
+class ReturnedState:
+    """The state a layer taking ``state.returned_tuple`` gets and gives back: its session's states as one tuple
+    (None before the first token) under the block's cache keyword, the new tuple as its output's second entry."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    @property
+    def argument(self) -> tuple[Any, ...] | None:
+        """The tuple the layer gets: the kept conv states, then the recurrent ones (None before the first token)."""
+        inner = self._inner
+        if not inner.has_previous_state:
+            return None
+        return tuple(t for t in (*inner.convs, *inner.recurrents) if t is not None)
+
+    def keep(self, output: Any, conv_states: int) -> None:
+        """Keep the tuple the layer returned (its first ``conv_states`` entries are conv states)."""
+        returned = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+        if not isinstance(returned, (tuple, list)):
+            raise TypeError("state.returned_tuple: the layer's output holds no state tuple as its second entry")
+        if conv_states:
+            self._inner.convs[:conv_states] = list(returned[:conv_states])
+        self._inner.recurrents[:] = list(returned[conv_states:])
+
+    @property
+    def present(self) -> Any:
+        """The wrapped cache's present (the block's state tuple)."""
+        return self._inner.present
+
+
+def call_with_state(forward: Any, hidden_states: Any, kwargs: dict[str, Any], cache: Any, settings: Any) -> Any:
+    """``forward(hidden_states, **kwargs)``; a `ReturnedState` cache goes in as its tuple and keeps what comes out."""
+    if not isinstance(cache, ReturnedState):
+        return forward(hidden_states, **kwargs)
+    name = settings.spec.call.cache_argument
+    output = forward(hidden_states, **{**kwargs, name: cache.argument})
+    cache.keep(output, len(type(settings.config).family_spec.state.conv_shapes))
+    return output

@@ -2,14 +2,15 @@
 
 A formula is a Python expression restricted to: names of config fields, numbers,
 ``True``/``False``/``None``, ``+ - * // / %``, comparisons (``is``/``is not`` only
-against ``None``), ``and``/``or``/``not``, ``x if c else y``, ``min(...)`` and
-``max(...)``. Attributes, other calls, subscripts, lambdas, comprehensions, names
-starting with ``_`` and nesting deeper than `MAX_FORMULA_DEPTH` are rejected when the
-formula is parsed. A formula is parsed and compiled once; evaluation is a single
-`eval` of the checked code object with no builtins.
+against ``None``), ``and``/``or``/``not``, ``x if c else y``, ``min(...)``,
+``max(...)`` and ``int(x)`` (towards zero, as in ``int(hidden_size * qk_dim_factor) //
+num_heads``). Attributes, other calls, subscripts, lambdas, comprehensions, names starting
+with ``_`` and nesting deeper than `MAX_FORMULA_DEPTH` are rejected when the formula is parsed.
+A formula is parsed and compiled once; evaluation is a single `eval` of the checked code object
+with no builtins.
 
 Operands are numbers only: every operand of arithmetic, ordering comparisons and
-``min``/``max`` is checked at evaluation (an int of at most `MAX_OPERAND` in size, a
+``min``/``max``/``int`` is checked at evaluation (an int of at most `MAX_OPERAND` in size, a
 float or a bool), so a name bound to a string or list (``architectures * 100000000``)
 is an error, not a gigabyte-sized value. A formula that is a single name returns that
 field's value as it is; ``==``, ``!=``, ``is None``, ``not``, ``and``/``or`` and
@@ -33,7 +34,7 @@ MAX_OPERAND = 1 << 63
 """Largest magnitude of an integer operand (or intermediate result) of a formula."""
 _MAX_CONSTANT = 10**12
 _GUARD = "_operand"
-_FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max}
+_FUNCTIONS: dict[str, Callable[..., Any]] = {"min": min, "max": max, "int": int}
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Div, ast.Mod)
 _UNARY = (ast.UAdd, ast.USub, ast.Not)
 _COMPARE = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsNot)
@@ -165,9 +166,11 @@ class _Checker(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         if not (isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS):
-            raise FormulaError("only min(...) and max(...) may be called")
+            raise FormulaError("only min(...), max(...) and int(...) may be called")
         if node.keywords or not node.args or any(isinstance(a, ast.Starred) for a in node.args):
             raise FormulaError(f"{node.func.id}() takes plain positional arguments")
+        if node.func.id == "int" and len(node.args) != 1:
+            raise FormulaError("int() takes one argument")
         for arg in node.args:
             self.visit(arg)
 

@@ -117,6 +117,12 @@ class StateSpec(StrictModel):
         description="When the layer takes its state as a list of the model's [batch, size, layers] tensors (see "
                     "StateList). Null: the layer gets a cache object.",
     )
+    returned_tuple: bool = Field(
+        default=False,
+        description="The layer takes its states as one tuple under block.call.cache_argument (None before the "
+                    "first token; the conv states, then the recurrent ones) and returns the new tuple as its "
+                    "output's second entry, instead of keeping them in a cache object. False: it gets a cache.",
+    )
     one_token_rows: Literal["together", "one_at_a_time"] = Field(
         default="together",
         description="How the block runs a one-token step after an earlier state: 'together' (all rows in one "

@@ -119,16 +119,22 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
     from distconf.blocks.sublayer_cache import BlockSublayerKVCache
 
     got_cache: list[bool] = []
+    state = cls.family_spec.state  # type: ignore[attr-defined]
+    returned = state is not None and state.returned_tuple  # the layer gets its state tuple, not a cache
 
     def pre(module: Any, args: Any, kwargs: Any) -> None:
         caches = (BlockKVCache, BlockSublayerKVCache, BlockStateCache, BlockHybridCache, MethodStateCache,
                   LayerStateList)
-        got_cache.append(any(isinstance(v, caches) for v in (*args, *kwargs.values())))
+        values = (*args, *kwargs.values())
+        got_cache.append(any(isinstance(v, caches) for v in values) or (returned and any(
+            isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v) for v in values)))
 
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]
     try:
         with torch.no_grad():
-            block(torch.zeros(1, 2, hidden_size), use_cache=True)
+            _, past = block(torch.zeros(1, 2, hidden_size), use_cache=True)
+            if returned:  # the first step hands it None: the next one, the tuple
+                block(torch.zeros(1, 1, hidden_size), layer_past=past, use_cache=True)
     finally:
         for h in hooks:
             h.remove()

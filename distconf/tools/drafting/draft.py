@@ -33,8 +33,9 @@ from distconf.tools.drafting.sections import (
 )
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
-from distconf.tools.drafting.state import foreign_cache_class, state_layout
+from distconf.tools.drafting.state import state_layout
 from distconf.tools.drafting.state_list_draft import apply_state_list
+from distconf.tools.drafting.state_returned_draft import apply_returned_state
 from distconf.tools.drafting.statedraft import (
     apply_state,
     attention_by_type,
@@ -104,7 +105,6 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     full, model = meta_model(config_class, config)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
     scan = scan_model(model, field_value(text, "num_hidden_layers"))
-    refuse_foreign_state(foreign_cache_class(type(scan.base_model)))
     draft = _new_draft(family, str(config["model_type"]), config_class, scan)
     if nested is not None:
         draft.facts.insert(0, nested_fact)
@@ -266,6 +266,10 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
         layout.state["recurrent_methods"] = {"get": tiny.state_methods.get, "set": tiny.state_methods.set}
     if tiny.state_list is not None and layout.problem is None:
         apply_state(draft, layout, apply_state_list(draft, layout, tiny.state_list, plan.config_class, values))
+        return
+    if tiny.returned_state is not None and layout.problem is None:
+        apply_state(draft, layout, apply_returned_state(draft, layout, tiny.returned_state,
+                                                        plan.config_class, values))
         return
     dtypes = state_dtypes(plan.config_class, values, draft.attn_implementation)
     if dtypes is None:  # most scans accumulate in float32; sizing then errs on the large side

@@ -57,6 +57,21 @@ def _derived_layer_count(config_class: type | None) -> str | None:
     return read.pop() if len(read) == 1 else None
 
 
+def _layer_count_twins(config_class: type | None) -> list[str]:
+    """Fields the config class fills from ``num_hidden_layers`` when unset (``self.x = self.x if self.x is not
+    None else self.num_hidden_layers``): other names of the layer count, which the model may build by."""
+    import inspect
+    import re
+
+    hook = getattr(config_class, "__post_init__", None) if config_class is not None else None
+    try:
+        source = inspect.getsource(hook) if hook is not None else ""
+    except (OSError, TypeError):
+        return []
+    return re.findall(r"self\.(\w+)\s*=\s*self\.\1\s+if\s+self\.\1\s+is\s+not\s+None\s+else\s+"
+                      r"self\.num_hidden_layers\b", source)
+
+
 @dataclass(frozen=True)
 class FieldNames:
     """Standard names of stored fields, from a config class's ``attribute_map`` (identity without one)."""
@@ -71,6 +86,8 @@ class FieldNames:
         counted_by = _derived_layer_count(config_class)
         if counted_by is not None:
             aliases.setdefault(counted_by, "num_hidden_layers")
+        for twin in _layer_count_twins(config_class):
+            aliases.setdefault(twin, "num_hidden_layers")
         return cls(aliases)
 
     def standard(self, key: str) -> str:

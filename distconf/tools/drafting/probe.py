@@ -11,9 +11,10 @@ from distconf.tools.drafting.common import field_value, is_int, quiet_transforme
 from distconf.tools.drafting.indexer import find_indexers
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
-from distconf.tools.drafting.state import LayerState, foreign_state, layer_states
+from distconf.tools.drafting.state import LayerState, foreign_cache_class, foreign_state, layer_states
 from distconf.tools.drafting.state_list import StateListFound, find_state_list, list_states
 from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
+from distconf.tools.drafting.state_returned import ReturnedStateFound, returned_states, run_returning_states
 
 __all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS"]
@@ -44,6 +45,8 @@ class TinyRun:
     """The methods of the model's own cache keeping its recurrent states (`find_state_methods`)."""
     state_list: StateListFound | None = None
     """The list of per-layer state tensors the model passes its layers (`find_state_list`)."""
+    returned_state: ReturnedStateFound | None = None
+    """The state tuple each layer takes and returns, for a model with a cache class of its own."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -113,9 +116,13 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
         config, model = _build(config_class, tiny, attn_implementation, meta=False)
         vocab = int(field_value(config, "vocab_size", 0) or 256)
         ids = torch.randint(0, min(vocab, 256), (1, TINY_TEST_TOKENS))
-        with torch.no_grad():
-            result = model(ids, use_cache=True)
         _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+        own_cache, returned = foreign_cache_class(type(model)), None
+        if own_cache is not None:  # its cache may not fit the tiny sizes: the layers' own states are read
+            result, returned = run_returning_states(model, layers, ids)
+        else:
+            with torch.no_grad():
+                result = model(ids, use_cache=True)
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
     key, value = _last_cache(result)
@@ -124,10 +131,12 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     methods = find_state_methods(cache)
     listed = find_state_list(result, len(layers))
     states = list_states(listed, len(layers)) if listed is not None else _states(cache, methods)
-    foreign = None if methods is not None or listed is not None else foreign_state(result, model)
+    foreign = None if methods is not None or listed is not None else (own_cache or foreign_state(result, model))
+    if returned is not None:
+        states, foreign = returned_states(returned, len(layers)), None
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
                    layer_shapes=_layer_shapes(result), states=states, indexer=indexer, indexer_layers=indexer_layers,
-                   foreign_state=foreign, state_methods=methods, state_list=listed)
+                   foreign_state=foreign, state_methods=methods, state_list=listed, returned_state=returned)
 
 
 def _states(cache: Any, methods: StateMethodsFound | None = None) -> list[LayerState]:

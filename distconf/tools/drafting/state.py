@@ -18,6 +18,7 @@ from typing import Any
 
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
+from distconf.tools.drafting.state_factors import evaluate_factor, factor_candidates, float_fields
 
 __all__ = ["LayerState", "layer_states", "foreign_cache_class", "foreign_state", "StateLayout", "state_layout"]
 
@@ -318,17 +319,27 @@ def _measure(run: tuple[Any, list[LayerState]] | None, raw: Mapping[str, Any], k
     measured = shapes[state_idx] if state_idx < len(shapes) else None
     if measured is None or len(measured) != length:
         return None
-    return _fields(run_config, raw), measured
+    return {**_fields(run_config, raw), **float_fields(run_config, raw)}, measured
 
 
 def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, int, int, int], probe: Run,
              perturb: Perturb) -> str | int | None:
     """The best formula for entry ``index`` of state ``state_idx`` of ``state.<key>`` (``where`` is ``(key,
     state_idx, index, length)``), confirmed on the probe model and on perturbed ones."""
-    key, state_idx, index, length = where
     candidates = _candidates(config, raw, value)
-    if not candidates:
-        return value if value == 1 else None
+    if not candidates and value == 1:
+        return value
+    found = _confirmed(config, raw, where, candidates, probe, perturb)
+    if found is None:  # a width times a float factor of the config, as a last resort
+        factors = factor_candidates(_fields(config, raw), float_fields(config, raw), value)
+        found = _confirmed(config, raw, where, factors, probe, perturb)
+    return found
+
+
+def _confirmed(config: Any, raw: Mapping[str, Any], where: tuple[str, int, int, int],
+               candidates: list[tuple[str, tuple[str, ...]]], probe: Run, perturb: Perturb) -> str | int | None:
+    """The best of ``candidates`` still right on the probe model and on perturbed ones (None: none is)."""
+    key, state_idx, index, length = where
 
     def keep(run: tuple[Any, list[LayerState]] | None) -> None:
         found = _measure(run, raw, key, state_idx, length)
@@ -339,7 +350,7 @@ def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, 
 
     keep(probe())
     order = list(raw)
-    fields = _fields(config, raw)
+    fields = {**_fields(config, raw), **float_fields(config, raw)}
     tried: set[str] = set()
     for _ in range(_MAX_PERTURBED):
         candidates.sort(key=lambda c: _score(c[0], c[1], key, index, length, order))
@@ -374,6 +385,9 @@ def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
     """A candidate formula (products, sums, one floor division) evaluated on ``fields``."""
     total = 0
     for term in text.split(" + "):
+        if term.startswith("int("):
+            total += evaluate_factor(term, fields)
+            continue
         if " // " in term:
             a, b = term.split(" // ")
             total += fields[a] // fields[b] if fields[b] else 0

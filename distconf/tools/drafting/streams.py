@@ -41,7 +41,10 @@ def carried_streams(owner: Any, layers_attribute: str) -> list[str]:
                 continue
             targets = {name for target in node.targets if isinstance(target, ast.Tuple) for name in _names(target)}
             passed = {name for value in [*call.args, *(k.value for k in call.keywords)] for name in _names(value)}
-            found += sorted((targets & passed) - {_HIDDEN})
+            # the first output fed back as the first argument is the hidden-state stream, whatever its name
+            stream = {name for target in node.targets if isinstance(target, ast.Tuple) and target.elts
+                      for name in _names(target.elts[0])} & set(_names(call.args[0]) if call.args else ())
+            found += sorted((targets & passed) - {_HIDDEN} - stream)
     return list(dict.fromkeys(found))
 
 

@@ -1,0 +1,101 @@
+"""A state each layer takes as a tuple and returns anew (``state.returned_tuple`` of a draft).
+
+Some models keep their recurrent states in a cache class of their own (no transformers
+``Cache``) and hand each layer its entry: the layer takes a tuple of state tensors (None without
+a cache) and returns ``(hidden_states, new_state_tuple)``. `run_returning_states` runs a tiny
+model without a cache, watching its layers, and recognises that structure: the layer's
+parameter that was given None and the shapes and dtypes of the tuple it returned, so the
+state section is drafted as for any state (`returned_states` gives the per-layer states;
+`distconf.tools.drafting.state_returned_draft` writes the rest).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.tools.drafting.state import LayerState
+
+__all__ = ["ReturnedStateFound", "run_returning_states", "returned_states"]
+
+_STATE_WORDS = frozenset({"state", "states", "cache", "past"})
+
+
+@dataclass(frozen=True)
+class ReturnedStateFound:
+    """The layer parameter taking the state tuple, and the shapes (without the batch) and dtypes it returns."""
+
+    argument: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    mixer: type | None = None  # the module inside the layer that takes the state (the layer's recurrent mixer)
+
+
+def _state_parameter(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The parameter of ``layer.forward`` named like a state that this call gave None."""
+    try:
+        params = list(inspect.signature(layer.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    given = {**dict(zip(params, args, strict=False)), **kwargs}
+    names = [name for name, value in given.items()
+             if value is None and _STATE_WORDS & set(name.lower().split("_"))]
+    return names[0] if len(names) == 1 else None
+
+
+def _mixer(layer: Any, argument: str) -> type | None:
+    """The class of the first module inside ``layer`` whose forward takes ``argument``."""
+    for module in layer.modules():
+        try:
+            if module is not layer and argument in inspect.signature(type(module).forward).parameters:
+                return type(module)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _returned(output: Any, batch: int) -> tuple[Any, ...] | None:
+    """The tuple of state tensors a layer's output holds as its second entry (None: none)."""
+    import torch
+
+    if not isinstance(output, (tuple, list)) or len(output) != 2:
+        return None
+    state = output[1]
+    if isinstance(state, (tuple, list)) and state and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch for t in state):
+        return tuple(state)
+    return None
+
+
+def run_returning_states(model: Any, layers: Any, ids: Any) -> tuple[Any, ReturnedStateFound | None]:
+    """(the model's output without a cache, the state tuple every layer takes and returns, None: not so)."""
+    import torch
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+    hooks = [layer.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append((module, args, kwargs, output)), with_kwargs=True)
+        for layer in layers]
+    try:
+        with torch.no_grad():
+            result = model(ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    found: set[ReturnedStateFound] = set()
+    for module, args, kwargs, output in calls:
+        state, name = _returned(output, ids.shape[0]), _state_parameter(module, args, kwargs)
+        if state is None or name is None:
+            return result, None
+        found.add(ReturnedStateFound(name, tuple(tuple(int(d) for d in t.shape[1:]) for t in state),
+                                     tuple(str(t.dtype).removeprefix("torch.") for t in state),
+                                     _mixer(module, name)))
+    return result, (found.pop() if len(calls) == len(layers) and len(found) == 1 else None)
+
+
+def returned_states(found: ReturnedStateFound, layers: int) -> list[LayerState]:
+    """One `LayerState` per layer: the tuple's entries as its recurrent states (one per ``state_idx``)."""
+    first, *rest = found.shapes
+    return [LayerState(recurrent=first, extra_recurrents=tuple(rest), recurrent_dtype=found.dtypes[0])
+            for _ in range(layers)]
+
