@@ -46,6 +46,7 @@ def test_state_tuple_each_layer_takes_and_returns_drafts_and_checks(tmp_path: Pa
     assert state["returned_tuple"] is True and state["recurrent_dtype"] == "float32"
     assert len(state["recurrent_shape"]) == 3
     assert "qk_dim_factor) // num_heads" in state["recurrent_shape"][0][1]
+    assert state["recurrent_shape"][2][1] == 1  # not a quotient of two fields equal by chance
     assert spec["block"]["call"]["cache_argument"] == "state"
     assert spec["tiny_config"]["num_blocks"] == spec["tiny_config"]["num_hidden_layers"]
     assert "TODO review" not in draft
