@@ -17,6 +17,7 @@ class CheckFailure(Exception):
     def __init__(self, field: str, message: str, location: str | None = None) -> None:
         self.field = field
         self.location = location
+        self.message = message
         where = f"{location}: " if location else ""
         super().__init__(f"{where}{field}: {message}")
 

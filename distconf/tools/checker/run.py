@@ -50,14 +50,33 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
         ref_in, ref_out = record_layer_io(reference)
         compare_full(cls, blocks, ref_in, ref_out, result)
         caches = compare_cached(cls, blocks, ref_in, ref_out, result)
-    except Exception:
+    except Exception as exc:
         cause = non_causal_cause(reference.model, getattr(reference.config, "vocab_size", 2) or 2)
         if cause is not None:  # the cause, not a symptom no family file could cure
             raise located_failure(cls, ("block",), cause) from None
+        carried = _carried_streams(cls, reference)
+        if carried and isinstance(exc, CheckFailure) and exc.field == "block":
+            symptom = exc.message.partition(": check ")[0]  # its advice names fields, which cannot help here
+            raise located_failure(cls, ("block",), f"{symptom}; the model passes {', '.join(carried)} from each "
+                                  "layer's output into the next layer's call besides the hidden states, which a "
+                                  "block gets as None (blocks exchange hidden states only): the likely cause, which "
+                                  "no family file can cure") from None
         raise
     check_kv_cache(cls, reference.config, caches, result)
     check_block_sizes(cls, reference.config, blocks, result)
     check_meta_build(cls, reference.config)
+
+
+def _carried_streams(cls: type, reference: Any) -> list[str]:
+    """What the reference model carries from layer to layer besides the hidden states (`carried_streams`)."""
+    from distconf.tools.drafting.streams import carried_streams
+
+    owner, _, attribute = cls.family_spec.block.prefix.rpartition(".")  # type: ignore[attr-defined]
+    try:
+        module = reference.model.get_submodule(owner) if owner else reference.model
+    except AttributeError:
+        return []
+    return carried_streams(module, attribute)
 
 
 def check_family(name_or_path: str | Path) -> list[CheckResult]:
