@@ -134,16 +134,6 @@ def test_layers_reading_a_stack_of_earlier_outputs_are_refused_in_one_line(
     assert "blocks exchange one hidden state only" in line
 
 
-def test_inkling_defaults_are_refused_for_per_type_state_sizes(tmp_path: Path, fresh_cache: None,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """The runtime holds inkling's four conv states, but their sizes differ per layer type in the real model
-    (``swa_head_dim * swa_num_key_value_heads`` on sliding layers, ``head_dim * num_key_value_heads`` on the
-    others) and the tiny config gives those fields one value: a perturbed tiny run shows it, and the draft says
-    so in one line rather than writing a family right for one layer type only."""
-    line = new_fails("inkling_text", tmp_path, capsys)
-    assert "keep states of different shapes once" in line and "differs per layer type" in line
-
-
 def test_several_states_of_a_layer_get_a_shape_each() -> None:
     """The drafter lists one shape per cache state_idx (four conv windows: two per KV head, two per hidden)."""
     from transformers import InklingTextConfig

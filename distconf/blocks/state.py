@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.blocks.layer_types import keeps_state_at
+from distconf.blocks.layer_types import keeps_state_at, layer_type
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
@@ -90,18 +90,32 @@ def _shape(config: DistributedConfig, field: str, entries: list[int | Formula]) 
 
 
 def state_geometry(config: DistributedConfig, layer_idx: int | None = None) -> StateGeometry | None:
-    """The per-sequence state block ``layer_idx`` of ``config`` keeps (from its family file), or None for a layer
-    that keeps none. Without ``layer_idx``: the state of the family's state-keeping layers (None: no state)."""
+    """The per-sequence state block ``layer_idx`` of ``config`` keeps (from its family file, with the
+    ``state.layer_overrides`` of its layer type), or None for a layer that keeps none. Without ``layer_idx``: the
+    largest state of the family's state-keeping layers (None: no state)."""
     spec = getattr(type(config), "family_spec", None)
     state = spec.state if spec is not None else None
     if state is None or (layer_idx is not None and not keeps_state_at(config, layer_idx)):
         return None
-    def shapes(field: str, listed: list[list[int | Formula]]) -> tuple[tuple[int, ...], ...]:
+    if layer_idx is None:
+        kinds = [None, *state.layer_overrides]
+        geometries = [_geometry_of(config, kind) for kind in kinds]
+        return max(geometries, key=lambda g: g.conv_values + g.recurrent_values)
+    return _geometry_of(config, layer_type(config, layer_idx) if state.layer_overrides else None)
+
+
+def _geometry_of(config: DistributedConfig, kind: str | None) -> StateGeometry:
+    """The state of the family's section, with the shapes ``state.layer_overrides`` gives layer type ``kind``."""
+    state = type(config).family_spec.state
+    where = "" if kind is None or kind not in state.layer_overrides else f"layer_overrides.{kind}."
+
+    def shapes(field: str) -> tuple[tuple[int, ...], ...]:
+        listed: list[list[int | Formula]] = state.shapes_for(field, kind)
         if len(listed) == 1:
-            return (_shape(config, field, listed[0]),)
-        return tuple(_shape(config, f"{field}[{i}]", entries) for i, entries in enumerate(listed))
-    return StateGeometry(shapes("conv_shape", state.conv_shapes), shapes("recurrent_shape", state.recurrent_shapes),
-                         state.recurrent_dtype == "float32", state.conv_dtype == "float32")
+            return (_shape(config, f"{where}{field}_shape", listed[0]),)
+        return tuple(_shape(config, f"{where}{field}_shape[{i}]", entries) for i, entries in enumerate(listed))
+    return StateGeometry(shapes("conv"), shapes("recurrent"), state.recurrent_dtype == "float32",
+                         state.conv_dtype == "float32")
 
 
 class BlockStateCache:

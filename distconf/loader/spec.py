@@ -170,6 +170,7 @@ class FamilySpec(StrictModel):
         position = self.block.position
         named = [("state", self.state.layer_kinds if self.state else None),
                  ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides),
+                 ("state.layer_overrides", list(self.state.layer_overrides) or None if self.state else None),
                  ("block.position.rotary", position.rotary_layer_kinds),
                  ("kv_cache.indexer", self.kv_cache.indexer_layer_kinds)]
         named += [(f"block.position.computed_arguments.{name}", argument.layer_kinds)

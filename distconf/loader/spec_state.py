@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["StateSpec", "StateMethods", "StateList", "Shapes"]
+__all__ = ["StateSpec", "StateMethods", "StateList", "StateOverride", "Shapes"]
 
 Shape = list[IntOrFormula]
 Shapes = Shape | list[Annotated[Shape, Field(min_length=1)]]
@@ -56,6 +56,17 @@ class StateList(StrictModel):
                                                            "block's dtype (the conv state); the rest are recurrent.")
     initial: list[float] = Field(min_length=1, description="The value each entry holds before the first token "
                                                            "(the model's initial state), one per entry.")
+
+
+class StateOverride(StrictModel):
+    """The state shapes of the layers of one type, where they differ from the section's (fields left out keep
+    the section's); each lists as many states as the section's field."""
+
+    conv_shape: Shapes | None = Field(default=None, min_length=1,
+                                      description="The conv state shape(s) of this layer type (as state.conv_shape).")
+    recurrent_shape: Shapes | None = Field(
+        default=None, min_length=1, description="The recurrent state shape(s) of this layer type (as "
+                                                "state.recurrent_shape).")
 
 
 class StateSpec(StrictModel):
@@ -98,6 +109,11 @@ class StateSpec(StrictModel):
         description="Layer types (values of block.mask.layer_types_field) whose layers keep this state, in a "
                     "hybrid family (the others keep a KV cache, see kv_cache.layer_kinds, or nothing). Null: "
                     "every layer keeps it.",
+    )
+    layer_overrides: dict[str, StateOverride] = Field(
+        default_factory=dict,
+        description="Layer type (value of block.mask.layer_types_field) -> the state shapes of layers of that type "
+                    "where they differ (e.g. conv windows sized by KV heads that differ per type).",
     )
     continuation: Literal["any_length", "one_token"] = Field(
         default="any_length",
@@ -146,8 +162,21 @@ class StateSpec(StrictModel):
         None when the family keeps no such state), so a one-state family's past stays ``(conv, recurrent)``."""
         return max(1, len(self.conv_shapes)), max(1, len(self.recurrent_shapes))
 
+    def shapes_for(self, kind: str, layer_type: str | None) -> list[Shape]:
+        """The ``kind`` (``conv`` / ``recurrent``) shapes of layers of ``layer_type`` (None: the section's)."""
+        override = self.layer_overrides.get(layer_type) if layer_type is not None else None
+        listed = getattr(override, f"{kind}_shape") if override is not None else None
+        return _shapes(listed) if listed is not None else _shapes(getattr(self, f"{kind}_shape"))
+
     @model_validator(mode="after")
     def _some_state(self) -> StateSpec:
         if self.conv_shape is None and self.recurrent_shape is None:
             raise ValueError("state needs conv_shape, recurrent_shape or both")
+        for kind, override in self.layer_overrides.items():
+            for field in ("conv", "recurrent"):
+                listed = getattr(override, f"{field}_shape")
+                if listed is not None and len(_shapes(listed)) != len(_shapes(getattr(self, f"{field}_shape"))):
+                    raise ValueError(f"state.layer_overrides.{kind}.{field}_shape lists {len(_shapes(listed))} "
+                                     f"shapes, state.{field}_shape {len(_shapes(getattr(self, f'{field}_shape')))}"
+                                     " (every layer keeps as many states)")
         return self

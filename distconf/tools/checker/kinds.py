@@ -175,6 +175,10 @@ def _add_named_layer_types(cls: type, reals: list[tuple[str, Any]], result: Laye
             raise located_failure(cls, ("block", "mask", "layer_kinds"), f"the architecture has layers of {name}, "
                                   f"which the family cannot build: {problem.message if problem else exc}; map "
                                   "the type, and make a tiny variant run it") from None
+        refusal = model_refuses_layer_type(cls, config) if set(kinds[0]) - result.tiny else None
+        if refusal is not None:  # the family maps the type (its mask names it), the model's layers do not run it
+            result.notes.append(f"{name}: the model itself does not run it ({refusal.splitlines()[0]})")
+            continue
         for label in kinds[0]:
             result.real.setdefault(label, name)
 

@@ -33,7 +33,7 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
             raise located_failure(cls, where, f"block {i} kept no {'K/V' if i in kv_layers else 'state'}, "
                                   f"though the family file says its layer type keeps one")
     if state_layers:
-        check_state(cls, config, [_state_part(config, i, caches[i]) for i in state_layers], result)
+        check_state(cls, config, [_state_part(config, i, caches[i]) for i in state_layers], result, state_layers)
         if not kv_layers:
             return
         result.notes.append(f"state: {result.kv_declared:,} bytes per sequence on {len(state_layers)} of "
@@ -142,9 +142,10 @@ def check_block_sizes(cls: type, config: DistributedConfig, blocks: list[Any], r
     result.size_actual = max(loaded_block_bytes(b) for b in blocks)
 
 
-def check_state(cls: type, config: DistributedConfig, states: list[Any], result: CheckResult) -> None:
+def check_state(cls: type, config: DistributedConfig, states: list[Any], result: CheckResult,
+                layers: list[int] | None = None) -> None:
     """Each block's ``(conv, recurrent)`` state (every one, when the layer keeps several) must have the family's
-    ``state`` shapes and dtypes per sequence.
+    ``state`` shapes (those of its layer type, ``layers`` giving each state's block) and dtypes per sequence.
 
     ``result.kv_declared`` / ``kv_actual`` then hold bytes per sequence (not per token).
     """
@@ -157,8 +158,9 @@ def check_state(cls: type, config: DistributedConfig, states: list[Any], result:
     assert geometry is not None  # the caller checks only families with a state section
     declared = state_bytes_per_sequence(config, torch.float32)
     result.kv_declared, result.cache_unit = declared, "sequence"
-    for i, state in enumerate(states):
-        for (field, shape), held in zip(geometry.expected, state, strict=True):
+    for i, state in zip(layers if layers is not None else range(len(states)), states, strict=True):
+        expected = (state_geometry(config, i) or geometry).expected if layers is not None else geometry.expected
+        for (field, shape), held in zip(expected, state, strict=True):
             got = None if held is None else tuple(held.shape[1:])
             if got != shape:
                 raise located_failure(cls, ("state", field.split("[")[0]), f"block {i} keeps a "

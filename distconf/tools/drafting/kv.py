@@ -128,13 +128,22 @@ def _groups_from_cache(layout: KVLayout, cached: int, heads: int, expected: int 
     """Standard head size but another number of KV heads than the field says: kv_groups follows the cache."""
     if cached == 1:
         layout.kv_groups = "num_attention_heads"
-    elif cached == heads:
+    elif cached == heads and _all_heads_on_probe(probe):
         layout.kv_groups = 1
     else:
         found = _formula_for(cached, tiny, raw, probe, lambda run: run.shape[0] if run.shape else None, True)
         layout.kv_groups = f"num_attention_heads // {found}" if isinstance(found, str) else heads // cached
     layout.from_cache = (f"kv_groups {layout.kv_groups!s} follows the {cached} KV head(s) the tiny model caches"
                          + (f" (the config's KV-heads field gives {expected})" if expected else ""))
+
+
+def _all_heads_on_probe(probe: Callable[[], TinyRun | None]) -> bool:
+    """The probe model caches as many KV heads as query heads too (or does not run): the tiny model's full count
+    is multi-head attention, not a KV-heads field that the tiny sizes make equal to the heads."""
+    second = probe()
+    if second is None or second.shape is None:
+        return True
+    return second.shape[0] == field_value(second.config, "num_attention_heads")
 
 
 def _explicit_geometry(layout: KVLayout, shape: tuple[int, int, int, int], tiny: TinyRun, raw: Mapping[str, Any],

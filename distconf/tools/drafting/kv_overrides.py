@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.common import field_value, is_int
+from distconf.tools.drafting.fields import FieldNames, role_of
 
 __all__ = ["kv_layer_overrides"]
 
@@ -39,6 +40,10 @@ def kv_layer_overrides(kv_cache: dict[str, Any], kv_groups: int | str, types_fie
                     ratios.setdefault((str(kind), name), set()).add(_ratio(shape[index], reference[index]))
     overrides: dict[str, dict[str, str]] = {}
     for (kind, name), seen in sorted(ratios.items()):
+        named = _heads_field(kind, types_field, runs) if name == "num_kv_heads" else None
+        if named is not None:
+            overrides.setdefault(kind, {})[name] = named
+            continue
         if len(seen) != 1 or bases[name] is None:
             return None
         up, down = next(iter(seen))
@@ -47,6 +52,20 @@ def kv_layer_overrides(kv_cache: dict[str, Any], kv_groups: int | str, types_fie
         base = f"({bases[name]})"
         overrides.setdefault(kind, {})[name] = f"{up} * {base}" if down == 1 else f"{base} // {down}"
     return overrides or None
+
+
+def _heads_field(kind: str, types_field: str, runs: Sequence[Any]) -> str | None:
+    """A KV-heads field of the config (``num_key_value_heads``, ``swa_num_key_value_heads`` ...) giving the KV heads
+    the layers of type ``kind`` cache on every run (None: none does)."""
+    names = FieldNames.of(type(runs[0].config))
+    fields = [key for key, value in runs[0].config.to_dict().items()
+              if is_int(value) and role_of(key, value, names) in ("num_key_value_heads", "kv_heads")]
+    for key in fields:
+        if all(shape[0] == field_value(run.config, key)
+               for run in runs for t, shape in zip(field_value(run.config, types_field), run.layer_shapes, strict=True)
+               if str(t) == kind and shape is not None):
+            return key
+    return None
 
 
 def _ratio(value: int, reference: int) -> tuple[int, int]:

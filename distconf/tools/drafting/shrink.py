@@ -240,8 +240,10 @@ class _Shrinker:
                  "experts": profile.experts if value > 1 else value, "expert_groups": 1}
         if role in fixed:
             return fixed[role]
-        if role in ("num_key_value_heads", "kv_heads"):
+        if role == "num_key_value_heads":
             return scale.kv_heads(value)
+        if role == "kv_heads":
+            return self.kv_heads(key, value)
         if role in ("max_position_embeddings", "positions"):
             return min(value, profile.positions)
         if role in ("sliding_window", "window"):
@@ -260,6 +262,21 @@ class _Shrinker:
         if role == "moe_intermediate_size":
             return scale.width(value) or value
         return self.size(key, value)
+
+    def kv_heads(self, key: str, value: int) -> int:
+        """KV heads of a field other than the anchor: when it differs from the anchor's (16 on some layer types, 8
+        on the others), the tiny value keeps that ratio to the anchor's tiny value (4 and 2), so the layer types
+        still cache different geometries; otherwise (or when the ratio does not fit the tiny heads) as the anchor."""
+        tiny = self.scale.kv_heads(value)
+        anchor = self.scale.anchors.keys.get("num_key_value_heads")
+        real = self.source.get(anchor) if anchor is not None and anchor != key else None
+        if not is_int(real) or real <= 0 or value == real:
+            return tiny
+        base, heads = self.scale.kv_heads(real), self.scale.profile.heads
+        if (base * value) % real:
+            return tiny
+        kept = base * value // real
+        return kept if 1 <= kept <= heads and heads % kept == 0 else tiny
 
     def size(self, key: str, value: int) -> int:
         """A field known by its value and words: a part of a head scales with the head, a width with hidden."""
