@@ -112,3 +112,24 @@ def test_a_kv_heads_field_other_than_the_anchor_keeps_its_ratio() -> None:
     assert shrink_config({**base, "swa_num_key_value_heads": 16})["swa_num_key_value_heads"] == 4
     assert shrink_config({**base, "swa_num_key_value_heads": 8})["swa_num_key_value_heads"] == 2
     assert shrink_config({**base, "swa_num_key_value_heads": 64})["swa_num_key_value_heads"] == 4  # capped: MHA
+
+
+def test_check_holds_each_layer_type_to_its_own_state(drafted: tuple[int, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the override, the full layers' K/V conv windows (64 channels on the tiny model) disagree with the
+    section's (128): check names the block and the state."""
+    import yaml
+
+    from distconf.cli import main
+
+    family = yaml.safe_load(drafted[1].read_text())
+    del family["state"]["layer_overrides"]
+    path = tmp_path / drafted[1].name
+    path.write_text(yaml.safe_dump(family, sort_keys=False), encoding="utf-8")
+    clear_cache()
+    try:
+        assert main(["check", str(path)]) == 1
+    finally:
+        clear_cache()
+    err = capsys.readouterr().err
+    assert "keeps a conv state of shape (64, 4) per sequence, the family declares (128, 4) (conv_shape[0])" in err
