@@ -47,6 +47,7 @@ def test_state_tuple_each_layer_takes_and_returns_drafts_and_checks(tmp_path: Pa
     assert len(state["recurrent_shape"]) == 3
     assert "qk_dim_factor) // num_heads" in state["recurrent_shape"][0][1]
     assert state["recurrent_shape"][2][1] == 1  # not a quotient of two fields equal by chance
+    assert "v_dim_factor) // num_heads" in state["recurrent_shape"][0][2]  # a factor of 1.0 told apart
     assert spec["block"]["call"]["cache_argument"] == "state"
     assert spec["tiny_config"]["num_blocks"] == spec["tiny_config"]["num_hidden_layers"]
     assert "TODO review" not in draft

@@ -27,18 +27,20 @@ def float_fields(config: Any, raw: Mapping[str, Any]) -> dict[str, float]:
     return found
 
 
-def factor_candidates(ints: Mapping[str, int], floats: Mapping[str, float],
-                      value: int) -> list[tuple[str, tuple[str, ...]]]:
+def factor_candidates(ints: Mapping[str, int], floats: Mapping[str, float], value: int,
+                      whole: bool = False) -> list[tuple[str, tuple[str, ...]]]:
     """Formulas ``int(a * f)`` and ``int(a * f) // b`` (``a``, ``b`` integer fields, ``f`` a float one) giving
-    ``value``."""
+    ``value``; ``whole``: with factors of a whole value only (1.0, which doubling the factor tells apart)."""
     found = []
     for a, width in ints.items():
         for f, factor in floats.items():
+            if whole and not factor.is_integer():
+                continue
             scaled = int(width * factor)
             if scaled == value:
                 found.append((f"int({a} * {f})", (a, f)))
             found += [(f"int({a} * {f}) // {b}", (a, f, b)) for b, count in ints.items()
-                      if b != a and count > 1 and scaled // count == value]
+                      if b != a and 1 < count < scaled and scaled // count == value]
     return found
 
 
