@@ -19,6 +19,7 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
 from distconf.tools.drafting.state_factors import evaluate_factor, factor_candidates, float_fields
+from distconf.tools.drafting.state_types import differing_run, listed_shapes, per_type_shapes
 
 __all__ = ["LayerState", "layer_states", "foreign_cache_class", "foreign_state", "StateLayout", "state_layout"]
 
@@ -176,6 +177,26 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
     keeping = [s for s in states if s.keeps_state]
     if not keeping:
         return None
+    if any(s.gap for s in keeping):
+        return StateLayout({}, problem="a layer keeps a conv or recurrent state at a cache state_idx above one "
+                                       "it leaves empty, and a server's block cache holds states 0, 1, ... in "
+                                       "order", beyond_runtime=True)
+    section, problem, per_type = _section(config, raw, states, probe, perturb)
+    if per_type:  # the shapes differ per layer type: drafted per type (state.layer_overrides), if types tell
+        found = per_type_shapes(config, states, probe, perturb, lambda s, p, q: _section(config, raw, s, p, q)[:2])
+        section, problem = found if found is not None else (section, problem)
+    if section is None:
+        return StateLayout({}, problem=problem)
+    layout = StateLayout(section)
+    layout.state_types, layout.kv_types, layout.all_types = _types(config, states)
+    return layout
+
+
+def _section(config: Any, raw: Mapping[str, Any], states: list[LayerState], probe: Run,
+             perturb: Perturb) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """(section, None, False) for the state-keeping layers of ``states``, else (None, why not, whether their
+    shapes differ from layer to layer)."""
+    keeping = [s for s in states if s.keeps_state]
     first = keeping[0]
     perturbed: list[tuple[str, int, tuple[Any, list[LayerState]] | None]] = []
 
@@ -184,14 +205,9 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
         perturbed.append((name, value, run))
         return run
 
-    if any(s.gap for s in keeping):
-        return StateLayout({}, problem="a layer keeps a conv or recurrent state at a cache state_idx above one "
-                                       "it leaves empty, and a server's block cache holds states 0, 1, ... in "
-                                       "order", beyond_runtime=True)
     if len({(s.shapes("conv"), s.shapes("recurrent")) for s in keeping}) > 1:
-        return StateLayout({}, problem="the state-keeping layers keep states of different shapes ("
-                           + ", ".join(f"{_listed_shapes(s.shapes('conv'))} / {_listed_shapes(s.shapes('recurrent'))}"
-                                       for s in keeping) + ")")
+        return None, ("the state-keeping layers keep states of different shapes (" + ", ".join(
+            f"{listed_shapes(s.shapes('conv'))} / {listed_shapes(s.shapes('recurrent'))}" for s in keeping) + ")"), True
     section: dict[str, Any] = {}
     for kind in ("conv", "recurrent"):
         key, shapes = f"{kind}_shape", first.shapes(kind)
@@ -202,40 +218,13 @@ def state_layout(config: Any, raw: Mapping[str, Any], states: list[LayerState],
                 formula = _formula(config, raw, value, (key, state_idx, index, len(shape)), probe, tracked)
                 if formula is None:
                     where = f"state.{key}[{index}]" if len(shapes) == 1 else f"state.{key}[{state_idx}][{index}]"
-                    return StateLayout({}, problem=f"no formula over config fields gives {where} ({value}) on the "
-                                                   "tiny models")
+                    return None, f"no formula over config fields gives {where} ({value}) on the tiny models", False
                 formulas.append(formula)
             listed.append(formulas)
         if listed:
             section[key] = listed[0] if len(listed) == 1 else listed
-    differing = _differing_run(perturbed)
-    if differing is not None:
-        return StateLayout({}, problem=differing)
-    layout = StateLayout(section)
-    layout.state_types, layout.kv_types, layout.all_types = _types(config, states)
-    return layout
-
-
-def _differing_run(perturbed: list[tuple[str, int, tuple[Any, list[LayerState]] | None]]) -> str | None:
-    """In words, a perturbed run whose state-keeping layers keep states of different shapes (None: none does):
-    the tiny model gives two fields the same value that size different layers (per layer type)."""
-    for name, value, run in perturbed:
-        if run is None:
-            continue
-        shapes = [(s.shapes("conv"), s.shapes("recurrent")) for s in run[1] if s.keeps_state]
-        if len(set(shapes)) > 1:
-            per_layer = ", ".join(f"{_listed_shapes(c)} / {_listed_shapes(r)}" for c, r in dict.fromkeys(shapes))
-            return (f"the state-keeping layers keep states of different shapes once {name} is {value} ({per_layer}): "
-                    "the state's size differs per layer type, which the tiny config, giving the fields the same "
-                    "value, hides")
-    return None
-
-
-def _listed_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
-    """``shapes`` in words: one shape as it is, several as a list (None: none)."""
-    if not shapes:
-        return "None"
-    return str(shapes[0]) if len(shapes) == 1 else str(list(shapes))
+    differing = differing_run(perturbed)
+    return (None, differing, True) if differing is not None else (section, None, False)
 
 
 def _types(config: Any, states: list[LayerState]) -> tuple[list[str] | None, list[str] | None, list[str] | None]:
