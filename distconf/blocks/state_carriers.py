@@ -91,7 +91,7 @@ class LayerStateList(list):  # type: ignore[type-arg]
 
 
 def carry_state(cache: Any, settings: Any, hidden_states: Any) -> Any:
-    """``cache`` as the layer expects it (``settings``: the block's `distconf.blocks.adapter.LayerSettings`).
+    """``cache`` as the layer expects it (``settings``: the block's `distconf.blocks.layer_settings.LayerSettings`).
 
     Wrapped in a `MethodStateCache` when the family's ``state`` section names methods of the layer's
     own cache (``recurrent_methods``); a `LayerStateList` when the layer takes the model's state list

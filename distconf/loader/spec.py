@@ -15,7 +15,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.naming import CHAIN_DELIMITER, UID_DELIMITER
-from distconf.loader.spec_block import BlockSpec, KVCacheSpec
+from distconf.loader.spec_block import BlockSpec
+from distconf.loader.spec_kv import KVCacheSpec
 from distconf.loader.spec_state import StateSpec
 from distconf.loader.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
 

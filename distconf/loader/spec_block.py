@@ -1,4 +1,4 @@
-"""Family-file models describing a block (one decoder layer) and its KV cache.
+"""Family-file models describing a block (one decoder layer); its KV cache is `distconf.loader.spec_kv`.
 
 These sections are what a server reads to build, load, run and size a block. Every
 knob is generic: a family describes *how* its decoder layer is built and called, the
@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, ScalarValue, StrictModel
 
 __all__ = [
-    "BlockSpec", "KVCacheSpec", "ConstructorSpec", "CallSpec", "ComputedArgument", "PositionSpec", "MaskSpec",
+    "BlockSpec", "ConstructorSpec", "CallSpec", "ComputedArgument", "PositionSpec", "MaskSpec",
     "MaskKind",
 ]
 
@@ -341,76 +341,3 @@ class BlockSpec(StrictModel):
             raise ValueError("position.rotary_layer_type_argument needs mask.layer_types_field "
                              "(the config field listing each layer's type)")
         return self
-
-
-class KVGeometryOverride(StrictModel):
-    """KV geometry of the layers of one type, where it differs from the family's (e.g. sliding-window layers
-    with twice the KV heads); a field left out keeps the kv_cache section's value."""
-
-    num_kv_heads: IntOrFormula | None = Field(default=None, description="KV heads kept by a layer of this type.")
-    key_head_dim: IntOrFormula | None = Field(default=None, description="Size of one key head.")
-    value_head_dim: IntOrFormula | None = Field(default=None, description="Size of one value head.")
-    values_per_token: IntOrFormula | None = Field(default=None, description="Override of the whole count.")
-
-
-class KVCacheSpec(StrictModel):
-    """KV-cache geometry of one block: values kept per token, and how the layer hands them over.
-
-    Values per token per block = ``values_per_token`` if given, else
-    ``num_kv_heads * (key_head_dim + value_head_dim) + indexer_head_dim``. It must equal what the block
-    really caches (``distconf check`` verifies it).
-    """
-
-    num_kv_heads: IntOrFormula | None = Field(
-        default=None,
-        description="KV heads kept per block; default num_attention_heads // num_key_value_groups.",
-    )
-    key_head_dim: IntOrFormula | None = Field(
-        default=None,
-        description="Size of one key head; default the config's head_dim when it has one (not None), "
-                    "else hidden_size // num_attention_heads.",
-    )
-    value_head_dim: IntOrFormula | None = Field(
-        default=None, description="Size of one value head; default key_head_dim."
-    )
-    values_per_token: IntOrFormula | None = Field(
-        default=None,
-        description="Override of the whole count (e.g. latent attention caching kv_lora_rank + "
-                    "qk_rope_head_dim); when set the head fields are only used to lay out the cache.",
-    )
-    layer_kinds: list[str] | None = Field(
-        default=None, min_length=1,
-        description="Layer types (values of block.mask.layer_types_field) whose layers keep a KV cache, in a "
-                    "family whose layers differ (recurrent, hybrid, MLP-only layers). Null: every layer that "
-                    "keeps no `state` (every layer of a family without a state section).",
-    )
-    indexer_head_dim: IntOrFormula | None = Field(
-        default=None,
-        description="Values per token of the key cache a sparse-attention indexer keeps next to K/V (the layer "
-                    "calls cache.update_indexer with [batch, tokens, indexer_head_dim] keys), e.g. "
-                    "'index_head_dim'. Null: no indexer cache.",
-    )
-    indexer_layer_kinds: list[str] | None = Field(
-        default=None, min_length=1,
-        description="Layer types (values of block.mask.layer_types_field) whose layers keep the indexer cache, "
-                    "when only some K/V layers have an indexer (sparse-attention layers next to dense ones). "
-                    "Null: every K/V layer keeps one.",
-    )
-    layer_overrides: dict[str, KVGeometryOverride] = Field(
-        default_factory=dict,
-        description="Layer type (value of block.mask.layer_types_field) -> the KV geometry of layers of that type "
-                    "where it differs (fields left out keep this section's values).",
-    )
-    sublayers: int = Field(
-        default=1, ge=1,
-        description="Attention sublayers of one block that each keep their own K/V of the geometry above (a "
-                    "layer module calling the cache with several layer indices); the block keeps them side by "
-                    "side along the head axis, so it caches this many times the values per token.",
-    )
-    layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
-        default="kv_heads",
-        description="How the attention hands new entries to the cache: 'kv_heads' = one entry per KV head; "
-                    "'repeat_interleave' = every KV head repeated once per query head of its group "
-                    "(consecutively); the block then stores one copy (num_kv_heads heads) and expands it "
-                    "again when handing the cache back.",
-    )

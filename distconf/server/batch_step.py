@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distconf.blocks.adapter import RowLayout
+from distconf.blocks.layer_settings import RowLayout
 from distconf.server.compute import SessionCache, add_prompt, on_device
 
 __all__ = ["StepPart", "batch_key", "step_together"]

@@ -3,7 +3,7 @@
 A layer's kind is a set of labels, all found generically (no family knowledge):
 
 - ``mask=<kind>`` and ``position=<rotary|alibi|none>``: what the family file's ``block``
-  section resolves for that layer (`distconf.blocks.adapter.layer_settings`);
+  section resolves for that layer (`distconf.blocks.layer_settings.layer_settings`);
 - ``<field>=<value>``: the layer's entry in every config attribute that is a per-layer list
   (one entry per layer) of categories — strings, booleans or 0/1 flags — such as
   ``layer_types``, ``no_rope_layers`` or ``attention_layers``;
@@ -87,8 +87,8 @@ def _structure(config: DistributedConfig, layer_idx: int) -> set[str]:
 
 def layer_kinds(config: DistributedConfig, first: int | None = None) -> list[frozenset[str]]:
     """The kind (set of labels) of every layer of ``config`` (a distributed config instance), or its first ``first``."""
-    from distconf.blocks.adapter import layer_settings
     from distconf.blocks.build import block_class_for
+    from distconf.blocks.layer_settings import layer_settings
 
     layers = int(config.num_hidden_layers)
     block_cls = block_class_for(config)
