@@ -14,12 +14,14 @@ import pytest
 from distconf.cli import main
 
 
-def new_from_defaults(model_type: str, folder: Path) -> int:
-    """``distconf new`` from ``model_type``'s defaults into ``folder / "out"``; its exit code."""
+def new_from_defaults(model_type: str, folder: Path, family: str | None = None) -> int:
+    """``distconf new`` from ``model_type``'s defaults into ``folder / "out"``; its exit code. ``family``: the
+    family's name (default: the sweep's, derived from the model type; another avoids a clash with a test that
+    loads that family in the same process)."""
     from transformers import AutoConfig
 
     AutoConfig.for_model(model_type).save_pretrained(folder / "config")
-    family = re.sub(r"[^a-z0-9_]", "_", model_type.lower())  # as the sweep names it
+    family = family or re.sub(r"[^a-z0-9_]", "_", model_type.lower())  # as the sweep names it
     return main(["new", family, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
 
 

@@ -17,11 +17,11 @@ from distconf.cli import main
 
 
 def test_a_carried_stream_is_named_as_the_cause(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert new_from_defaults("zaya", tmp_path) == 0
+    assert new_from_defaults("zaya", tmp_path, family="zaya_carried") == 0
     (draft,) = (tmp_path / "out").glob("*.yaml")
     capsys.readouterr()
     assert main(["check", str(draft)]) == 1
     out = capsys.readouterr()
-    line = next(x for x in (out.out + out.err).splitlines() if x.startswith("zaya ["))
+    line = next(x for x in (out.out + out.err).splitlines() if x.startswith("zaya_carried ["))
     assert "prev_router_hidden_states" in line and "no family file can cure" in line
     assert "check block.position" not in line and "Traceback" not in out.err
