@@ -49,3 +49,29 @@ def session_with_beam_and_restart(config: object, blocks: list[object]) -> None:
         torch.testing.assert_close(cache.step(hidden, no_prompts, None), expected, rtol=1e-5, atol=1e-5)
     finally:
         cache.release()
+
+
+def session_with_beam_and_rewind(config: object, blocks: list[object]) -> None:
+    """A 3-row session over blocks that keep K/V-like rows (no recurrent state): a 4-token prefill and decode
+    steps, a beam reorder (``hypo_ids``), then a rewind to position 3 (allowed: rows are cut back by position);
+    every output equals the chain run by hand."""
+    from distconf.server.compute import SessionCache
+
+    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))  # type: ignore[attr-defined]
+    expected, _ = steps(blocks, hidden, [7])
+    cache = SessionCache(served(config, blocks), 3, 16)
+    cache.allocate()
+    try:
+        none = [None] * len(blocks)
+        outputs = [cache.step(hidden[:, :4], none, None)] + [cache.step(hidden[:, i:i + 1], none, None)
+                                                             for i in range(4, 7)]
+        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
+        hypo_ids, nxt = torch.tensor([2, 0, 0]), torch.randn(3, 1, config.hidden_size)  # type: ignore[attr-defined]
+        ref, _ = steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
+        torch.testing.assert_close(cache.step(nxt, none, hypo_ids), ref[:, 7:], rtol=1e-5, atol=1e-5)
+        assert cache.rewind_refusal(3) is None
+        cache.restart(3)
+        ref, _ = steps(blocks, hidden[hypo_ids], [7])
+        torch.testing.assert_close(cache.step(hidden[hypo_ids][:, 3:], none, None), ref[:, 3:], rtol=1e-5, atol=1e-5)
+    finally:
+        cache.release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +40,25 @@ def new_fails(model_type: str, folder: Path, capsys: pytest.CaptureFixture[str])
     lines = [x for x in err.splitlines() if x.startswith("distconf new:")]
     assert len(lines) == 1 and "Traceback" not in err and "drafter bug" not in err, err
     return lines[0]
+
+
+def drafted_tiny_blocks(model_type: str, folder: Path, pick: Any = None) -> tuple[Any, Any, list[Any], Path]:
+    """``model_type``'s defaults drafted and checked (asserted), then its tiny config (the first variant ``pick``
+    accepts, default the first) as (distributed config, HF model, loaded float32 blocks, the draft's path)."""
+    import torch
+    from blockhelpers import hf_model, save_checkpoint
+
+    from distconf.blocks.weights import load_block
+    from distconf.loader import load_family
+    from distconf.tools.checker import tiny_variants
+
+    code, text = draft_and_check(model_type, folder)
+    assert code == 0, text
+    path = next((folder / "out").glob("*.yaml"))
+    cls = load_family(path)
+    values = next(v for _, v in tiny_variants(cls.family_spec.tiny_config) if pick is None or pick(v))
+    config = cls(**values)
+    model = hf_model(cls.hf_config_class(**values))
+    save_checkpoint(model, folder / "ckpt")
+    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    return config, model, blocks, path

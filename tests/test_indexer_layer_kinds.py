@@ -14,32 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from blockhelpers import hf_model, record_layers, save_checkpoint
-from sessionhelpers import served, steps
-from sweephelpers import draft_and_check
+from blockhelpers import record_layers
+from sessionhelpers import session_with_beam_and_rewind, steps
+from sweephelpers import drafted_tiny_blocks
 
 from distconf.blocks.kvcache import BlockKVCache, kv_geometry
-from distconf.blocks.weights import load_block
-from distconf.loader import load_family
-from distconf.tools.checker import tiny_variants
 
 
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object, list[object], Path]:
     """minimax_m3_vl_text drafted and checked; the tiny variant with a sparse layer, its model and blocks."""
-    folder = tmp_path_factory.mktemp("minimax_m3")
-    code, text = draft_and_check("minimax_m3_vl_text", folder)
-    assert code == 0, text
+    drafted = drafted_tiny_blocks("minimax_m3_vl_text", tmp_path_factory.mktemp("minimax_m3"),
+                                  lambda values: "minimax_m3_sparse" in values.get("layer_types", []))
+    text = drafted[3].read_text()
     assert "indexer_layer_kinds:\n  - minimax_m3_sparse" in text and "minimax_m3_sparse: causal" in text
-    path = next((folder / "out").glob("*.yaml"))
-    cls = load_family(path)
-    (_, values), = [(n, v) for n, v in tiny_variants(cls.family_spec.tiny_config)
-                    if "minimax_m3_sparse" in v.get("layer_types", [])]
-    config = cls(**values)
-    model = hf_model(cls.hf_config_class(**values))
-    save_checkpoint(model, folder / "ckpt")
-    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
-    return config, model, blocks, path
+    return drafted
 
 
 def test_only_the_sparse_layers_keep_indexer_keys(drafted: tuple) -> None:
@@ -58,26 +47,8 @@ def test_only_the_sparse_layers_keep_indexer_keys(drafted: tuple) -> None:
 
 
 def test_a_session_over_sparse_blocks_steps_reorders_and_rewinds(drafted: tuple) -> None:
-    from distconf.server.compute import SessionCache
-
     config, _, blocks, _ = drafted
-    hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected, _ = steps(blocks, hidden, [7])
-    cache = SessionCache(served(config, blocks), 3, 16)
-    cache.allocate()
-    try:
-        none = [None] * len(blocks)
-        outputs = [cache.step(hidden[:, :4], none, None)] + [cache.step(hidden[:, i:i + 1], none, None)
-                                                             for i in range(4, 7)]
-        torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-5)
-        hypo_ids, nxt = torch.tensor([2, 0, 0]), torch.randn(3, 1, config.hidden_size)
-        ref, _ = steps(blocks, torch.cat([hidden[hypo_ids], nxt], dim=1), [8])
-        torch.testing.assert_close(cache.step(nxt, none, hypo_ids), ref[:, 7:], rtol=1e-5, atol=1e-5)
-        cache.restart(3)
-        ref, _ = steps(blocks, hidden[hypo_ids], [7])
-        torch.testing.assert_close(cache.step(hidden[hypo_ids][:, 3:], none, None), ref[:, 3:], rtol=1e-5, atol=1e-5)
-    finally:
-        cache.release()
+    session_with_beam_and_rewind(config, blocks)
 
 
 def test_cache_layers_exist_only_where_an_indexer_is_kept() -> None:

@@ -12,33 +12,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from blockhelpers import hf_model, record_layers, save_checkpoint
+from blockhelpers import record_layers
 from sessionhelpers import served, steps
-from sweephelpers import draft_and_check
+from sweephelpers import drafted_tiny_blocks
 
 from distconf.blocks.kvcache import kv_geometry
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
-from distconf.blocks.weights import load_block
 from distconf.errors import FamilyValidationError
 from distconf.loader import load_family
-from distconf.tools.checker import tiny_variants
 
 
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, object, list[object], Path]:
     """longcat_flash drafted from its defaults and checked; its tiny config, model, blocks and draft."""
-    folder = tmp_path_factory.mktemp("longcat_flash")
-    code, text = draft_and_check("longcat_flash", folder)
-    assert code == 0, text
+    drafted = drafted_tiny_blocks("longcat_flash", tmp_path_factory.mktemp("longcat_flash"))
+    text = drafted[3].read_text()
     assert "modules_field: num_layers" in text and "sublayers: 2" in text
-    path = next((folder / "out").glob("*.yaml"))
-    cls = load_family(path)
-    _, values = tiny_variants(cls.family_spec.tiny_config)[0]
-    config = cls(**values)
-    model = hf_model(cls.hf_config_class(**values))
-    save_checkpoint(model, folder / "ckpt")
-    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
-    return config, model, blocks, path
+    return drafted
 
 
 def test_one_block_per_module_caching_both_sublayers(drafted: tuple) -> None:
