@@ -218,8 +218,9 @@ def test_chat_in_tmux(swarm: Swarm, observer: Any) -> None:
         story = "Write a very long story about a dragon who learns to cook."
         term.keys(story, "Enter")
         term.wait_for(lambda s: len(_reply_text(s, story)) >= 40, 120, "start of the story")
-        during = _cache_left(swarm, observer)
-        assert all(during[p] < full[p] for p in full), (during, full)  # the reply's session holds cache
+        # the reply's session holds cache (polled, bounded: a reading can fall between the client's span calls)
+        during = _wait_cache(swarm, observer, lambda left: all(left[p] < full[p] for p in full), 10)
+        assert all(during[p] < full[p] for p in full), (during, full)
         term.keys("C-c")
         screen = term.wait_for(lambda s: "[stopped]" in s and s.rstrip().endswith(">"), 60, "stopped reply")
         assert term.pane("pane_dead") == "0"  # still chatting
