@@ -4,7 +4,9 @@ For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (minus the exclusio
 write the config class's defaults to a config.json (``AutoConfig.for_model(type)``), draft a family file with
 ``distconf new``, prove the draft with ``distconf check``, each a subprocess with a timeout, one at a time.
 A failure is classified by cause (the first error line matched against the classes of
-``sweep_architectures.yaml``); the summary counts each class and the types passing as drafted.
+``sweep_architectures.yaml``); the summary counts each class and the types passing as drafted. A type whose
+defaults transformers itself cannot build is run once more with the repair the data lists for it
+(``sweep_repairs.py``) and reported apart.
 
 Examples:
   python benchmarks/sweep_architectures.py --out sweep.json             every type (takes long)
@@ -31,9 +33,12 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling module, also when loaded by file path
+from sweep_classes import classify, config_hint_text, first_error
+from sweep_repairs import read_repairs, write_repaired
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).with_suffix(".yaml")
-NOISE = re.compile(r"^\[transformers\]|Warning|warnings\.warn|^\s*$|^  warnings|FutureWarning")
 
 
 META_BUILD = """
@@ -56,6 +61,7 @@ class Outcome:
     reason: str = ""  # why excluded
     seconds: float = 0.0
     evidence: list[str] = field(default_factory=list)
+    repaired: dict = field(default_factory=dict)  # defaults that do not build: the run with sweep_repairs' values
 
 
 class Interrupted(Exception):
@@ -94,56 +100,6 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
         except subprocess.TimeoutExpired:
             continue
     return "", ""
-
-
-def first_error(out: str, err: str, family: str) -> tuple[str, list[str]]:
-    """The one line that says why a step failed, and tags of what the output showed."""
-    tags = ["traceback"] if "Traceback (most recent call last)" in err else []
-    lines = (out + "\n" + err).splitlines()
-    for line in lines:
-        if line.startswith(f"{family} [") and "]: " in line:
-            return line.strip(), tags
-    if tags:
-        raised = [ln for ln in err.splitlines() if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", ln)]
-        if raised:
-            return raised[-1].strip(), tags
-    for line in lines:
-        if line.startswith(f"{family}: ") and "layer kind" in line and "covered" not in line:
-            return line.strip(), tags
-    for line in err.splitlines():
-        if not NOISE.search(line):
-            return line.strip(), tags
-    lines = [ln.strip() for ln in lines if ln.strip() and not NOISE.search(ln)]
-    return (lines[-1] if lines else "(no output)"), tags
-
-
-def config_hint_text(config_json: Path) -> list[str]:
-    """Keys of the default config and ``layer_types=<value>`` items, for the classes' config hints."""
-    try:
-        data = json.loads(config_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    items = list(data)
-    for key in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
-        value = data.get(key)
-        values = value if isinstance(value, list) else list(value) if isinstance(value, str) else []
-        items += [f"layer_types={v}" for v in sorted(set(map(str, values)))]
-    return items
-
-
-def classify(text: str, hints: list[str], classes: dict) -> tuple[str, str]:
-    """(class key, what matched) for a failure's text, then for its config hints."""
-    for key, spec in classes.items():
-        for pattern in spec.get("patterns") or ():
-            match = re.search(pattern, text, re.IGNORECASE)
-            if match:
-                return key, f"text: {match.group(0)!r}"
-    for key, spec in classes.items():
-        for pattern in spec.get("config_hints") or ():
-            for item in hints:
-                if re.search(pattern, item, re.IGNORECASE):
-                    return key, f"config: {item!r}"
-    return "unclassified", ""
 
 
 def swept_types(data: dict) -> tuple[list[str], dict[str, str]]:
@@ -201,7 +157,7 @@ def write_defaults(model_type: str, folder: Path) -> str:
 
 
 def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outcome:
-    """Write the defaults, draft, check; classify a failure."""
+    """Write the defaults, draft, check; classify a failure; rerun a repairable one with its repair."""
     start = time.monotonic()
     family = re.sub(r"[^a-z0-9_]", "_", model_type.lower())
     folder = args.workdir / family
@@ -210,11 +166,26 @@ def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outco
     error = write_defaults(model_type, folder)
     if error:
         outcome.stage, outcome.cause, outcome.error = "config", "defaults_do_not_build", error
-        outcome.seconds = round(time.monotonic() - start, 1)
-        return outcome
+    else:
+        draft_and_check(outcome, family, folder, args, classes)
+    repair = args.repairs.get(model_type)
+    if outcome.cause == "defaults_do_not_build" and repair is not None and not error:
+        again = Outcome(model_type, "fail")
+        draft_and_check(again, family, folder / "repaired", args, classes,
+                        config=write_repaired(folder / "config.json", repair, folder / "repaired"))
+        outcome.repaired = {"status": again.status, "stage": again.stage, "cause": again.cause,
+                            "error": again.error, "why": repair.why, "set": repair.values}
+    outcome.seconds = round(time.monotonic() - start, 1)
+    return outcome
+
+
+def draft_and_check(outcome: Outcome, family: str, folder: Path, args: argparse.Namespace, classes: dict,
+                    config: Path | None = None) -> None:
+    """``distconf new`` on ``config`` (default ``folder/config.json``), then ``distconf check``; fill ``outcome``."""
+    config = config or folder / "config.json"
     py = [sys.executable, "-m", "distconf"]
     steps = [
-        ("new", [*py, "new", family, "--from-config", str(folder / "config.json"), "--out", str(folder), "--force"]),
+        ("new", [*py, "new", family, "--from-config", str(config), "--out", str(folder), "--force"]),
         ("check", [*py, "check", str(folder / f"{family}.yaml")]),
     ]
     review = ""
@@ -228,13 +199,10 @@ def sweep_one(model_type: str, args: argparse.Namespace, classes: dict) -> Outco
         outcome.stage = stage
         if rc is None:
             outcome.cause, outcome.error = "timeout", f"{stage} took over {args.timeout:.0f} s"
-            break
+            return
         explain(outcome, out, err, review, folder, classes, args.timeout)
-        break
-    else:
-        outcome.status = "pass"
-    outcome.seconds = round(time.monotonic() - start, 1)
-    return outcome
+        return
+    outcome.status = "pass"
 
 
 def explain(outcome: Outcome, out: str, err: str, review: str, folder: Path, classes: dict,
@@ -301,6 +269,7 @@ def write_result(path: Path, meta: dict, outcomes: list[Outcome], classes: dict)
     swept = [o for o in outcomes if o.status != "excluded"]
     counts = Counter(o.cause for o in swept if o.status == "fail")
     result = dict(meta, swept=len(swept), passed=sum(o.status == "pass" for o in swept),
+                  passed_once_repaired=sum(o.repaired.get("status") == "pass" for o in swept),
                   excluded=sum(o.status == "excluded" for o in outcomes),
                   per_class={k: {"label": classes[k]["label"], "count": n} for k, n in counts.most_common()},
                   results=[asdict(o) for o in outcomes])
@@ -319,10 +288,17 @@ def print_summary(outcomes: list[Outcome], classes: dict, partial: bool) -> None
     print("-" * 63)
     for o in sorted(fails, key=lambda o: (o.cause, o.model_type)):
         print(f"  [{o.cause}] {o.model_type} ({o.stage}): {o.error[:240]}")
+    repaired = sorted(o.model_type for o in fails if o.repaired.get("status") == "pass")
+    for o in sorted((o for o in fails if o.repaired), key=lambda o: o.model_type):
+        print(f"  repaired {o.model_type}: {o.repaired['status']}"
+              f"{'' if o.repaired['status'] == 'pass' else ' ' + o.repaired['error'][:200]} ({o.repaired['why']})")
     passed = len(swept) - len(fails)
     note = " (PARTIAL: interrupted)" if partial else ""
     print(f"\n{passed} of {len(swept)} swept types pass as drafted{note}; "
           f"{sum(o.status == 'excluded' for o in outcomes)} excluded")
+    if repaired:
+        print(f"{len(repaired)} more pass once transformers' defaults that do not build are repaired "
+              f"({', '.join(repaired)}): {passed + len(repaired)} of {len(swept)}")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -356,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     data = yaml.safe_load(DATA.read_text(encoding="utf-8"))
     classes = data["classes"]
+    args.repairs = read_repairs(data)
     if args.reclassify:
         meta, outcomes = reclassify(args.reclassify, classes, args.timeout)
         if args.out:

@@ -127,11 +127,17 @@ def real_configs(cls: type) -> list[tuple[str, Any]]:
     tiny = {k: v for k, v in (spec.tiny_config or {}).items() if k != "variants"}
     count_keys = _layer_count_keys(cls)
     tiny_layers = next((int(tiny[k]) for k in count_keys if k in tiny), None)
-    values = {k: v for k, v in tiny.items() if k not in count_keys
-              and not (isinstance(v, (list, tuple)) and tiny_layers is not None and len(v) == tiny_layers)}
-    values["num_hidden_layers"] = max(FULL_DEPTH, 4 * (tiny_layers or 1))
+    per_layer = {k: list(v) for k, v in tiny.items()
+                 if isinstance(v, (list, tuple)) and tiny_layers is not None and len(v) == tiny_layers}
+    values = {k: v for k, v in tiny.items() if k not in count_keys and k not in per_layer}
+    values["num_hidden_layers"] = depth = max(FULL_DEPTH, 4 * (tiny_layers or 1))
     try:
-        return [(f"the tiny config at {values['num_hidden_layers']} layers", cls(**values))]
+        stretched = cls(**values)
+        # a per-layer list the config class does not derive from other fields is stretched by repeating it
+        underived = {k: (v * depth)[:depth] for k, v in per_layer.items() if getattr(stretched, k, None) is None}
+        if underived:
+            stretched = cls(**values, **underived)
+        return [(f"the tiny config at {depth} layers", stretched)]
     except Exception as exc:  # a pattern the config class cannot stretch: say so, measure the tiny config itself
         logger.warning("family %r: cannot build its tiny config at full depth (%s: %s); layer kinds are taken "
                        "from the tiny config as written", spec.family, type(exc).__name__, exc)
