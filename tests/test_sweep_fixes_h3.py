@@ -109,14 +109,6 @@ def test_layer_stacks_sized_by_nested_sub_configs_fail_in_one_line(tmp_path: Pat
     assert "counts no layers at its top level" in line and "'model.global_transformer.layers' (25)" in line
 
 
-def test_heterogeneous_config_fails_in_one_line(tmp_path: Path, fresh_cache,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    # before: dots3_note_text keeps sizes per layer and raises on a global read; the drafter crashed
-    # late (in the KV-geometry search) and reported "a drafter bug"
-    line = new_fails("dots3_note_text", tmp_path, capsys)
-    assert "num_attention_heads" in line and "heterogeneous config" in line
-
-
 def test_state_kept_by_methods_of_the_models_own_cache_drafts_and_checks(tmp_path: Path, fresh_cache,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     # before: minimax's lightning-attention layers keep K^T V in MiniMaxCache.linear_cache through

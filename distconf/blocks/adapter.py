@@ -140,7 +140,7 @@ class BlockAdapter:
         settings = self._distconf
         position = settings.spec.position
         kwargs = {name: evaluate_field(type(self), ("block", "position", "alibi_arguments", name), formula,
-                                       settings.config)
+                                       settings.config, settings.layer_idx)
                   for name, formula in position.alibi_arguments.items()}
         if position.alibi_length_argument:
             kwargs[position.alibi_length_argument] = past + hidden_states.shape[1]

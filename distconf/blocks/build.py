@@ -20,6 +20,7 @@ from distconf.blocks.layer_types import layer_type
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
 from distconf.loader.once import OncePerKey
+from distconf.loader.per_layer import layer_config
 from distconf.loader.registry import load_family_by_class_name
 from distconf.loader.synthesis import resolve_object
 
@@ -127,7 +128,7 @@ def constructor_kwargs(config: DistributedConfig, layer_idx: int) -> dict[str, A
         kwargs[spec.layer_type_argument] = layer_type(config, layer_idx)
     for name, formula in spec.extra.items():
         try:
-            kwargs[name] = formula.evaluate_on(config)
+            kwargs[name] = formula.evaluate_on(layer_config(config, layer_idx))
         except FormulaError as exc:
             raise type(config).family_source.error(("block", "constructor", "extra", name), str(exc)) from None
     return kwargs

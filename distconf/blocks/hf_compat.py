@@ -65,11 +65,15 @@ def build_attention_mask(implementation: str, *, batch_size: int, q_length: int,
 
 
 def checkpoint_conversions(model_type: str) -> tuple[list[Any], list[Any]]:
-    """transformers' checkpoint conversion rules of ``model_type``: (renamings, converters)."""
+    """transformers' checkpoint conversion rules of ``model_type``: (renamings, converters). transformers registers
+    some under the name of the type's causal-LM or base model class rather than the type (class names first)."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    keys = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type), model_type]
+    mapping = next((found for key in keys if isinstance(key, str)
+                    and (found := get_checkpoint_conversion_mapping(key))), None) or []
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     return renamings, converters

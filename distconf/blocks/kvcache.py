@@ -14,6 +14,7 @@ from distconf.blocks.layer_types import any_layer_keeps_kv, keeps_kv_at, layer_t
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.per_layer import is_heterogeneous, layer_config
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 
@@ -65,7 +66,9 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     """The KV-cache geometry block ``layer_idx`` of ``config`` keeps per token (from its family file); all 0
     for a layer that keeps none (a recurrent or MLP-only layer, `distconf.blocks.layer_types`).
 
-    Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no layer keeps K/V). A layer
+    Formulas are read on the layer's own config (`distconf.loader.per_layer.layer_config`: a heterogeneous
+    config's sizes per layer). Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no
+    layer keeps K/V; of the largest layer for a heterogeneous config). A layer
     that keeps no cache (``block.call.cache_argument: null``) has its inputs kept instead: one head of
     ``hidden_size`` key values and no value values (`distconf.blocks.adapter.BlockAdapter.forward`).
     """
@@ -76,11 +79,14 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
         hidden = _value(config, "hidden_size", None, lambda: config.hidden_size)
         return KVGeometry(1, hidden, 0, hidden)
     overrides = family.kv_cache.layer_overrides
+    if layer_idx is None and is_heterogeneous(config):  # sizes per layer: the largest layer's
+        layers = [i for i in range(config.num_hidden_layers) if keeps_kv_at(config, i)]
+        return max((kv_geometry(config, i) for i in layers), key=lambda g: g.values_per_token)
     if layer_idx is None:  # the largest of the family's geometries (what a K/V block keeps at most)
         kinds = [None, *overrides]
         return max((_geometry(config, kind) for kind in kinds), key=lambda g: g.values_per_token)
     by_kind = overrides or family.kv_cache.indexer_layer_kinds is not None
-    return _geometry(config, layer_type(config, layer_idx) if by_kind else None)
+    return _geometry(layer_config(config, layer_idx), layer_type(config, layer_idx) if by_kind else None)
 
 
 def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:

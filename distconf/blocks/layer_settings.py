@@ -12,6 +12,7 @@ from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
+from distconf.loader.per_layer import layer_config
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
 from distconf.loader.synthesis import resolve_object
@@ -77,11 +78,13 @@ def _source(block_cls: type) -> FamilySource:
     return block_cls.config_class.family_source  # type: ignore[attr-defined]
 
 
-def evaluate_field(block_cls: type, loc: tuple[str, ...], formula: Any, config: DistributedConfig) -> Any:
-    """``formula`` (the field at ``loc`` of the block class's family file) evaluated on ``config``; an error located
-    at that field when it cannot be."""
+def evaluate_field(block_cls: type, loc: tuple[str, ...], formula: Any, config: DistributedConfig,
+                   layer_idx: int | None = None) -> Any:
+    """``formula`` (the field at ``loc`` of the block class's family file) evaluated on ``config`` (on layer
+    ``layer_idx``'s own config, `distconf.loader.per_layer.layer_config`); an error located at that field when it
+    cannot be."""
     try:
-        return formula.evaluate_on(config)
+        return formula.evaluate_on(layer_config(config, layer_idx))
     except FormulaError as exc:
         raise _source(block_cls).error(loc, str(exc)) from None
 
@@ -105,16 +108,17 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         kind = mask.layer_kinds[kind_of_layer]
     window = chunk = None
     if kind == "sliding_window":
-        window = evaluate_field(block_cls, ("block", "mask", "sliding_window"), mask.sliding_window, config)
+        window = evaluate_field(block_cls, ("block", "mask", "sliding_window"), mask.sliding_window, config, layer_idx)
         if window is None:
             kind = "causal"
     elif kind == "chunked":
-        chunk = evaluate_field(block_cls, ("block", "mask", "chunk_size"), mask.chunk_size, config)
+        chunk = evaluate_field(block_cls, ("block", "mask", "chunk_size"), mask.chunk_size, config, layer_idx)
         if chunk is None:
             kind = "causal"
     use_alibi = position.alibi_function is not None
     if use_alibi and position.rotary_class and position.alibi_when is not None:
-        use_alibi = bool(evaluate_field(block_cls, ("block", "position", "alibi_when"), position.alibi_when, config))
+        use_alibi = bool(evaluate_field(block_cls, ("block", "position", "alibi_when"), position.alibi_when, config,
+                                        layer_idx))
     rotary_class = None
     rotary_here = position.rotary_layer_kinds is None or kind_of_layer in position.rotary_layer_kinds
     if position.rotary_class and not use_alibi and rotary_here:

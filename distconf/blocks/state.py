@@ -20,6 +20,7 @@ from distconf.blocks.layer_types import keeps_state_at, layer_type
 from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.per_layer import is_heterogeneous, layer_config
 
 __all__ = ["StateGeometry", "state_geometry", "keeps_state", "BlockStateCache"]
 
@@ -91,17 +92,21 @@ def _shape(config: DistributedConfig, field: str, entries: list[int | Formula]) 
 
 def state_geometry(config: DistributedConfig, layer_idx: int | None = None) -> StateGeometry | None:
     """The per-sequence state block ``layer_idx`` of ``config`` keeps (from its family file, with the
-    ``state.layer_overrides`` of its layer type), or None for a layer that keeps none. Without ``layer_idx``: the
+    ``state.layer_overrides`` of its layer type, read on the layer's own config: `distconf.loader.per_layer`), or
+    None for a layer that keeps none. Without ``layer_idx``: the
     largest state of the family's state-keeping layers (None: no state)."""
     spec = getattr(type(config), "family_spec", None)
     state = spec.state if spec is not None else None
     if state is None or (layer_idx is not None and not keeps_state_at(config, layer_idx)):
         return None
     if layer_idx is None:
-        kinds = [None, *state.layer_overrides]
-        geometries = [_geometry_of(config, kind) for kind in kinds]
+        if is_heterogeneous(config):  # sizes per layer: the largest layer's
+            geometries = [g for i in range(config.num_hidden_layers) if (g := state_geometry(config, i)) is not None]
+        else:
+            geometries = [_geometry_of(config, kind) for kind in [None, *state.layer_overrides]]
         return max(geometries, key=lambda g: g.conv_values + g.recurrent_values)
-    return _geometry_of(config, layer_type(config, layer_idx) if state.layer_overrides else None)
+    kind = layer_type(config, layer_idx) if state.layer_overrides else None
+    return _geometry_of(layer_config(config, layer_idx), kind)
 
 
 def _geometry_of(config: DistributedConfig, kind: str | None) -> StateGeometry:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from distconf.errors import excerpt
+from distconf.loader.per_layer import global_read_problem
 
 __all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "MAX_FORMULA_DEPTH", "MAX_OPERAND", "evaluate_on"]
 
@@ -215,7 +216,8 @@ class Formula:
             raise FormulaError(f"formula {self._quoted()} failed with {self._show(values)}: {reason}") from None
 
     def evaluate_on(self, obj: object) -> Any:
-        """Evaluate with each name read as an attribute of ``obj`` (a config)."""
+        """Evaluate with each name read as an attribute of ``obj`` (a config); a name a heterogeneous config holds
+        per layer fails in one line (`distconf.loader.per_layer`: evaluate on the layer's own config instead)."""
         values = {}
         for name in self.names:
             try:
@@ -224,11 +226,22 @@ class Formula:
                 raise FormulaError(
                     f"formula {self._quoted()} uses {name!r}, which {type(obj).__name__} does not have"
                 ) from None
+            except RuntimeError:  # a heterogeneous config refuses a per-layer attribute read globally
+                problem = global_read_problem(obj, name, f"formula {self._quoted()}")
+                if problem is None:
+                    raise
+                raise FormulaError(problem) from None
         return self.evaluate(values)
 
     def values_on(self, obj: object) -> dict[str, Any]:
         """The values the formula reads from ``obj`` (for error messages)."""
-        return {name: getattr(obj, name, "<missing>") for name in sorted(self.names)}
+        values = {}
+        for name in sorted(self.names):
+            try:
+                values[name] = getattr(obj, name, "<missing>")
+            except RuntimeError:  # a per-layer attribute of a heterogeneous config
+                values[name] = "<per layer>"
+        return values
 
     def _show(self, values: Mapping[str, Any]) -> str:
         return ", ".join(f"{k}={excerpt(values[k])}" for k in sorted(self.names))

@@ -36,6 +36,7 @@ from distconf.loader.mixins import (
     check_field,
 )
 from distconf.loader.naming import derive_dht_prefix
+from distconf.loader.per_layer import per_layer_attributes
 from distconf.loader.presets import preset_path
 from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
@@ -126,9 +127,10 @@ def _check_names(source: FamilySource, config_class: type) -> None:
     finally:
         hf_logger.setLevel(previous)
     problems = []
+    per_layer = per_layer_attributes(default)  # held per layer by a heterogeneous config: fields all the same
     for loc, formula in iter_formulas(source.spec):
         for name in sorted(formula.names):
-            if not hasattr(default, name):
+            if name not in per_layer and not hasattr(default, name):
                 problems.append(source.problem(
                     loc, f"formula {formula.source!r} uses {name!r}, which is not a field of {config_class.__name__}"))
     for section in ("defaults", "set"):

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from distconf.loader.per_layer import layer_config
 from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
@@ -17,6 +18,7 @@ from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_cal
 from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
+from distconf.tools.drafting.per_layer import at_layer, explained_by_layer_configs
 from distconf.tools.drafting.positions import draft_computed_positions
 from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
@@ -121,8 +123,9 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft_model_inputs(draft, scan, params)
     refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
     note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
-    draft.kv_groups = kv_groups_formula(text, config, FieldNames.of(config_class))
-    if draft.kv_groups == 1 and field_value(text, "num_attention_heads") is None:
+    first_layer = layer_config(text, 0)  # a heterogeneous config holds the head counts per layer
+    draft.kv_groups = kv_groups_formula(first_layer, config, FieldNames.of(config_class))
+    if draft.kv_groups == 1 and field_value(first_layer, "num_attention_heads") is None:
         draft.review.append("no num_attention_heads field: set kv_groups by hand")
     plan = tiny_plan(config, config_class, draft.attn_implementation, full, scan)
     layer_class = scan.layer_class
@@ -223,10 +226,11 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
             first = (plan, tiny)
         if not any(s.kv for s in tiny.states) and tiny.states:
             continue
-        groups = kv_groups_formula(tiny.config, plan.raw, FieldNames.of(plan.config_class))
-        layouts.append(VariantKV(name, tiny.config, KVLayout(groups) if draft.call.get("cache_argument", "") is None
-                                 else kv_layout(groups, tiny, plan.raw,
-                                                _probe(plan, draft.attn_implementation, values))))
+        own = at_layer(tiny)  # a heterogeneous config: the config of the layer the cache was read from
+        groups = kv_groups_formula(own.config, plan.raw, FieldNames.of(plan.config_class))
+        probe = _probe(plan, draft.attn_implementation, values)
+        layouts.append(VariantKV(name, own.config, KVLayout(groups) if draft.call.get("cache_argument", "") is None
+                                 else kv_layout(groups, own, plan.raw, lambda probe=probe: at_layer(probe()))))
     if real_kinds - tiny_kinds:
         draft.review.append(f"the real model has {len(real_kinds)} kinds of layers, the tiny config builds "
                             f"{len(tiny_kinds & real_kinds)} of them: change the tiny_config fields that decide "
@@ -236,7 +240,7 @@ def _verify_tiny(draft: FamilyDraft, variants: list[_Variant]) -> None:
         draft.kv_groups, draft.kv_cache = layout.kv_groups, layout.kv_cache
         draft.facts.extend(layout.facts)
         draft.review.extend(layout.review)
-    if geometry_notes and not _layer_overrides(draft, first):
+    if geometry_notes and not _explained_per_layer(draft, first) and not _layer_overrides(draft, first):
         draft.review.extend(geometry_notes)
     if state_run is not None:
         _draft_state(draft, *state_run)
@@ -289,6 +293,19 @@ def _per_layer_geometry(prefix: str, tiny: TinyRun) -> list[str]:
     return [f"{prefix}the layers cache keys / values of different shapes (KV heads x head size; {per_layer}): "
             "the KV geometry differs per layer kind; declare it in kv_cache.layer_overrides (the kv_cache "
             "written is the last layer's)"]
+
+
+def _explained_per_layer(draft: FamilyDraft, first: tuple[TinyPlan, TinyRun] | None) -> bool:
+    """The layers' different K/V shapes are what the kv_cache section gives on each layer's own config (a
+    heterogeneous config), on the tiny and the probe model: no layer_overrides needed."""
+    if first is None or not explained_by_layer_configs(draft.kv_cache, draft.kv_groups, first[1]):
+        return False
+    probe = _probe(first[0], draft.attn_implementation)()
+    if probe is None or not explained_by_layer_configs(draft.kv_cache, draft.kv_groups, probe):
+        return False
+    draft.facts.append("the layers cache K/V of the sizes their own per_layer_config gives (a heterogeneous "
+                       "config): the kv_cache formulas are read on each layer's config")
+    return True
 
 
 def _layer_overrides(draft: FamilyDraft, first: tuple[TinyPlan, TinyRun] | None) -> bool:

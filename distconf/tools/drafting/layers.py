@@ -92,14 +92,14 @@ def _is_index_list(key: str, value: Any, layers: int, names: FieldNames) -> bool
 
 
 def plan_layers(config: Mapping[str, Any], names: FieldNames, layers: int | None, *, min_layers: int,
-                max_layers: int, extra: Sequence[Sequence[Hashable] | None] = ()) -> LayerPlan:
+                max_layers: int, extra: Sequence[Sequence[Hashable] | None] = (),
+                chosen: Sequence[int] | None = None) -> LayerPlan:
     """The tiny layers of a model with ``layers`` layers.
 
     ``extra`` holds more per-layer signatures (the layer types the config class derives,
     the structure of each built layer). The tiny depth is ``min_layers`` for a uniform
     model, else the number of signatures (at least 3, so a type comes back after
-    another), at most ``max_layers``. ``end_with_last`` makes the real last layer the
-    tiny model's last (for classes that give the last layer its own settings).
+    another), at most ``max_layers``. ``chosen`` (the real layer behind each tiny layer) overrides that choice.
     """
     if not layers:
         return LayerPlan(tuple(range(min_layers)), frozenset(), frozenset(), 1)
@@ -119,8 +119,8 @@ def plan_layers(config: Mapping[str, Any], names: FieldNames, layers: int | None
     first_layers = sorted(firsts.values())
     kinds = len(first_layers)
     count = min_layers if kinds == 1 else min(max(3, kinds, min_layers), max_layers)
-    chosen = tuple(first_layers[j % kinds] for j in range(count))
-    return LayerPlan(chosen, per_layer, index_lists, kinds, keyed)
+    picked = tuple(chosen) if chosen is not None else tuple(first_layers[j % kinds] for j in range(count))
+    return LayerPlan(picked, per_layer, index_lists, kinds, keyed)
 
 
 def _keyed_column(mapping: Mapping[Any, Any], layers: int) -> list[Hashable]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, crash_line, quiet_transformers
-from distconf.tools.drafting.fields import ANCHOR_NAMES
 
 __all__ = ["ModelScan", "find_attention", "meta_model", "scan_model", "layer_signature", "forward_parameters",
            "find_layer_list", "find_layer_modules", "config_reads"]
@@ -58,11 +57,6 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
             full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
     except Exception as exc:  # report the transformers message as is
         raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
-    refused = _per_layer_fields(full)
-    if refused:
-        raise DraftingError(f"{config_class.__name__} holds {', '.join(refused)} per layer, with values that differ "
-                            "across layers (a heterogeneous config), and refuses to read one value for all of them; "
-                            "the drafter reads each size once for every layer, so it cannot draft this config")
     if causal_lm_class(type(full)) is None:
         raise DraftingError(f"no causal-LM model class for {config_class.__name__} in transformers "
                             "(AutoModelForCausalLM does not map it)")
@@ -74,19 +68,6 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
                             f"{config_class.__name__}'s defaults for the fields it leaves out, do not fit the "
                             f"modeling code): {crash_line(exc)}") from None
     return full, model
-
-
-def _per_layer_fields(config: Any) -> list[str]:
-    """The anchor sizes ``config`` refuses to read globally (a heterogeneous config keeps them per layer)."""
-    refused = []
-    for name in ANCHOR_NAMES:
-        try:
-            getattr(config, name)
-        except AttributeError:
-            continue
-        except Exception:  # e.g. transformers' error for a per-layer attribute read globally
-            refused.append(name)
-    return refused
 
 
 def scan_model(model: Any, num_layers: int | None) -> ModelScan:

@@ -62,8 +62,10 @@ def shrink_config(config: Mapping[str, Any], review: list[str] | None = None, *,
 def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None, *,
                      derived_layer_types: Sequence[Hashable] | None = None,
                      layer_kinds: Sequence[Hashable] | None = None, config_class: type | None = None,
-                     profile: TinyProfile = TINY, min_layers: int | None = None) -> tuple[dict[str, Any], LayerPlan]:
-    """`shrink_config`, also returning which real layers the tiny layers stand for (`plan_layers`)."""
+                     profile: TinyProfile = TINY, min_layers: int | None = None,
+                     chosen: Sequence[int] | None = None) -> tuple[dict[str, Any], LayerPlan]:
+    """`shrink_config`, also returning which real layers the tiny layers stand for (`plan_layers`; ``chosen``
+    names them instead)."""
     review = review if review is not None else []
     names = FieldNames.of(config_class if config_class is not None else config_class_for(config))
     source = {k: copy.deepcopy(v) for k, v in config.items()
@@ -74,7 +76,7 @@ def shrink_with_plan(config: Mapping[str, Any], review: list[str] | None = None,
                             "text model (its own model_type) from the text_config section instead")
     moe = has_experts(source, names)
     plan = plan_layers(source, names, anchors.layers, min_layers=min_layers or (3 if moe else 2),
-                       max_layers=profile.max_layers, extra=(derived_layer_types, layer_kinds))
+                       max_layers=profile.max_layers, extra=(derived_layer_types, layer_kinds), chosen=chosen)
     if plan.kinds > profile.max_layers:
         review.append(f"the model has {plan.kinds} different kinds of layers; the tiny config keeps "
                       f"{plan.tiny_layers}: check that it covers what matters")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from distconf.tools.drafting.common import field_value, quiet_transformers
 from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.layers import LayerPlan
 from distconf.tools.drafting.layout import held_layout
 from distconf.tools.drafting.probe import meta_layer_kinds
 from distconf.tools.drafting.profile import TinyProfile
@@ -53,6 +56,12 @@ def _deepen(plan: TinyPlan, profile: TinyProfile) -> tuple[dict[str, Any], list[
         tiny, layer_plan = shrink_with_plan(raw, notes, derived_layer_types=plan.derived_layer_types,
                                             layer_kinds=plan.layer_kinds, config_class=plan.config_class,
                                             profile=profile, min_layers=depth)
+        chosen = _typed_layers(plan, tiny, layer_plan)
+        if chosen is not None:
+            notes = []
+            tiny, layer_plan = shrink_with_plan(raw, notes, derived_layer_types=plan.derived_layer_types,
+                                                layer_kinds=plan.layer_kinds, config_class=plan.config_class,
+                                                profile=profile, min_layers=depth, chosen=chosen)
         if not plan.real_kinds:
             return tiny, notes
         kinds = meta_layer_kinds(plan.config_class, tiny, plan.attn_implementation)
@@ -64,6 +73,31 @@ def _deepen(plan: TinyPlan, profile: TinyProfile) -> tuple[dict[str, Any], list[
         if kinds is None or plan.real_kinds <= kinds or layer_plan.tiny_layers >= profile.max_layers:
             return tiny, notes
         depth = layer_plan.tiny_layers + 1
+
+
+def _typed_layers(plan: TinyPlan, tiny: Mapping[str, Any], layer_plan: LayerPlan) -> list[int] | None:
+    """The real layers the tiny layers should stand for when the config class gives some tiny layers another type
+    than their real layer's (a class forcing its last layer to full attention) and the config keys settings by
+    layer index (``per_layer_config``): each such tiny layer then stands for the first real layer of the type the
+    class gives it, so its settings are those of its type. None when nothing changes."""
+    real = plan.derived_layer_types
+    if not layer_plan.keyed or not real or len(real) <= max(layer_plan.chosen):
+        return None
+    try:
+        with quiet_transformers():
+            resolved = field_value(plan.config_class(**copy.deepcopy(dict(tiny))), "layer_types")
+    except Exception:  # the tiny run reports a config the class refuses
+        return None
+    if not isinstance(resolved, (list, tuple)) or len(resolved) != layer_plan.tiny_layers:
+        return None
+    chosen = list(layer_plan.chosen)
+    for position, kind in enumerate(resolved):
+        if real[chosen[position]] != kind:
+            of_kind = [i for i, k in enumerate(real) if k == kind]
+            if not of_kind:
+                return None
+            chosen[position] = of_kind[0]
+    return chosen if chosen != list(layer_plan.chosen) else None
 
 
 def derived_lists(config: Any, raw: Mapping[str, Any], config_class: type, layers: int | None) -> dict[str, list[Any]]:

@@ -1,0 +1,66 @@
+"""Heterogeneous configs (sizes per layer, transformers' ``per_layer_config``): drafted, checked and served per layer.
+
+Each layer's formulas are read on its own config (`distconf.loader.per_layer.layer_config`); a formula read once for
+the whole model that names a per-layer attribute fails in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from sweephelpers import draft_and_check, new_from_defaults
+
+from distconf.errors import ConfigValueError
+
+
+def test_sizes_per_layer_type_draft_check_and_size_per_layer(tmp_path: Path, fresh_cache,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # before: `distconf new` refused dots3_note_text (num_attention_heads, num_key_value_heads, kv_lora_rank and
+    # qk_nope_head_dim differ between its indexed and sliding layers) as a heterogeneous config
+    from distconf.blocks.kvcache import kv_geometry
+    from distconf.loader import load_family
+
+    code, text = draft_and_check("dots3_note_text", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    assert "layer_overrides" not in text  # the layers' own configs give their sizes
+    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
+    tiny = {k: v for k, v in cls.family_spec.tiny_config.items() if k != "variants"}
+    config = cls(**tiny)
+    assert config.is_heterogeneous and "kv_lora_rank" in config.per_layer_attributes
+    types = config.layer_types
+    by_type = {types[i]: kv_geometry(config, i) for i in range(config.num_hidden_layers)}
+    sliding, indexed = by_type["sliding_attention"], by_type["indexed_attention"]
+    assert sliding.key_head_dim == config.per_layer_config[types.index("sliding_attention")].kv_lora_rank
+    assert sliding.key_head_dim != indexed.key_head_dim and indexed.indexer_head_dim and not sliding.indexer_head_dim
+    assert kv_geometry(config) == max(by_type.values(), key=lambda g: g.values_per_token)  # a server's budget
+
+
+def test_a_global_read_of_a_per_layer_attribute_fails_in_one_line(tmp_path: Path, fresh_cache) -> None:
+    from distconf.loader import load_family
+
+    assert new_from_defaults("dots3_note_text", tmp_path) == 0
+    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
+    config = cls(**{k: v for k, v in cls.family_spec.tiny_config.items() if k != "variants"})
+    with pytest.raises(ConfigValueError) as caught:
+        config.num_key_value_groups  # noqa: B018 (kv_groups reads the head counts once for the whole model)
+    (line,) = str(caught.value).splitlines()
+    assert "kv_groups" in line and "holds num_" in line and "per layer" in line
+    assert config.per_layer_config[0].num_key_value_groups >= 1  # each layer's own config reads it
+
+
+def test_per_layer_settings_follow_the_tiny_layer_types_the_class_gives(tmp_path: Path, fresh_cache) -> None:
+    # gemma4_unified_text gives its full-attention layers head_dim 512 (256 elsewhere) and forces its last layer to
+    # full attention: the tiny layers keep per_layer_config on every tiny full-attention layer, sized like head_dim
+    from transformers import AutoConfig
+
+    assert new_from_defaults("gemma4_unified_text", tmp_path) == 0
+    draft = yaml.safe_load(next((tmp_path / "out").glob("*.yaml")).read_text())
+    tiny = draft["tiny_config"]
+    config = AutoConfig.for_model("gemma4_unified_text", **tiny)
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert len(full) >= 2 and "sliding_attention" in config.layer_types
+    assert sorted(int(k) for k in tiny["per_layer_config"]) == full
+    assert {v["head_dim"] for v in tiny["per_layer_config"].values()} == {2 * tiny["head_dim"]}
+    assert "TODO review" not in next((tmp_path / "out").glob("*.yaml")).read_text()
