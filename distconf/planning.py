@@ -28,6 +28,7 @@ from distconf.blocks.device import canonical_dtype
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
 from distconf.blocks.sizing import QUANT_BYTES
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.spec_wire import wire_width_of
 
 __all__ = [
     "GIB",
@@ -105,8 +106,9 @@ def default_max_length(config: DistributedConfig) -> int:
 
 
 def autograd_reserve_bytes(config: DistributedConfig, num_devices: int = 1) -> float:
-    """Memory kept free for backward passes: 2 GiB x hidden_size / 14336 per device."""
-    return 2 * GIB * num_devices * config.hidden_size / 14336
+    """Memory kept free for backward passes: 2 GiB x wire width / 14336 per device (the wire width is the
+    hidden_size of a model whose layers exchange one stream, `distconf.loader.spec_wire.wire_width_of`)."""
+    return 2 * GIB * num_devices * wire_width_of(config) / 14336
 
 
 def batch_activation_bytes(config: DistributedConfig, rows: int, new_tokens: int, past: int, dtype: Any,
@@ -114,16 +116,18 @@ def batch_activation_bytes(config: DistributedConfig, rows: int, new_tokens: int
     """Peak working memory of one block call on ``rows x new_tokens`` tokens after ``past`` cached ones.
 
     The attention scores (``rows x heads x new x (past + new)``, float32), the MLP's
-    activations (``4 x hidden + 3 x intermediate`` values per token) and the block's padded
+    activations (``4 x wire width + 3 x intermediate`` values per token: the hidden states between blocks are
+    ``wire_width_of(config)`` wide) and the block's padded
     cache for the call (``rows x (past + new)`` tokens). A server keeps a batch of several
     sessions within the memory the plan reserves (`autograd_reserve_bytes`).
     """
     hidden = int(config.hidden_size)
+    wire = wire_width_of(config)
     intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)  # 0: a recurrent block computes no scores
     tokens = rows * new_tokens
     scores = rows * heads * new_tokens * (past + new_tokens) * 4
-    mlp = tokens * (4 * hidden + 3 * intermediate) * dtype_bytes(dtype)
+    mlp = tokens * (4 * wire + 3 * intermediate) * dtype_bytes(dtype)
     return scores + mlp + rows * (past + new_tokens) * kv_bytes_per_token
 
 

@@ -15,6 +15,7 @@ from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.per_layer import is_heterogeneous, layer_config
+from distconf.loader.spec_wire import wire_width_of
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 
@@ -70,13 +71,14 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     config's sizes per layer). Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no
     layer keeps K/V; of the largest layer for a heterogeneous config). A layer
     that keeps no cache (``block.call.cache_argument: null``) has its inputs kept instead: one head of
-    ``hidden_size`` key values and no value values (`distconf.blocks.adapter.BlockAdapter.forward`).
+    wire-width (`distconf.loader.spec_wire.wire_width_of`) key values and no value values
+    (`distconf.blocks.adapter.BlockAdapter.forward`).
     """
     family = type(config).family_spec
     if not any_layer_keeps_kv(config) or (layer_idx is not None and not keeps_kv_at(config, layer_idx)):
         return KVGeometry(0, 0, 0, 0)
     if family.block.call.cache_argument is None:  # the block keeps the layer's inputs: one "head" of them
-        hidden = _value(config, "hidden_size", None, lambda: config.hidden_size)
+        hidden = _value(config, "hidden_size", None, lambda: wire_width_of(config))  # its inputs, as on the wire
         return KVGeometry(1, hidden, 0, hidden)
     overrides = family.kv_cache.layer_overrides
     if layer_idx is None and is_heterogeneous(config):  # sizes per layer: the largest layer's

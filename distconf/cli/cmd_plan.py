@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         return 0 if plan.num_blocks else 1
 
     quant = plan.quant or "none"
-    print(f"{args.model}: {type(config).__name__}, {plan.max_blocks} blocks, hidden_size {config.hidden_size}, "
+    wire = f" (wire width {config.wire_width})" if config.wire_width != config.hidden_size else ""
+    print(f"{args.model}: {type(config).__name__}, {plan.max_blocks} blocks, hidden_size {config.hidden_size}{wire}, "
           f"KV groups {config.num_key_value_groups}")
     print(f"server: {_gib(memory)} memory, dtype {plan.dtype}, quant {quant}, "
           f"{args.num_devices} device(s)\n")

@@ -88,6 +88,10 @@ def prompt_tuning_for(config: DistributedConfig, input_embeddings: torch.nn.Modu
     mode = getattr(config, "tuning_mode", None)
     if not mode:
         return None
+    if config.wire_width != config.hidden_size:
+        raise ValueError(f"prompt tuning ({mode}) is not supported for {type(config).family_spec.family!r}: its "
+                         f"hidden state between layers is {config.wire_width} values per token, not one stream of "
+                         f"hidden_size {config.hidden_size} (hidden_state.streams), and prompts are hidden_size wide")
     weight = getattr(input_embeddings, "weight", None)
     std = 0.02
     if isinstance(weight, torch.Tensor) and weight.numel() > 1 and weight.device.type != "meta":

@@ -19,6 +19,7 @@ from distconf.loader.spec_block import BlockSpec
 from distconf.loader.spec_kv import KVCacheSpec
 from distconf.loader.spec_state import StateSpec
 from distconf.loader.spec_types import MAX_SPEC_INT, ClassPath, Identifier, IntOrFormula, ScalarValue, StrictModel
+from distconf.loader.spec_wire import HiddenStateSpec
 
 __all__ = ["FamilySpec", "DhtPrefixRule", "AfterLoad", "Notice", "SCHEMA_ID"]
 
@@ -113,6 +114,11 @@ class FamilySpec(StrictModel):
         default=None,
         description="Per-sequence state (convolution / recurrent) every layer keeps instead of a KV cache, "
                     "sized per sequence rather than per token. Null: the layers keep a KV cache (kv_cache).",
+    )
+    hidden_state: HiddenStateSpec | None = Field(
+        default=None,
+        description="The hidden state between layers when it is not [batch, seq, hidden_size] (several streams); "
+                    "null: one stream, hidden_size values per token on the wire.",
     )
     dht_prefix: DhtPrefixRule
     after_load: AfterLoad = Field(default_factory=AfterLoad)

@@ -40,6 +40,7 @@ from distconf.loader.per_layer import per_layer_attributes
 from distconf.loader.presets import preset_path
 from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
+from distconf.loader.spec_wire import wire_width_of
 
 __all__ = [
     "synthesize_config_class", "resolve_source", "import_object", "import_class", "resolve_object", "iter_formulas",
@@ -180,6 +181,11 @@ class SynthesizedConfigMethods:
         """Query heads per KV head, from the family's ``kv_groups``."""
         return kv_groups_of(self)
 
+    @property
+    def wire_width(self) -> int:
+        """Values per token of the hidden state between blocks (`distconf.loader.spec_wire.wire_width_of`)."""
+        return wire_width_of(self)
+
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | os.PathLike[str], *args: Any,
                         dht_prefix: str | None = None, preset: bool = False, **kwargs: Any) -> Any:
@@ -218,7 +224,7 @@ class SynthesizedConfigMethods:
         return result
 
 
-_METHODS = ("__setattr__", "__post_init__", "__reduce__", "num_key_value_groups", "from_pretrained")
+_METHODS = ("__setattr__", "__post_init__", "__reduce__", "num_key_value_groups", "wire_width", "from_pretrained")
 
 
 def _blocks_counted_by(config_class: type, field: str) -> property:

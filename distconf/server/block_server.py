@@ -257,7 +257,7 @@ class BlockServer(SpanMoves):
             self.weights_sha256 = weights_digest(modules, first_block=span.start)
             logger.info("weights sha256 of blocks %d..%d at load: %s", span.start, span.end - 1, self.weights_sha256)
         self.block_sha256 = self._block_digests(span.start, modules)
-        speed = measure_throughput(modules, config.hidden_size, self.dtype)
+        speed = measure_throughput(modules, config.wire_width, self.dtype)
         self.throughput, self.forward_rps = speed.throughput, speed.forward_rps
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
         self.handler = self._make_handler(span.start, modules)
@@ -323,7 +323,7 @@ class BlockServer(SpanMoves):
                               state_bytes_per_sequence(config, self.dtype, start + i))
                   for i, (uid, m) in enumerate(zip(uids, modules))]
         settings = HandlerSettings(
-            dht_prefix=config.dht_prefix, hidden_size=config.hidden_size, dtype=self.dtype,
+            dht_prefix=config.dht_prefix, hidden_size=config.wire_width, dtype=self.dtype,
             inference_max_length=o.inference_max_length or default_max_length(config),
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
             version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),

@@ -155,7 +155,8 @@ def measure_throughput(blocks: list[Any], hidden_size: int, dtype: Any, *, steps
                        forward_tokens: int = 128) -> Throughput:
     """Measure the loaded ``blocks``: one-token steps with a KV cache through all of them
     (``inference_rps``), and a ``forward_tokens``-token forward of the first block
-    (``forward_rps``); checks that the outputs are finite."""
+    (``forward_rps``); checks that the outputs are finite. ``hidden_size``: the blocks' wire width
+    (``config.wire_width``)."""
     import torch
 
     from distconf.blocks.device import block_device

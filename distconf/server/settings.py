@@ -29,9 +29,11 @@ class HandlerSettings:
                  weights_sha256: str | None = None, block_sha256: list[str] | None = None,
                  weights_form: str | None = None, max_forward_tokens: int | None = None,
                  max_peer_cache_share: float = 1.0) -> None:
-        """``max_forward_tokens``: batch x length of one forward/backward request (None: ``inference_max_length``,
-        as Petals' ``max_batch_size``); ``max_peer_cache_share``: the fraction of the cache budget the sessions
-        of one peer may hold together (1: no limit)."""
+        """``hidden_size``: values per token of the hidden states between blocks (``config.wire_width``, the
+        model's hidden size unless its layers hand each other several streams); ``max_forward_tokens``: batch x
+        length of one forward/backward request (None: ``inference_max_length``, as Petals' ``max_batch_size``);
+        ``max_peer_cache_share``: the fraction of the cache budget the sessions of one peer may hold together (1: no
+        limit)."""
         if not 0 < max_peer_cache_share <= 1:
             raise ValueError(f"max_peer_cache_share must be in (0, 1], got {max_peer_cache_share}")
         self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype

@@ -1,0 +1,85 @@
+"""The family-file model of the hidden state between layers (`HiddenStateSpec`) and the wire width rule.
+
+Petals 2.x blocks exchange one ``[batch, seq, width]`` tensor. For most models ``width`` is
+``hidden_size``; a model whose layers hand each other several streams of ``hidden_size`` values
+(manifold hyper-connections: ``[batch, seq, streams, hidden_size]``) sends them flattened, so the
+wire carries ``streams * hidden_size`` values per token. `wire_width_of` is the one home of that
+rule: every consumer that sizes, checks or builds the tensor between blocks reads it there (the
+synthesized config's ``wire_width`` property calls it). A later kind of wide wire (a stream the
+model carries next to the hidden states) adds its width to `HiddenStateSpec.extra_widths`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from distconf.errors import ConfigValueError, excerpt
+from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.spec_types import IntOrFormula, StrictModel
+
+__all__ = ["HiddenStateSpec", "wire_width_of", "streams_of"]
+
+_MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class HiddenStateSpec(StrictModel):
+    """The hidden state the model's layers hand each other, when it is not one ``[batch, seq, hidden_size]``.
+
+    With ``streams: N`` every layer takes and returns ``[batch, seq, N, hidden_size]``: the model expands
+    its embedding output to N streams before the first layer and collapses them with ``collapse_module``
+    after the last one, before the final norm. Blocks exchange the streams flattened (``N * hidden_size``
+    values per token); the block reshapes them around its layer, the client's model expands and collapses
+    them itself (the collapse module is a non-block module, loaded with the final norm).
+    """
+
+    streams: IntOrFormula = Field(
+        description="Streams of hidden_size values the hidden state holds between layers (an integer or a "
+                    "formula over config fields, e.g. hc_mult).",
+    )
+    collapse_module: str = Field(
+        pattern=_MODULE_PATH,
+        description="Dotted name, in the causal LM, of the model-level module that collapses the streams to "
+                    "[batch, seq, hidden_size] after the last layer (e.g. model.hc_head); its weights are "
+                    "non-block tensors the client loads.",
+    )
+
+    @model_validator(mode="after")
+    def _several_streams(self) -> HiddenStateSpec:
+        if isinstance(self.streams, int) and self.streams < 1:
+            raise ValueError(f"streams must be at least 1, got {self.streams}")
+        return self
+
+    @property
+    def extra_widths(self) -> tuple[int, ...]:
+        """Widths of streams carried next to the hidden states (none yet: the wire holds the streams only)."""
+        return ()
+
+
+def streams_of(config: Any) -> int:
+    """Streams of ``hidden_size`` values the hidden state of ``config``'s family holds between layers (1: plain)."""
+    spec = getattr(type(config), "family_spec", None)
+    hidden_state = getattr(spec, "hidden_state", None)
+    if hidden_state is None:
+        return 1
+    value: Any = hidden_state.streams
+    if isinstance(value, Formula):
+        try:
+            value = value.evaluate_on(config)
+        except FormulaError as exc:
+            raise ConfigValueError(f"family {spec.family!r}: hidden_state.streams: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigValueError(f"family {spec.family!r}: hidden_state.streams {excerpt(str(hidden_state.streams))} "
+                               f"gave {excerpt(value)}; expected a positive integer")
+    return value
+
+
+def wire_width_of(config: Any) -> int:
+    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(extra widths)``.
+
+    ``hidden_size`` for a family without a ``hidden_state`` section (and for a plain config).
+    """
+    spec = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
+    extra = sum(spec.extra_widths) if spec is not None else 0
+    return streams_of(config) * int(config.hidden_size) + extra
