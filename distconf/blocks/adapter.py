@@ -6,7 +6,8 @@ tensors load directly, and is called the same way for every family::
 
     hidden_states, cache = block(hidden_states, layer_past=cache, use_cache=True)
 
-``hidden_states`` is ``[batch, seq, hidden]``; ``cache`` is ``(key, value)``, each
+``hidden_states`` is ``[batch, seq, hidden]`` (``[batch, seq, streams * hidden]`` for a family whose layers
+take several streams, reshaped around the layer: `distconf.blocks.wire`); ``cache`` is ``(key, value)``, each
 ``[batch, num_kv_heads, tokens, head_dim]``, holding only the real KV heads; a layer that keeps a
 per-sequence state (`distconf.blocks.state`) has ``(conv, recurrent)`` instead, one that keeps
 both ``(key, value, conv, recurrent)``, and one that keeps nothing None
@@ -29,6 +30,7 @@ from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_fi
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
+from distconf.blocks.wire import to_layer_form, to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 
 if TYPE_CHECKING:
@@ -242,11 +244,12 @@ class BlockAdapter:
             if state is not None:
                 cache = carry_state(cache, settings, hidden_states)
         kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
-        output = call_with_state(super().forward, hidden_states, kwargs, cache, settings)
+        output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs, cache,
+                                 settings)
         if isinstance(output, (tuple, list)):
             output = output[0]
         present = cache.present if (use_cache and cache is not None) else None
-        return output, present
+        return to_wire_form(output, settings.streams), present
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
@@ -265,9 +268,11 @@ class BlockAdapter:
         if rows is not None:  # left-padded rows: each row's positions over its whole sequence
             padding = rows.padding_mask.to(hidden_states.device)
             full_rows = RowLayout(padding, (padding.long().cumsum(-1) - 1).clamp(min=0))
-        output = super().forward(full, **self.layer_kwargs(full, 0, None, full_rows))  # type: ignore[misc]
+        output = super().forward(to_layer_form(full, self._distconf.streams),  # type: ignore[misc]
+                                 **self.layer_kwargs(full, 0, None, full_rows))
         if isinstance(output, (tuple, list)):
             output = output[0]
+        output = to_wire_form(output, self._distconf.streams)
         present = (full.unsqueeze(1), full.new_zeros(*full.shape[:2], 0).unsqueeze(1)) if use_cache else None
         return output[:, full.shape[1] - new:], present
 

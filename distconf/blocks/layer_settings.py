@@ -15,6 +15,7 @@ from distconf.loader.formula import FormulaError
 from distconf.loader.per_layer import layer_config
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
+from distconf.loader.spec_wire import streams_of
 from distconf.loader.synthesis import resolve_object
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class LayerSettings:
     """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
     skipped: bool = False
     """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
+    streams: int = 1
+    """Streams of hidden_size values the layer takes and returns (``hidden_state.streams``; 1: ``[B, S, H]``)."""
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -144,6 +147,7 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         recomputes=block.call.cache_argument is None,
         one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
         state_slots=spec.state.slots if spec.state is not None else (1, 1), skipped=skipped,
+        streams=streams_of(config),
     )
 
 

@@ -146,9 +146,14 @@ class _ProbedStandIn(Protocol):
 
     probing: bool
     returns_tuple: bool
+    tuple_padding: int
 
 
-_loop_reads_tuple: dict[type, bool] = {}
+_loop_reads_tuple: dict[type, tuple[bool, int]] = {}
+"""Per class of base model: (its loop reads a tuple, Nones after the hidden states in that tuple)."""
+_CONVENTIONS = ((False, 0), (True, 0), (True, 1))
+"""The tensor, a 1-tuple, and ``(hidden, None)`` for a loop that unpacks a second value it passes on (e.g. a layer's
+top-k indices handed to the next layer, which the stand-in for the whole list never needs)."""
 
 
 def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidden_size: int) -> bool:
@@ -159,18 +164,19 @@ def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidde
     the others take the tensor), and a family file may name any
     model. So ``base`` runs on a 2x3 dummy input with ``stand_in.probing`` set (the stand-in
     passes hidden states through: only embeddings and norms compute), first returning the
-    tensor, then a 1-tuple; the convention that gives back ``[2, 3, hidden_size]`` is the
-    one. The answer is kept per class of ``base``. Leaves ``stand_in.returns_tuple`` set.
+    tensor, then a 1-tuple, then a pair ``(hidden, None)``; the convention that gives back
+    ``[2, 3, hidden_size]`` is the one. The answer is kept per class of ``base``. Leaves
+    ``stand_in.returns_tuple`` and ``stand_in.tuple_padding`` set.
     """
     known = _loop_reads_tuple.get(type(base))
     if known is not None:
-        stand_in.returns_tuple = known
-        return known
+        stand_in.returns_tuple, stand_in.tuple_padding = known
+        return known[0]
     ids = torch.zeros((2, 3), dtype=torch.long)
     stand_in.probing = True
     try:
-        for returns_tuple in (False, True):
-            stand_in.returns_tuple = returns_tuple
+        for returns_tuple, padding in _CONVENTIONS:
+            stand_in.returns_tuple, stand_in.tuple_padding = returns_tuple, padding
             try:
                 with torch.no_grad():
                     out = base(input_ids=ids, use_cache=False)
@@ -179,7 +185,7 @@ def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidde
                 continue
             hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             if tuple(hidden.shape) == (2, 3, hidden_size):
-                _loop_reads_tuple[type(base)] = returns_tuple
+                _loop_reads_tuple[type(base)] = (returns_tuple, padding)
                 return returns_tuple
         raise RuntimeError(f"{type(base).__name__}: cannot tell how its layer loop reads a layer's output")
     finally:

@@ -29,6 +29,7 @@ import torch
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
 from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
+from distconf.blocks.wire import to_layer_form, to_wire_form
 from distconf.client.cache import RemoteCache
 from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
 from distconf.client.lmhead import install_lm_head
@@ -42,6 +43,7 @@ from distconf.client.verify_events import VerificationEvent
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.once import OncePerKey
+from distconf.loader.spec_wire import streams_of
 from distconf.sources import ModelSource, ModelSourceError
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
@@ -61,15 +63,20 @@ class RemoteLayers(torch.nn.Module):
     Inside ``generate`` (a `RemoteCache` among the arguments) it steps the inference
     session; otherwise it runs a differentiable forward through the swarm, with the
     model's trained prompts (if any) in front and cut off again after the last block.
-    It returns what the model's layer loop expects (a tensor, or a tuple holding it:
-    ``returns_tuple``, found at load by `distconf.client.hf_generation.layer_output_is_tuple`,
-    which sets ``probing`` to make the stand-in pass hidden states through).
+    It returns what the model's layer loop expects (a tensor, or a tuple holding it and
+    ``tuple_padding`` Nones: ``returns_tuple``, found at load by
+    `distconf.client.hf_generation.layer_output_is_tuple`, which sets ``probing`` to make the
+    stand-in pass hidden states through). A model whose layers take ``streams`` streams
+    (``hidden_state.streams``) hands it ``[batch, seq, streams, hidden]``, sent flattened
+    (`distconf.blocks.wire`); the model's own forward expands and collapses the streams.
     """
 
-    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any]) -> None:
+    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1) -> None:
         super().__init__()
         self.remote = remote
+        self.streams = streams
         self.returns_tuple = False
+        self.tuple_padding = 0
         self.probing = False
         self.__dict__["prompts"] = None  # the model owns the prompts; a reference here is not a submodule
         for name, value in attributes.items():
@@ -80,13 +87,15 @@ class RemoteLayers(torch.nn.Module):
         self.__dict__["prompts"] = prompts
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``)."""
+        """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``, or ``[batch, seq, streams, hidden]``)."""
+        wire = to_wire_form(hidden_states, self.streams)
         if self.probing:
-            out = hidden_states
+            out = wire
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
-            out = cache.step(hidden_states) if cache is not None else self._forward(hidden_states)
-        return (out,) if self.returns_tuple else out
+            out = cache.step(wire) if cache is not None else self._forward(wire)
+        out = to_layer_form(out, self.streams)
+        return (out, *[None] * self.tuple_padding) if self.returns_tuple else out
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         prompts: PromptTuning | None = self.__dict__["prompts"]
@@ -117,6 +126,20 @@ def decoder_layer_list(model: torch.nn.Module, config: DistributedConfig) -> tup
     raise type(config).family_source.error(
         ("block", "prefix"), f"{type(model).__name__} has no list of {config.num_hidden_layers} layers at "
         f"{spec.block.prefix!r} (base model prefix {spec.block.base_model_prefix!r})")
+
+
+def check_collapse_module(model: torch.nn.Module, config: DistributedConfig) -> None:
+    """The module ``hidden_state.collapse_module`` names is a module of ``model`` outside its layer list (its
+    weights load with the final norm, and the model's forward runs it after the last block)."""
+    hidden_state = type(config).family_spec.hidden_state
+    if hidden_state is None:
+        return
+    try:
+        model.get_submodule(hidden_state.collapse_module)
+    except AttributeError:
+        raise type(config).family_source.error(
+            ("hidden_state", "collapse_module"),
+            f"{type(model).__name__} has no module {hidden_state.collapse_module!r}") from None
 
 
 class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
@@ -262,9 +285,10 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     with torch.device("meta"):
         model = model_cls(config)
     name, layers = decoder_layer_list(model, config)
+    check_collapse_module(model, config)
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]))
+    stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]), streams_of(config))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     model.remote_layers = stand_in
