@@ -104,9 +104,9 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
     return blocks
 
 
-def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_size: int) -> None:
+def check_attention_gets_cache(cls: type, block: Any, attn_class: type, width: int) -> None:
     """The attention class must be the module the KV cache is handed to (not just any submodule); a layer that
-    keeps no cache (``block.call.cache_argument: null``) is handed none."""
+    keeps no cache (``block.call.cache_argument: null``) is handed none. ``width``: the config's wire width."""
     import torch
 
     if cls.family_spec.block.call.cache_argument is None:  # type: ignore[attr-defined]
@@ -132,9 +132,9 @@ def check_attention_gets_cache(cls: type, block: Any, attn_class: type, hidden_s
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in block.modules() if isinstance(m, attn_class)]
     try:
         with torch.no_grad():
-            _, past = block(torch.zeros(1, 2, hidden_size), use_cache=True)
+            _, past = block(torch.zeros(1, 2, width), use_cache=True)
             if returned:  # the first step hands it None: the next one, the tuple
-                block(torch.zeros(1, 1, hidden_size), layer_past=past, use_cache=True)
+                block(torch.zeros(1, 1, width), layer_past=past, use_cache=True)
     finally:
         for h in hooks:
             h.remove()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distconf.blocks.wire import to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
 
@@ -104,7 +105,11 @@ def find_layer_module(model: Any, config: DistributedConfig, layer_idx: int) -> 
 
 
 def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
-    """Run the HF model on random tokens; return the first layer's input and every layer's output."""
+    """Run the HF model on random tokens; return the first layer's input and every layer's output.
+
+    Each as the blocks exchange it: a layer's ``[batch, seq, streams, hidden]`` flattened for a family whose
+    hidden state holds several streams (`distconf.blocks.wire`).
+    """
     import torch
 
     records: dict[int, list[tuple[Any, Any]]] = {i: [] for i in range(reference.layers)}
@@ -134,7 +139,35 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     if not any(records.values()):
         raise located_failure(type(reference.config), ("block", "prefix"),
                               "the model called none of the layers at block.prefix in its forward pass")
-    return _chain(records, reference.layers)
+    first, outputs = _chain(records, reference.layers)
+    streams = _checked_streams(reference, first)
+    return to_wire_form(first, streams), [to_wire_form(out, streams) for out in outputs]
+
+
+def _checked_streams(reference: Reference, first: Any) -> int:
+    """The streams the family declares (``hidden_state``), checked against the first layer's input."""
+    from distconf.loader.spec_wire import streams_of
+
+    cls = type(reference.config)
+    declared = streams_of(reference.config)
+    hidden = int(reference.config.hidden_size)
+    seen = int(first.shape[2]) if first.ndim == 4 and first.shape[-1] == hidden else 1
+    if declared != seen:
+        shape = "x".join(map(str, first.shape))
+        if cls.family_spec.hidden_state is None:  # type: ignore[attr-defined]
+            raise located_failure(cls, ("hidden_state",), f"the model's layers take a {shape} hidden state ({seen} "
+                                  "streams of hidden_size): declare hidden_state (streams, collapse_module)")
+        raise located_failure(cls, ("hidden_state", "streams"), f"gives {declared} streams, but the model's layers "
+                              f"take a {shape} hidden state ({seen} streams of hidden_size {hidden})")
+    hidden_state = cls.family_spec.hidden_state  # type: ignore[attr-defined]
+    if hidden_state is not None:
+        try:
+            reference.model.get_submodule(hidden_state.collapse_module)
+        except AttributeError:
+            raise located_failure(cls, ("hidden_state", "collapse_module"),
+                                  f"{type(reference.model).__name__} has no module "
+                                  f"{hidden_state.collapse_module!r}") from None
+    return declared
 
 
 def _chain(records: dict[int, list[tuple[Any, Any]]], layers: int) -> tuple[Any, list[Any]]:

@@ -46,8 +46,8 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
         blocks = load_blocks(cls, directory, reference, attn_class)
     result.params_per_block = sum(p.numel() for p in blocks[0].parameters())
     try:
-        check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.hidden_size)
-        ref_in, ref_out = record_layer_io(reference)
+        ref_in, ref_out = record_layer_io(reference)  # first: it checks the hidden state's streams
+        check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.wire_width)
         compare_full(cls, blocks, ref_in, ref_out, result)
         caches = compare_cached(cls, blocks, ref_in, ref_out, result)
     except Exception as exc:
@@ -55,8 +55,11 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
         if cause is not None:  # the cause, not a symptom no family file could cure
             raise located_failure(cls, ("block",), cause) from None
         carried = _carried_streams(cls, reference)
-        if carried and isinstance(exc, CheckFailure) and exc.field == "block":
-            symptom = exc.message.partition(": check ")[0]  # its advice names fields, which cannot help here
+        if carried and (not isinstance(exc, CheckFailure) or exc.field == "block"):
+            # a block's own error (e.g. a layer refusing None for the value) or a mismatch; advice naming fields
+            # cannot help here
+            symptom = (exc.message.partition(": check ")[0] if isinstance(exc, CheckFailure)
+                       else f"a block failed: {type(exc).__name__}: {exc}")
             raise located_failure(cls, ("block",), f"{symptom}; the model passes {', '.join(carried)} from each "
                                   "layer's output into the next layer's call besides the hidden states, which a "
                                   "block gets as None (blocks exchange hidden states only): the likely cause, which "

@@ -36,6 +36,7 @@ class FamilyDraft:
     kv_cache: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     keeps_kv: bool = True  # some layer keeps K/V (a pure state family writes no kv_groups)
+    hidden_state: dict[str, Any] = field(default_factory=dict)  # several streams between layers (hidden_streams)
     tiny_config: dict[str, Any] = field(default_factory=dict)
     dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
     facts: list[str] = field(default_factory=list)
@@ -60,6 +61,8 @@ class FamilyDraft:
             lines.append(_dump({"kv_cache": self.kv_cache}))
         if self.state:
             lines.append(_dump({"state": self.state}))
+        if self.hidden_state:
+            lines.append(_dump({"hidden_state": self.hidden_state}))
         lines.append(_dump({"dht_prefix": self.dht_prefix}))
         if self.tiny_config:
             lines.append(_dump({"tiny_config": self.tiny_config}))

@@ -1,0 +1,109 @@
+"""``hidden_state``: a model whose layers hand each other several streams of hidden_size values.
+
+Manifold hyper-connections expand the embedding output to N streams before the layer loop
+(``[batch, seq, N, hidden_size]``), every layer takes and returns that shape, and a model-level
+module collapses the streams after the last layer, before the final norm. The drafter runs the
+tiny model and sees it: the first layer's input has four dimensions, the last one hidden_size;
+the module outside the layer list that takes that shape and gives ``[batch, seq, hidden_size]``
+is the collapse module; the config field giving N is the one whose change changes N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.render import FamilyDraft
+
+__all__ = ["StreamsSeen", "streams_seen", "draft_hidden_state"]
+
+_CANDIDATES = 8  # config fields tried as the stream count (each one tiny run)
+
+
+@dataclass(frozen=True)
+class StreamsSeen:
+    """What one tiny run shows of the hidden state between layers."""
+
+    streams: int
+    """Streams of the first layer's input (1: a plain ``[batch, seq, hidden_size]``)."""
+    collapse_module: str | None
+    """Dotted name in the causal LM of the module outside the layers that collapses the streams (None: none)."""
+
+
+def streams_seen(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> StreamsSeen | None:
+    """Run the tiny model on token ids and look at its first layer's input (None when it does not run)."""
+    import torch
+
+    from distconf.tools.drafting.probe import build_tiny_model
+    from distconf.tools.drafting.scan import find_layer_list
+
+    try:
+        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        prefix, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+    except Exception:  # the tiny run reports why the config does not build
+        return None
+    hidden = field_value(config, "hidden_size")
+    seen: dict[str, Any] = {}
+    calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def first_input(module: Any, args: Any, kwargs: Any) -> None:
+        value = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(value, torch.Tensor) and "shape" not in seen:
+            seen["shape"] = tuple(value.shape)
+
+    def outside(name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                calls.append((name, tuple(args[0].shape), tuple(output.shape)))
+        return hook
+
+    handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+    handles += [module.register_forward_hook(outside(name)) for name, module in model.named_modules()
+                if name and not (name == prefix or name.startswith(prefix + "."))]
+    try:
+        with torch.no_grad(), quiet_transformers():
+            model(torch.randint(0, 8, (1, 5)), use_cache=False)
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    shape = seen.get("shape")
+    if shape is None or len(shape) != 4 or shape[-1] != hidden:
+        return StreamsSeen(1, None)
+    collapse = next((name for name, given, made in calls
+                     if given == shape and made == (*shape[:2], shape[-1])), None)
+    return StreamsSeen(int(shape[2]), collapse)
+
+
+def draft_hidden_state(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+    """Write ``hidden_state`` when the tiny model's layers take several streams (the count's field confirmed by
+    changing it), or a review note saying what to write by hand."""
+    seen = streams_seen(config_class, tiny, draft.attn_implementation)
+    if seen is None or seen.streams == 1:
+        return
+    field = _streams_field(config_class, tiny, draft.attn_implementation, seen.streams)
+    if field is None or seen.collapse_module is None:
+        missing = ("the config field giving the count (no field equal to it changes it)" if field is None
+                   else "the module collapsing them after the last layer (none outside the layers takes them)")
+        draft.review.append(f"the layers take {seen.streams} streams of hidden_size values ([batch, seq, "
+                            f"{seen.streams}, hidden_size]), but the drafter did not find {missing}: write "
+                            "hidden_state (streams, collapse_module) by hand")
+        return
+    draft.hidden_state = {"streams": field, "collapse_module": seen.collapse_module}
+    draft.facts.append(f"the layers take and return {field} streams of hidden_size values ([batch, seq, {field}, "
+                       f"hidden_size]; {seen.collapse_module} collapses them after the last layer): blocks exchange "
+                       f"them flattened, {field} * hidden_size values per token (hidden_state)")
+
+
+def _streams_field(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
+                   streams: int) -> str | None:
+    """The integer field of ``tiny`` equal to ``streams`` whose change to ``streams + 1`` gives that many streams."""
+    candidates = [name for name, value in tiny.items() if is_int(value) and value == streams][:_CANDIDATES]
+    for name in candidates:
+        other = streams_seen(config_class, {**tiny, name: streams + 1}, attn_implementation)
+        if other is not None and other.streams == streams + 1:
+            return name
+    return None
