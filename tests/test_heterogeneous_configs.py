@@ -64,3 +64,51 @@ def test_per_layer_settings_follow_the_tiny_layer_types_the_class_gives(tmp_path
     assert sorted(int(k) for k in tiny["per_layer_config"]) == full
     assert {v["head_dim"] for v in tiny["per_layer_config"].values()} == {2 * tiny["head_dim"]}
     assert "TODO review" not in next((tmp_path / "out").glob("*.yaml")).read_text()
+
+
+def test_head_sizes_per_layer_and_a_shared_kv_container_draft_and_check(tmp_path: Path, fresh_cache,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # before: gemma4_unified_text was refused as a heterogeneous config; drafted, its layers got None for the
+    # KVSharingDict the model hands them all (shared_kv_states), and the last full-attention layer stores in it
+    from distconf.blocks.kvcache import kv_geometry
+    from distconf.loader import load_family
+
+    code, text = draft_and_check("gemma4_unified_text", tmp_path)
+    assert code == 0, capsys.readouterr().err
+    family = yaml.safe_load(text)
+    assert family["block"]["call"]["fresh_arguments"] == {"shared_kv_states": "transformers.cache_utils.KVSharingDict"}
+    assert "layer_overrides" not in family.get("kv_cache", {})
+    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
+    config = cls(**{k: v for k, v in family["tiny_config"].items() if k != "variants"})
+    dims = {config.layer_types[i]: kv_geometry(config, i).key_head_dim for i in range(config.num_hidden_layers)}
+    assert dims == {"sliding_attention": family["tiny_config"]["head_dim"],
+                    "full_attention": 2 * family["tiny_config"]["head_dim"]}
+
+
+def test_layers_reading_what_another_stored_fail_check_in_one_line(tmp_path: Path, fresh_cache,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # a tiny config whose last layer reuses the K/V an earlier layer stored (num_kv_shared_layers): blocks served
+    # apart cannot share them, and check says so at block.call.fresh_arguments
+    from distconf.cli import main
+    from distconf.loader.registry import clear_cache
+
+    assert new_from_defaults("gemma4_unified_text", tmp_path) == 0
+    clear_cache()  # `new` loaded the draft as written
+    path = next((tmp_path / "out").glob("*.yaml"))
+    text = path.read_text()
+    assert "\n  num_kv_shared_layers: 0\n" in text
+    path.write_text(text.replace("\n  num_kv_shared_layers: 0\n", "\n  num_kv_shared_layers: 1\n"))
+    capsys.readouterr()
+    assert main(["check", str(path)]) == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "[tiny]" in x]
+    assert "block.call.fresh_arguments" in line and "shared_kv_states" in line
+
+
+def test_inputs_per_layer_from_the_token_ids_fail_new_in_one_line(tmp_path: Path, fresh_cache,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # gemma4_text (heterogeneous like gemma4_unified_text) also hands each layer a slice of per_layer_inputs, made
+    # from the token ids for the whole model: before, the draft was written and check failed on None * tensor
+    from sweephelpers import new_fails
+
+    line = new_fails("gemma4_text", tmp_path, capsys)
+    assert "'per_layer_input'" in line and "hidden_size_per_layer_input" in line and "besides the hidden states" in line

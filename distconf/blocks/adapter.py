@@ -185,6 +185,7 @@ class BlockAdapter:
         settings = self._distconf
         call = settings.spec.call
         kwargs: dict[str, Any] = dict(call.extra)
+        kwargs.update((name, container()) for name, container in settings.fresh_arguments)
         if call.cache_argument is not None:
             kwargs[call.cache_argument] = cache
         if rows is None:

@@ -63,6 +63,11 @@ def crash_failure(cls: type, exc: Exception) -> CheckFailure:
             f"{message} (the layer's forward needs {missing.group(1)!r} and the family passes nothing under that "
             "name: map it with a block.call.*_argument; a position bias the model builds with its own function "
             "is block.call.alibi_argument with block.position.alibi_function and alibi_arguments)")
+    if call.fresh_arguments and isinstance(exc, KeyError):  # a layer looked up what another layer stored
+        names = ", ".join(call.fresh_arguments)
+        return located_failure(cls, ("block", "call", "fresh_arguments"),
+                               f"{message} (a layer reads what another layer stored in {names}: each block's layer "
+                               "gets an empty one, so layers sharing K/V across layers cannot be served apart)")
     computed = _computed_buffers(cls)
     if computed and isinstance(exc, (RuntimeError, IndexError)):
         return located_failure(cls, ("block",), f"{message} (the layer computes buffers of its own: "
