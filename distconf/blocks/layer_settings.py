@@ -59,6 +59,8 @@ class LayerSettings:
     """The layer reads its state only in one-token steps (``state.continuation: one_token``)."""
     state_slots: tuple[int, int] = (1, 1)
     """Conv and recurrent states the layer keeps (``StateSpec.slots``): the state part of its past."""
+    counts_positions: bool = False
+    """The state part of its past ends with each sequence's token count (``state.counts_positions``)."""
     no_rotary: bool = False
     """The family has rotary embeddings, but not for this layer's type: it gets None."""
     computed_arguments: tuple[tuple[str, Any], ...] = ()
@@ -67,10 +69,13 @@ class LayerSettings:
     """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
     skipped: bool = False
     """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
-    fresh_arguments: tuple[tuple[str, type], ...] = ()
-    """(keyword, class) of the empty containers the layer gets anew on every call (``block.call.fresh_arguments``)."""
     streams: int = 1
     """Streams of hidden_size values the layer takes and returns (``hidden_state.streams``; 1: ``[B, S, H]``)."""
+
+    @property
+    def state_width(self) -> int:
+        """Entries of the state part of the layer's past (``StateSpec.width``)."""
+        return sum(self.state_slots) + int(self.counts_positions)
 
     @property
     def alibi_in_mask(self) -> bool:
@@ -149,10 +154,8 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         recomputes=block.call.cache_argument is None,
         one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
         state_slots=spec.state.slots if spec.state is not None else (1, 1), skipped=skipped,
-        fresh_arguments=tuple((name, resolve_object(_source(block_cls), ("block", "call", "fresh_arguments", name),
-                                                    path, want_class=True))
-                              for name, path in block.call.fresh_arguments.items()),
         streams=streams_of(config),
+        counts_positions=spec.state is not None and spec.state.counts_positions,
     )
 
 

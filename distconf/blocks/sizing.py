@@ -147,4 +147,5 @@ def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | Non
         return 0
     recurrent_bytes = 4 if geometry.recurrent_float32 else bytes_per_value(dtype)
     conv_bytes = 4 if geometry.conv_float32 else bytes_per_value(dtype)
-    return int(geometry.conv_values * conv_bytes + geometry.recurrent_values * recurrent_bytes)
+    counted = 8 if geometry.counts_positions else 0  # the token count: one int64
+    return int(geometry.conv_values * conv_bytes + geometry.recurrent_values * recurrent_bytes + counted)

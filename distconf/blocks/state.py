@@ -35,6 +35,8 @@ class StateGeometry:
     recurrent_float32: bool
     conv_float32: bool = False
     """The convolution states are kept in float32 (``state.conv_dtype``), else in the block's dtype."""
+    counts_positions: bool = False
+    """The block keeps each sequence's token count (one int64) after its states (``state.counts_positions``)."""
 
     @property
     def conv_shape(self) -> tuple[int, ...] | None:
@@ -64,7 +66,9 @@ class StateGeometry:
             if not shapes:
                 return [(field, None)]
             return [(field if len(shapes) == 1 else f"{field}[{i}]", shape) for i, shape in enumerate(shapes)]
-        return (*entries("conv_shape", self.conv_shapes), *entries("recurrent_shape", self.recurrent_shapes))
+        counted = (("counts_positions", (1,)),) if self.counts_positions else ()
+        return (*entries("conv_shape", self.conv_shapes), *entries("recurrent_shape", self.recurrent_shapes),
+                *counted)
 
 
 def keeps_state(config: DistributedConfig | type) -> bool:
@@ -120,7 +124,7 @@ def _geometry_of(config: DistributedConfig, kind: str | None) -> StateGeometry:
             return (_shape(config, f"{where}{field}_shape", listed[0]),)
         return tuple(_shape(config, f"{where}{field}_shape[{i}]", entries) for i, entries in enumerate(listed))
     return StateGeometry(shapes("conv"), shapes("recurrent"), state.recurrent_dtype == "float32",
-                         state.conv_dtype == "float32")
+                         state.conv_dtype == "float32", state.counts_positions)
 
 
 class BlockStateCache:

@@ -17,8 +17,10 @@ from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["StateSpec", "StateMethods", "StateList", "StateOverride", "Shapes"]
+__all__ = ["StateSpec", "StateMethods", "StateList", "StateOverride", "ModuleAttributes", "Shapes"]
 
+AttributePath = Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*$")]
+"""A dotted attribute path below the layer module (``temporal_block.rg_lru.recurrent_states``; no private names)."""
 Shape = list[IntOrFormula]
 Shapes = Shape | list[Annotated[Shape, Field(min_length=1)]]
 """One shape (a list of entries), or a list of shapes: one per cache ``state_idx`` (0, 1, ...)."""
@@ -56,6 +58,20 @@ class StateList(StrictModel):
                                                            "block's dtype (the conv state); the rest are recurrent.")
     initial: list[float] = Field(min_length=1, description="The value each entry holds before the first token "
                                                            "(the model's initial state), one per entry.")
+
+
+class ModuleAttributes(StrictModel):
+    """A layer whose modules keep their state in attributes of their own (no cache object): the attribute paths,
+    below the layer module, of its conv states and of its recurrent states, one per shape of
+    ``state.conv_shape`` / ``state.recurrent_shape`` (in order).
+
+    Before each call the block sets them to its session's rows (zeros of the declared shapes before the first
+    token), after it reads them back and clears them, so the modules hold nothing between calls.
+    """
+
+    conv: list[AttributePath] = Field(default_factory=list, description="Attribute paths of the conv states.")
+    recurrent: list[AttributePath] = Field(default_factory=list,
+                                           description="Attribute paths of the recurrent states.")
 
 
 class StateOverride(StrictModel):
@@ -139,6 +155,18 @@ class StateSpec(StrictModel):
                     "first token; the conv states, then the recurrent ones) and returns the new tuple as its "
                     "output's second entry, instead of keeping them in a cache object. False: it gets a cache.",
     )
+    module_attributes: ModuleAttributes | None = Field(
+        default=None,
+        description="When the layer's modules keep their states in attributes of their own (see "
+                    "ModuleAttributes). Null: the layer gets its state through a cache object.",
+    )
+    counts_positions: bool = Field(
+        default=False,
+        description="The layer reads true positions (e.g. it resets its state at position 0): the block keeps the "
+                    "tokens each sequence has seen next to its state (one int64 per sequence, the state's last "
+                    "entry) and gives a layer keeping no K/V its positions from it. False: such a layer gets "
+                    "positions from 0 at every step.",
+    )
     one_token_rows: Literal["together", "one_at_a_time"] = Field(
         default="together",
         description="How the block runs a one-token step after an earlier state: 'together' (all rows in one "
@@ -162,6 +190,11 @@ class StateSpec(StrictModel):
         None when the family keeps no such state), so a one-state family's past stays ``(conv, recurrent)``."""
         return max(1, len(self.conv_shapes)), max(1, len(self.recurrent_shapes))
 
+    @property
+    def width(self) -> int:
+        """Entries of the state part of a block's past: the `slots`, then the token count (``counts_positions``)."""
+        return sum(self.slots) + int(self.counts_positions)
+
     def shapes_for(self, kind: str, layer_type: str | None) -> list[Shape]:
         """The ``kind`` (``conv`` / ``recurrent``) shapes of layers of ``layer_type`` (None: the section's)."""
         override = self.layer_overrides.get(layer_type) if layer_type is not None else None
@@ -172,6 +205,17 @@ class StateSpec(StrictModel):
     def _some_state(self) -> StateSpec:
         if self.conv_shape is None and self.recurrent_shape is None:
             raise ValueError("state needs conv_shape, recurrent_shape or both")
+        attributes = self.module_attributes
+        if attributes is not None:
+            for field in ("conv", "recurrent"):
+                paths, shapes = getattr(attributes, field), _shapes(getattr(self, f"{field}_shape"))
+                if len(paths) != len(shapes):
+                    raise ValueError(f"state.module_attributes.{field} names {len(paths)} attributes, "
+                                     f"state.{field}_shape declares {len(shapes)} states (one attribute each)")
+            others = [name for name in ("recurrent_methods", "layer_list") if getattr(self, name) is not None]
+            if others or self.returned_tuple:
+                raise ValueError("state.module_attributes: the layer's modules keep the state themselves, so "
+                                 f"{', '.join(others) or 'returned_tuple'} cannot be set besides")
         for kind, override in self.layer_overrides.items():
             for field in ("conv", "recurrent"):
                 listed = getattr(override, f"{field}_shape")

@@ -50,9 +50,10 @@ class ServedBlock:
 
     @property
     def state_width(self) -> int:
-        """Tensors of the block's state: its conv states, then its recurrent states (``(conv, recurrent)``: 2)."""
+        """Tensors of the block's state: its conv states, then its recurrent states (``(conv, recurrent)``: 2), then
+        the token count when the family keeps it (``state.counts_positions``)."""
         settings = getattr(self.module, "_distconf", None)
-        return sum(settings.state_slots) if settings is not None else 2
+        return settings.state_width if settings is not None else 2
 
     @property
     def keeps_kv(self) -> bool:

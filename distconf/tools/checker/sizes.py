@@ -71,8 +71,8 @@ def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
 
 def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
     """The ``(conv, recurrent)`` of a block's cache (its last entries: every conv state, then every recurrent
-    state, `distconf.loader.spec_state.StateSpec.slots`)."""
-    width = sum(type(config).family_spec.state.slots)
+    state, and the token count when it is kept: `distconf.loader.spec_state.StateSpec.width`)."""
+    width = type(config).family_spec.state.width
     return None if cache is None else tuple(cache[-width:])
 
 

@@ -12,6 +12,7 @@ from distconf.tools.drafting.indexer import find_indexers
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state import LayerState, foreign_cache_class, foreign_state, layer_states
+from distconf.tools.drafting.state_attributes import ModuleStatesFound, module_states, run_handing_cache
 from distconf.tools.drafting.state_list import StateListFound, find_state_list, list_states
 from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
 from distconf.tools.drafting.state_returned import ReturnedStateFound, returned_states, run_returning_states
@@ -47,6 +48,8 @@ class TinyRun:
     """The list of per-layer state tensors the model passes its layers (`find_state_list`)."""
     returned_state: ReturnedStateFound | None = None
     """The state tuple each layer takes and returns, for a model with a cache class of its own."""
+    module_states: ModuleStatesFound | None = None
+    """The attributes the layers' modules keep their states in, for a model keeping them there."""
 
     @property
     def shape(self) -> tuple[int, int, int, int] | None:
@@ -117,26 +120,32 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
         vocab = int(field_value(config, "vocab_size", 0) or 256)
         ids = torch.randint(0, min(vocab, 256), (1, TINY_TEST_TOKENS))
         _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        own_cache, returned = foreign_cache_class(type(model)), None
+        own_cache, returned, handed = foreign_cache_class(type(model)), None, None
         if own_cache is not None:  # its cache may not fit the tiny sizes: the layers' own states are read
             result, returned = run_returning_states(model, layers, ids)
         else:
-            with torch.no_grad():
-                result = model(ids, use_cache=True)
+            result, handed = run_handing_cache(model, layers, ids)
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
-    key, value = _last_cache(result)
-    indexer, indexer_layers = find_indexers(getattr(result, "past_key_values", None))
     cache = getattr(result, "past_key_values", None)
+    held, held_states = (None, []) if cache is not None or own_cache is not None else \
+        module_states(layers, int(ids.shape[0]), layer_states(handed))
+    if held is not None:  # the modules keep the states; the K/V is in the cache the model handed its layers
+        cache = handed
+    key, value = _last_cache(cache)
+    indexer, indexer_layers = find_indexers(cache)
     methods = find_state_methods(cache)
     listed = find_state_list(result, len(layers))
     states = list_states(listed, len(layers)) if listed is not None else _states(cache, methods)
     foreign = None if methods is not None or listed is not None else (own_cache or foreign_state(result, model))
     if returned is not None:
         states, foreign = returned_states(returned, len(layers)), None
+    if held is not None:
+        states, foreign = held_states, None
     return TinyRun(config=config, key=key, value=value, kinds=layer_kinds(layers, config),
-                   layer_shapes=_layer_shapes(result), states=states, indexer=indexer, indexer_layers=indexer_layers,
-                   foreign_state=foreign, state_methods=methods, state_list=listed, returned_state=returned)
+                   layer_shapes=_layer_shapes(cache), states=states, indexer=indexer, indexer_layers=indexer_layers,
+                   foreign_state=foreign, state_methods=methods, state_list=listed, returned_state=returned,
+                   module_states=held)
 
 
 def _states(cache: Any, methods: StateMethodsFound | None = None) -> list[LayerState]:
@@ -151,22 +160,23 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
     import torch
 
     try:
-        _, model = _build(config_class, tiny, attn_implementation, meta=False)
+        config, model = _build(config_class, tiny, attn_implementation, meta=False)
         model = model.to(torch.bfloat16)
         with torch.no_grad():
             result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
+        cache = getattr(result, "past_key_values", None)
+        layers = find_layer_list(model, field_value(config, "num_hidden_layers"))[1] if cache is None else []
     except Exception:  # the float32 run has reported anything wrong with the config
         return None
-    cache = getattr(result, "past_key_values", None)
-    states = _states(cache, find_state_methods(cache))
+    states = _states(cache, find_state_methods(cache)) if cache is not None else module_states(layers, 1, [])[1]
     return {"recurrent": {s.recurrent_dtype for s in states if s.recurrent_dtype},
             "conv": {s.conv_dtype for s in states if s.conv_dtype}}
 
 
-def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:
+def _layer_shapes(cache: Any) -> list[tuple[int, ...] | None]:
     """(key heads, key size, value heads, value size) each layer of a transformers Cache holds (None: not K/V)."""
     shapes: list[tuple[int, ...] | None] = []
-    for layer in getattr(getattr(result, "past_key_values", None), "layers", None) or []:
+    for layer in getattr(cache, "layers", None) or []:
         key, value = getattr(layer, "keys", None), getattr(layer, "values", None)
         ok = all(getattr(t, "dim", lambda: 0)() == 4 for t in (key, value))
         shapes.append((int(key.shape[1]), int(key.shape[-1]), int(value.shape[1]), int(value.shape[-1]))
@@ -174,9 +184,8 @@ def _layer_shapes(result: Any) -> list[tuple[int, ...] | None]:
     return shapes
 
 
-def _last_cache(result: Any) -> tuple[Any, Any]:
-    cache = getattr(result, "past_key_values", None)  # a transformers Cache: one entry per layer
-    layers = getattr(cache, "layers", None)
+def _last_cache(cache: Any) -> tuple[Any, Any]:
+    layers = getattr(cache, "layers", None)  # a transformers Cache: one entry per layer
     try:
         kv = [layer for layer in layers if getattr(getattr(layer, "keys", None), "dim", lambda: 0)() == 4]
         last = kv[-1] if kv else layers[-1]  # a hybrid's last layer may keep a state, not K/V

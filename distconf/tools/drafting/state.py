@@ -267,7 +267,8 @@ def _monomials(fields: Mapping[str, int]) -> list[tuple[str, tuple[str, ...], in
 
 
 def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
-    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first)."""
+    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first), a quotient, or
+    a field minus one (a convolution window of the earlier inputs only)."""
     fields = _fields(config, raw)
     monomials = _monomials(fields)
     found = [(text, combo) for text, combo, v in monomials if v == value]
@@ -280,6 +281,7 @@ def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[s
             for other, other_combo in by_value.get(value - v, []):
                 if other != text:
                     found.append((f"{text} + {other}", combo + other_combo))
+    found += [(f"{a} - 1", (a,)) for a in fields if fields[a] - 1 == value > 1]  # a window but the current input
     found += [(f"{a} // {b}", (a, b)) for a, b in itertools.permutations(fields, 2)  # equal ones give 1 by chance
               if fields[b] and fields[a] > fields[b] and fields[a] % fields[b] == 0 and fields[a] // fields[b] == value]
     return found
@@ -372,11 +374,14 @@ def _splitting_field(candidates: list[tuple[str, tuple[str, ...]]], fields: Mapp
 
 
 def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
-    """A candidate formula (products, sums, one floor division) evaluated on ``fields``."""
+    """A candidate formula (products, sums, one floor division, a field minus one) evaluated on ``fields``."""
     total = 0
     for term in text.split(" + "):
         if term.startswith("int("):
             total += evaluate_factor(term, fields)
+            continue
+        if term.endswith(" - 1"):
+            total += fields[term[:-4]] - 1
             continue
         if " // " in term:
             a, b = term.split(" // ")

@@ -96,11 +96,15 @@ def apply_state(draft: FamilyDraft, layout: StateLayout, float32_state: bool, co
         state["conv_dtype"] = "float32"
     types, kv_types = layout.state_types, layout.kv_types or []
     all_types = layout.all_types or list(dict.fromkeys([*(types or []), *kv_types]))
+    one_rule = None  # the model masks every layer alike, yet its layer types tell state layers from K/V ones
+    if types is not None and kv_types and set(types) != set(all_types) and not draft.mask.get("layer_types_field"):
+        one_rule = draft.mask.get("kind", "causal")
+        draft.mask = {"layer_types_field": "layer_types", **draft.mask}
     if types is not None and draft.mask.get("layer_types_field"):
         kinds = dict(draft.mask.get("layer_kinds") or {})
         for layer_type in all_types:
             if layer_type not in kinds:  # keeping a state only, or nothing (an MLP layer): no mask
-                kinds[layer_type] = mask_kind_of(layer_type) if layer_type in kv_types else "none"
+                kinds[layer_type] = (one_rule or mask_kind_of(layer_type)) if layer_type in kv_types else "none"
             elif layer_type not in kv_types:
                 kinds[layer_type] = "none"
         draft.mask["layer_kinds"] = kinds
