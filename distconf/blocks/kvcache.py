@@ -88,11 +88,26 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
         kinds = [None, *overrides]
         return max((_geometry(config, kind) for kind in kinds), key=lambda g: g.values_per_token)
     by_kind = overrides or family.kv_cache.indexer_layer_kinds is not None
-    return _geometry(layer_config(config, layer_idx), layer_type(config, layer_idx) if by_kind else None)
+    kind = layer_type(config, layer_idx) if by_kind else None
+    return _geometry(layer_config(config, layer_idx), kind, _indexer_kind(config, layer_idx, kind))
 
 
-def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
-    """The KV geometry of the family's section, with the overrides of layer type ``kind`` (None: none)."""
+def _indexer_kind(config: DistributedConfig, layer_idx: int, kind: str | None) -> str | None:
+    """The kind ``kv_cache.indexer_layer_kinds`` names for layer ``layer_idx``: its entry in
+    ``kv_cache.indexer_types_field`` when the family names one, else its layer type."""
+    field = type(config).family_spec.kv_cache.indexer_types_field
+    if field is None:
+        return kind
+    values = getattr(config, field, None)
+    if not isinstance(values, (list, tuple)) or len(values) <= layer_idx:
+        raise ConfigValueError(f"family {_family(config)!r}: kv_cache.indexer_types_field {field!r} is not a list "
+                               f"with an entry for layer {layer_idx}")
+    return str(values[layer_idx])
+
+
+def _geometry(config: DistributedConfig, kind: str | None, indexer_kind: str | None = None) -> KVGeometry:
+    """The KV geometry of the family's section, with the overrides of layer type ``kind`` (None: none); the
+    indexer cache counts on a layer of indexer kind ``indexer_kind`` (`_indexer_kind`; None: counted)."""
     spec = type(config).family_spec.kv_cache
     override = spec.layer_overrides.get(kind) if kind is not None else None
 
@@ -105,7 +120,8 @@ def _geometry(config: DistributedConfig, kind: str | None) -> KVGeometry:
     heads = _value(config, *field("num_kv_heads"), lambda: config.num_attention_heads // config.num_key_value_groups)
     key_dim = _value(config, *field("key_head_dim"), lambda: _default_head_dim(config))
     value_dim = _value(config, *field("value_head_dim"), lambda: key_dim)
-    indexer_here = spec.indexer_layer_kinds is None or kind is None or kind in spec.indexer_layer_kinds
+    indexer_here = (spec.indexer_layer_kinds is None or indexer_kind is None
+                    or indexer_kind in spec.indexer_layer_kinds)
     indexer = 0 if spec.indexer_head_dim is None or not indexer_here else _value(
         config, "indexer_head_dim", spec.indexer_head_dim, int)
     total = _value(config, *field("values_per_token"), lambda: heads * (key_dim + value_dim) + indexer)

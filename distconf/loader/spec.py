@@ -179,7 +179,7 @@ class FamilySpec(StrictModel):
                  ("kv_cache", self.kv_cache.layer_kinds), ("kv_cache.layer_overrides", overrides),
                  ("state.layer_overrides", list(self.state.layer_overrides) or None if self.state else None),
                  ("block.position.rotary", position.rotary_layer_kinds),
-                 ("kv_cache.indexer", self.kv_cache.indexer_layer_kinds)]
+                 ("kv_cache.indexer", None if self.kv_cache.indexer_types_field else self.kv_cache.indexer_layer_kinds)]
         named += [(f"block.position.computed_arguments.{name}", argument.layer_kinds)
                   for name, argument in position.computed_arguments.items()]
         for where, kinds in named:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, ScalarValue, StrictModel
+from distconf.loader.spec_wire import CarriedArgument
 
 __all__ = [
     "BlockSpec", "ConstructorSpec", "CallSpec", "ComputedArgument", "PositionSpec", "MaskSpec",
@@ -73,16 +74,14 @@ class CallSpec(StrictModel):
         description="Keyword receiving the ALiBi bias [batch*heads, 1, kv_len]; when set, it is always passed "
                     "(None when the block does not use ALiBi for this config).",
     )
+    carried_arguments: dict[Identifier, CarriedArgument] = Field(
+        default_factory=dict,
+        description="Keyword -> what the block passes for a value the model hands each layer from the layer "
+                    "before (the block is handed hidden states only): e.g. the top-k key indices a layer without "
+                    "an indexer of its own reuses.",
+    )
     extra: dict[Identifier, ScalarValue] = Field(
         default_factory=dict, description="Constant keyword arguments passed on every call (e.g. use_cache: true)."
-    )
-    fresh_arguments: dict[Identifier, ClassPath] = Field(
-        default_factory=dict,
-        description="Keyword -> class the block instantiates (no arguments) on every call and passes to the "
-                    "layer: an empty container the model makes once per forward and hands all its layers (e.g. "
-                    "transformers' KVSharingDict, where a layer stores its K/V for later layers sharing them). "
-                    "Each block's layer gets its own, so nothing one layer stores reaches another: right only "
-                    "when no layer reads what another stored, which `distconf check` proves on the tiny model.",
     )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from distconf.loader.spec_types import IntOrFormula, StrictModel
+from distconf.loader.spec_types import Identifier, IntOrFormula, StrictModel
 
 __all__ = ["KVCacheSpec", "KVGeometryOverride"]
 
@@ -65,6 +65,12 @@ class KVCacheSpec(StrictModel):
                     "when only some K/V layers have an indexer (sparse-attention layers next to dense ones). "
                     "Null: every K/V layer keeps one.",
     )
+    indexer_types_field: Identifier | None = Field(
+        default=None,
+        description="Config field listing each layer's indexer kind (e.g. indexer_types: full / shared), when it, "
+                    "not block.mask.layer_types_field, tells which layers keep the indexer cache; "
+                    "indexer_layer_kinds then names its values. Null: the mask's layer types.",
+    )
     layer_overrides: dict[str, KVGeometryOverride] = Field(
         default_factory=dict,
         description="Layer type (value of block.mask.layer_types_field) -> the KV geometry of layers of that type "
@@ -83,3 +89,10 @@ class KVCacheSpec(StrictModel):
                     "(consecutively); the block then stores one copy (num_kv_heads heads) and expands it "
                     "again when handing the cache back.",
     )
+
+    @model_validator(mode="after")
+    def _indexer_field_names_kinds(self) -> KVCacheSpec:
+        if self.indexer_types_field is not None and self.indexer_layer_kinds is None:
+            raise ValueError("kv_cache.indexer_types_field needs kv_cache.indexer_layer_kinds (the values of that "
+                             "field whose layers keep the indexer cache)")
+        return self

@@ -11,7 +11,7 @@ model carries next to the hidden states) adds its width to `HiddenStateSpec.extr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,7 +19,7 @@ from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["HiddenStateSpec", "wire_width_of", "streams_of"]
+__all__ = ["CarriedArgument", "HiddenStateSpec", "wire_width_of", "streams_of"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
@@ -55,6 +55,23 @@ class HiddenStateSpec(StrictModel):
     def extra_widths(self) -> tuple[int, ...]:
         """Widths of streams carried next to the hidden states (none yet: the wire holds the streams only)."""
         return ()
+
+
+class CarriedArgument(StrictModel):
+    """A value the model hands each layer from the layer before it, which a block is not handed.
+
+    ``stand_in: all_keys``: the block passes the indices of every key the layer attends to
+    (``[batch, seq, keys]``, int32, ``0 .. keys - 1`` for each query), which is what a top-k selection
+    of at most ``k`` keys hands on while there are no more than ``k`` keys (a sparse-attention layer
+    reusing the previous layer's top-k indices then attends to every key, as the model does). Past
+    ``exact_up_to`` keys the selection would drop some: the block refuses the step instead of differing.
+    """
+
+    stand_in: Literal["all_keys"] = Field(description="What the block passes in place of the carried value.")
+    exact_up_to: IntOrFormula = Field(
+        description="Keys (cached plus new tokens) up to which the stand-in equals the model's value (an integer "
+                    "or a formula over config fields, e.g. index_topk); a longer sequence is refused.",
+    )
 
 
 def streams_of(config: Any) -> int:

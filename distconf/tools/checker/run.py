@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import FamilyValidationError
+from distconf.tools.checker.carried import check_carried_bounds
 from distconf.tools.checker.causal import non_causal_cause
 from distconf.tools.checker.failures import CheckFailure, crash_failure, located_failure, validation_failure
 from distconf.tools.checker.kinds import check_coverage
@@ -47,6 +48,7 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
     result.params_per_block = sum(p.numel() for p in blocks[0].parameters())
     try:
         ref_in, ref_out = record_layer_io(reference)  # first: it checks the hidden state's streams
+        check_carried_bounds(cls, reference, values)  # before the runs, which a wrong keyword makes crash
         check_attention_gets_cache(cls, first_attention_block(blocks), attn_class, reference.config.wire_width)
         compare_full(cls, blocks, ref_in, ref_out, result)
         caches = compare_cached(cls, blocks, ref_in, ref_out, result)

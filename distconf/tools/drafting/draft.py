@@ -7,6 +7,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from distconf.loader.per_layer import layer_config
+from distconf.tools.drafting.carried import draft_carried_arguments
 from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
@@ -37,7 +38,6 @@ from distconf.tools.drafting.sections import (
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.state import state_layout
-from distconf.tools.drafting.state_attributes import apply_module_states
 from distconf.tools.drafting.state_list_draft import apply_state_list
 from distconf.tools.drafting.state_returned_draft import apply_returned_state
 from distconf.tools.drafting.statedraft import (
@@ -47,7 +47,7 @@ from distconf.tools.drafting.statedraft import (
     finish_state,
     refuse_foreign_state,
 )
-from distconf.tools.drafting.streams import note_carried_streams, refuse_stacked_streams
+from distconf.tools.drafting.streams import carried_keywords, note_carried_streams, refuse_stacked_streams
 from distconf.tools.drafting.sublayers import draft_modules_field, finish_sublayers
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
@@ -125,6 +125,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft_model_inputs(draft, scan, params)
     refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
     note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
+    carried = carried_keywords(scan.base_model, scan.prefix.rpartition(".")[2])
     first_layer = layer_config(text, 0)  # a heterogeneous config holds the head counts per layer
     draft.kv_groups = kv_groups_formula(first_layer, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(first_layer, "num_attention_heads") is None:
@@ -147,6 +148,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         draft_hidden_state(draft, plan.config_class, base_tiny)
+        draft_carried_arguments(draft, plan.config_class, base_tiny, carried)
         finish_state(draft, by_type, mixer, layer_class)
     finish_sublayers(draft, sublayers)
     return draft
@@ -269,8 +271,6 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     layout = state_layout(tiny.config, plan.raw, tiny.states, probe, perturb)
     if layout is None:
         return
-    if tiny.module_states is not None and layout.problem is None:
-        apply_module_states(draft, layout, tiny.module_states)
     if tiny.state_methods is not None and layout.problem is None:
         layout.state["recurrent_methods"] = {"get": tiny.state_methods.get, "set": tiny.state_methods.set}
     if tiny.state_list is not None and layout.problem is None:

@@ -40,12 +40,26 @@ def _indexer_of(layer: Any) -> Any | None:
     return None
 
 
-def indexer_kinds(run: Any) -> list[str] | None:
-    """The layer types (``layer_types`` of the run's config) whose layers keep an indexer, when some K/V layers
-    keep none; None when every one does (or the types are not listed per layer)."""
-    types = field_value(run.config, "layer_types")
+def indexer_kinds(run: Any) -> tuple[str | None, list[str]] | None:
+    """(None, the layer types) whose layers keep an indexer, when some K/V layers keep none; or (field, its
+    values) when another per-layer list of the run's config tells them apart (``indexer_types``: full / shared);
+    None when every layer keeps one (or no per-layer list tells which)."""
     has = run.indexer_layers
-    if not isinstance(types, (list, tuple)) or len(types) != len(has) or all(has) or not any(has):
+    if all(has) or not any(has):
+        return None
+    values = run.config.to_dict() if hasattr(run.config, "to_dict") else {}
+    lists = [name for name, value in values.items() if name != "layer_types" and isinstance(value, (list, tuple))
+             and len(value) == len(has) and all(isinstance(v, str) for v in value)]
+    for name in ("layer_types", *sorted(lists)):
+        kinds = _kinds(field_value(run.config, name), has)
+        if kinds is not None:
+            return (None if name == "layer_types" else name), kinds
+    return None
+
+
+def _kinds(types: Any, has: list[bool]) -> list[str] | None:
+    """The values of per-layer list ``types`` on layers keeping an indexer, when no value is on both kinds."""
+    if not isinstance(types, (list, tuple)) or len(types) != len(has):
         return None
     kinds = sorted({str(t) for t, keeps in zip(types, has, strict=True) if keeps})
     if any(str(t) in kinds for t, keeps in zip(types, has, strict=True) if not keeps):

@@ -88,10 +88,16 @@ def kv_layout(groups: int | str, tiny: TinyRun, raw: Mapping[str, Any],
                              lambda run: int(run.indexer.shape[-1]) if run.indexer is not None else None)
         layout.kv_cache = {**(layout.kv_cache or {}), "indexer_head_dim": found}
         layout.facts.append(f"an indexer caches [*, tokens, {dim}] keys next to K/V: kv_cache.indexer_head_dim")
-        kinds = indexer_kinds(tiny)
-        if kinds:
+        found_kinds = indexer_kinds(tiny)
+        if found_kinds:
+            field, kinds = found_kinds
             layout.kv_cache["indexer_layer_kinds"] = kinds
-            layout.facts.append(f"only layers of type {', '.join(kinds)} keep it: kv_cache.indexer_layer_kinds")
+            if field is None:
+                layout.facts.append(f"only layers of type {', '.join(kinds)} keep it: kv_cache.indexer_layer_kinds")
+            else:
+                layout.kv_cache["indexer_types_field"] = field
+                layout.facts.append(f"only layers whose {field} is {', '.join(kinds)} keep it: "
+                                    "kv_cache.indexer_types_field and indexer_layer_kinds")
         if not isinstance(found, str):
             layout.review.append(f"no config field gives the {dim} of kv_cache.indexer_head_dim on two tiny models; "
                                  "the tiny value is written: replace it with a formula over config fields")

@@ -90,7 +90,7 @@ def merge_kv(runs: list[VariantKV]) -> KVLayout:
     return merged
 
 
-_INDEXER_KEYS = ("indexer_head_dim", "indexer_layer_kinds")
+_INDEXER_KEYS = ("indexer_head_dim", "indexer_layer_kinds", "indexer_types_field")
 
 
 def _merged_indexer(sections: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -101,6 +101,11 @@ def _merged_indexer(sections: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     if len(with_indexer) < len(sections) and not all("indexer_layer_kinds" in s for s in with_indexer):
         return None  # a variant keeping it on every layer, another on none: not a per-type rule
+    fields = {section.get("indexer_types_field") for section in with_indexer}
+    if len(fields) != 1:
+        return None  # kinds told by different per-layer fields
     kinds = sorted({k for section in with_indexer for k in section.get("indexer_layer_kinds") or []})
     found = {"indexer_head_dim": with_indexer[0]["indexer_head_dim"]}
-    return {**found, "indexer_layer_kinds": kinds} if kinds else found
+    field = fields.pop()
+    return {**found, "indexer_layer_kinds": kinds, **({"indexer_types_field": field} if field else {})} if kinds \
+        else found

@@ -14,7 +14,8 @@ import inspect
 import textwrap
 from typing import Any
 
-__all__ = ["carried_streams", "note_carried_streams", "stacked_streams", "refuse_stacked_streams"]
+__all__ = ["carried_streams", "carried_keywords", "note_carried_streams", "stacked_streams",
+           "refuse_stacked_streams"]
 
 _HIDDEN = "hidden_states"
 
@@ -46,6 +47,29 @@ def carried_streams(owner: Any, layers_attribute: str) -> list[str]:
                       for name in _names(target.elts[0])} & set(_names(call.args[0]) if call.args else ())
             found += sorted((targets & passed) - {_HIDDEN} - stream)
     return list(dict.fromkeys(found))
+
+
+def carried_keywords(owner: Any, layers_attribute: str) -> dict[str, tuple[str, int]]:
+    """``{carried name: (the keyword the next layer gets it as, its index in a layer's output tuple)}`` for the
+    `carried_streams` passed by keyword."""
+    carried = set(carried_streams(owner, layers_attribute))
+    if not carried:
+        return {}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(owner).forward))))
+    found: dict[str, tuple[str, int]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+            continue
+        for target in node.targets:
+            if not isinstance(target, ast.Tuple):
+                continue
+            for index, element in enumerate(target.elts):
+                if not isinstance(element, ast.Name) or element.id not in carried:
+                    continue
+                for keyword in node.value.keywords:
+                    if keyword.arg and isinstance(keyword.value, ast.Name) and keyword.value.id == element.id:
+                        found[element.id] = (keyword.arg, index)
+    return found
 
 
 _STACKING = frozenset({"cat", "concat", "concatenate", "stack"})
