@@ -27,6 +27,7 @@ from distconf.blocks.hf_compat import build_attention_mask
 from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache
 from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_field, layer_settings
+from distconf.blocks.module_state import counted_positions, held_in_modules, split_count, with_count
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
@@ -173,22 +174,25 @@ class BlockAdapter:
         return alibi, mask
 
     def layer_kwargs(self, hidden_states: torch.Tensor, past: int = 0, cache: Any = None,
-                     rows: RowLayout | None = None) -> dict[str, Any]:
+                     rows: RowLayout | None = None, positions: torch.Tensor | None = None) -> dict[str, Any]:
         """Keyword arguments the decoder layer gets for ``hidden_states`` after ``past`` cached tokens.
 
         Exactly what a transformers model passes to the layer: positions, rotary
         embeddings or ALiBi, the mask, and ``cache`` under the family's keyword. ``rows``
-        gives rows of different lengths their own positions and padding (a batch of sessions).
+        gives rows of different lengths their own positions and padding (a batch of sessions); ``positions``
+        each row's positions when they do not follow from ``past`` (a state's token count).
         """
         import torch
 
         settings = self._distconf
         call = settings.spec.call
         kwargs: dict[str, Any] = dict(call.extra)
+        kwargs.update((name, container()) for name, container in settings.fresh_arguments)
         if call.cache_argument is not None:
             kwargs[call.cache_argument] = cache
         if rows is None:
-            position_ids = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+            position_ids = positions if positions is not None else torch.arange(
+                past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
             padding_mask = None
         else:
             position_ids = rows.position_ids.to(hidden_states.device)
@@ -232,8 +236,8 @@ class BlockAdapter:
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
-        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state,
-                                          sum(settings.state_slots))
+        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state, settings.state_width)
+        state_past, seen = split_count(state_past, settings)
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
@@ -244,12 +248,14 @@ class BlockAdapter:
             cache = BlockHybridCache(kv, state) if (kv is not None and state is not None) else (kv or state)
             if state is not None:
                 cache = carry_state(cache, settings, hidden_states)
-        kwargs = self.layer_kwargs(hidden_states, past, cache, rows)
-        output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs, cache,
-                                 settings)
+        positions = counted_positions(seen, hidden_states) if seen is not None and kv_past is None else None
+        kwargs = self.layer_kwargs(hidden_states, past, cache, rows, positions)
+        with held_in_modules(self, settings, cache, hidden_states):
+            output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs,
+                                     cache, settings)
         if isinstance(output, (tuple, list)):
             output = output[0]
-        present = cache.present if (use_cache and cache is not None) else None
+        present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
         return to_wire_form(output, settings.streams), present
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,

@@ -69,6 +69,8 @@ class LayerSettings:
     """The layer keeps no cache (``block.call.cache_argument: null``): the block keeps its inputs and reruns them."""
     skipped: bool = False
     """The model skips this layer for hidden states alone (``block.skipped_layer_kinds``): the block passes them."""
+    fresh_arguments: tuple[tuple[str, type], ...] = ()
+    """(keyword, class) of the empty containers the layer gets anew on every call (``block.call.fresh_arguments``)."""
     streams: int = 1
     """Streams of hidden_size values the layer takes and returns (``hidden_state.streams``; 1: ``[B, S, H]``)."""
 
@@ -154,8 +156,11 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
         recomputes=block.call.cache_argument is None,
         one_token_steps=spec.state is not None and spec.state.continuation == "one_token",
         state_slots=spec.state.slots if spec.state is not None else (1, 1), skipped=skipped,
-        streams=streams_of(config),
+        fresh_arguments=tuple((name, resolve_object(_source(block_cls), ("block", "call", "fresh_arguments", name),
+                                                    path, want_class=True))
+                              for name, path in block.call.fresh_arguments.items()),
         counts_positions=spec.state is not None and spec.state.counts_positions,
+        streams=streams_of(config),
     )
 
 

@@ -83,6 +83,14 @@ class CallSpec(StrictModel):
     extra: dict[Identifier, ScalarValue] = Field(
         default_factory=dict, description="Constant keyword arguments passed on every call (e.g. use_cache: true)."
     )
+    fresh_arguments: dict[Identifier, ClassPath] = Field(
+        default_factory=dict,
+        description="Keyword -> class the block instantiates (no arguments) on every call and passes to the "
+                    "layer: an empty container the model makes once per forward and hands all its layers (e.g. "
+                    "transformers' KVSharingDict, where a layer stores its K/V for later layers sharing them). "
+                    "Each block's layer gets its own, so nothing one layer stores reaches another: right only "
+                    "when no layer reads what another stored, which `distconf check` proves on the tiny model.",
+    )
 
 
 class ComputedArgument(StrictModel):

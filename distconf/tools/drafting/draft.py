@@ -11,12 +11,14 @@ from distconf.tools.drafting.carried import draft_carried_arguments
 from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
+from distconf.tools.drafting.fresh_arguments import draft_fresh_arguments
 from distconf.tools.drafting.hidden_streams import draft_hidden_state
 from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
 from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters
+from distconf.tools.drafting.layer_inputs import refuse_layer_inputs
 from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
@@ -38,6 +40,7 @@ from distconf.tools.drafting.sections import (
 from distconf.tools.drafting.shrink import shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.state import state_layout
+from distconf.tools.drafting.state_attributes import apply_module_states
 from distconf.tools.drafting.state_list_draft import apply_state_list
 from distconf.tools.drafting.state_returned_draft import apply_returned_state
 from distconf.tools.drafting.statedraft import (
@@ -146,6 +149,8 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
+        draft_fresh_arguments(draft, plan.config_class, base_tiny)
+        refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         draft_hidden_state(draft, plan.config_class, base_tiny)
         draft_carried_arguments(draft, plan.config_class, base_tiny, carried)
@@ -271,6 +276,8 @@ def _draft_state(draft: FamilyDraft, plan: TinyPlan, tiny: TinyRun, values: dict
     layout = state_layout(tiny.config, plan.raw, tiny.states, probe, perturb)
     if layout is None:
         return
+    if tiny.module_states is not None and layout.problem is None:
+        apply_module_states(draft, layout, tiny.module_states)
     if tiny.state_methods is not None and layout.problem is None:
         layout.state["recurrent_methods"] = {"get": tiny.state_methods.get, "set": tiny.state_methods.set}
     if tiny.state_list is not None and layout.problem is None:
