@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sweephelpers import draft_and_check, new_from_defaults
+from sweephelpers import draft_and_check, drafted_tiny_blocks
 
 from distconf.loader.formula import Formula, FormulaError
 
@@ -57,22 +57,13 @@ def test_state_tuple_each_layer_takes_and_returns_drafts_and_checks(tmp_path: Pa
 def test_blocks_keeping_a_returned_state_tuple_step_like_the_model(tmp_path: Path, fresh_cache) -> None:
     """A chain of the drafted xlstm blocks: the layers' outputs, any split into steps, beam reorder, restart."""
     import torch
-    from blockhelpers import hf_model, record_layers, save_checkpoint
+    from blockhelpers import record_layers
     from sessionhelpers import session_with_beam_and_restart, steps
 
     from distconf.blocks.sizing import state_bytes_per_sequence
     from distconf.blocks.state import state_geometry
-    from distconf.blocks.weights import load_block
-    from distconf.loader import load_family
-    from distconf.tools.checker.reference import tiny_variants
 
-    assert new_from_defaults("xlstm", tmp_path) == 0
-    cls = load_family(next((tmp_path / "out").glob("*.yaml")))
-    (_, values), *_ = tiny_variants(cls.family_spec.tiny_config)
-    config = cls(**values)
-    model = hf_model(cls.hf_config_class(**values))
-    save_checkpoint(model, tmp_path / "ckpt")
-    blocks = [load_block(tmp_path / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    config, model, blocks, _ = drafted_tiny_blocks("xlstm", tmp_path, check=False)
     ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for block, (inputs, outputs) in zip(blocks, record_layers(model, config, ids, use_cache=False)):
