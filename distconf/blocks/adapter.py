@@ -31,7 +31,14 @@ from distconf.blocks.module_state import counted_positions, held_in_modules, spl
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
-from distconf.blocks.wire import carried_stand_ins, to_layer_form, to_wire_form
+from distconf.blocks.wire import (
+    carried_layout,
+    carried_stand_ins,
+    join_carried,
+    split_carried,
+    to_layer_form,
+    to_wire_form,
+)
 from distconf.loader.config_protocol import DistributedConfig
 
 if TYPE_CHECKING:
@@ -240,6 +247,8 @@ class BlockAdapter:
         state_past, seen = split_count(state_past, settings)
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
+        layout = carried_layout(settings.config)  # hidden_state.carried: values after the hidden state
+        hidden_states, carried = split_carried(hidden_states, layout)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
         cache: BlockKVCache | BlockSublayerKVCache | BlockStateCache | BlockHybridCache | None = None
         if use_cache or layer_past is not None:
@@ -249,14 +258,13 @@ class BlockAdapter:
             if state is not None:
                 cache = carry_state(cache, settings, hidden_states)
         positions = counted_positions(seen, hidden_states) if seen is not None and kv_past is None else None
-        kwargs = self.layer_kwargs(hidden_states, past, cache, rows, positions)
+        kwargs = {**self.layer_kwargs(hidden_states, past, cache, rows, positions), **carried}
         with held_in_modules(self, settings, cache, hidden_states):
             output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs,
                                      cache, settings)
-        if isinstance(output, (tuple, list)):
-            output = output[0]
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
         present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
-        return to_wire_form(output, settings.streams), present
+        return join_carried(to_wire_form(hidden, settings.streams), output, layout), present
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:

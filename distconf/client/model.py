@@ -20,6 +20,7 @@ folder as it is, a GGUF file, a cached hub id; a source that cannot be used rais
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
 from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
-from distconf.blocks.wire import to_layer_form, to_wire_form
+from distconf.blocks.wire import carried_layout, split_carried, to_layer_form, to_wire_form
 from distconf.client.cache import RemoteCache
 from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
 from distconf.client.lmhead import install_lm_head
@@ -68,13 +69,18 @@ class RemoteLayers(torch.nn.Module):
     `distconf.client.hf_generation.layer_output_is_tuple`, which sets ``probing`` to make the
     stand-in pass hidden states through). A model whose layers take ``streams`` streams
     (``hidden_state.streams``) hands it ``[batch, seq, streams, hidden]``, sent flattened
-    (`distconf.blocks.wire`); the model's own forward expands and collapses the streams.
+    (`distconf.blocks.wire`); the model's own forward expands and collapses the streams. A value the model's
+    loop carries from layer to layer (``hidden_state.carried``: ``carried`` holds each one's argument, its
+    position among the layer's arguments, width and output index) goes on the wire after the hidden state
+    (zeros where the model hands None) and comes back at its index of the returned tuple.
     """
 
-    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1) -> None:
+    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
+                 carried: tuple[tuple[str, int | None, int, int], ...] = ()) -> None:
         super().__init__()
         self.remote = remote
         self.streams = streams
+        self.carried = carried
         self.returns_tuple = False
         self.tuple_padding = 0
         self.probing = False
@@ -89,13 +95,34 @@ class RemoteLayers(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``, or ``[batch, seq, streams, hidden]``)."""
         wire = to_wire_form(hidden_states, self.streams)
+        if self.carried:
+            wire = torch.cat([wire, *self._carried_inputs(wire, args, kwargs)], dim=-1)
         if self.probing:
             out = wire
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
             out = cache.step(wire) if cache is not None else self._forward(wire)
+        out, carried = split_carried(out, tuple((name, width, index) for name, _, width, index in self.carried))
         out = to_layer_form(out, self.streams)
-        return (out, *[None] * self.tuple_padding) if self.returns_tuple else out
+        if not self.returns_tuple:
+            return out
+        result: list[Any] = [out, *[None] * self.tuple_padding]
+        for (_, _, _, index), value in zip(self.carried, carried.values(), strict=True):
+            result += [None] * (index + 1 - len(result))
+            result[index] = value
+        return tuple(result)
+
+    def _carried_inputs(self, wire: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Each carried value as the model's loop hands it (by keyword or position), zeros for None."""
+        values = []
+        for name, position, width, _ in self.carried:
+            value = kwargs.get(name)
+            if value is None and position is not None and len(args) > position:
+                value = args[position]
+            if value is None:
+                value = wire.new_zeros(*wire.shape[:-1], width)
+            values.append(value.to(wire.dtype).expand(*wire.shape[:-1], width))
+        return values
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         prompts: PromptTuning | None = self.__dict__["prompts"]
@@ -112,6 +139,15 @@ def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     skip = {"training", "_is_hf_initialized"}
     return {k: v for k, v in vars(layer).items()
             if not k.startswith("_") and k not in skip and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _carried_arguments(layer: torch.nn.Module, config: DistributedConfig,
+                       ) -> tuple[tuple[str, int | None, int, int], ...]:
+    """``(argument, position after the hidden states or None, width, output index)`` of each carried value."""
+    names = [p.name for p in list(inspect.signature(type(layer).forward).parameters.values())[2:]
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple((name, names.index(name) if name in names else None, width, index)
+                 for name, width, index in carried_layout(config))
 
 
 def decoder_layer_list(model: torch.nn.Module, config: DistributedConfig) -> tuple[str, torch.nn.ModuleList]:
@@ -132,7 +168,7 @@ def check_collapse_module(model: torch.nn.Module, config: DistributedConfig) -> 
     """The module ``hidden_state.collapse_module`` names is a module of ``model`` outside its layer list (its
     weights load with the final norm, and the model's forward runs it after the last block)."""
     hidden_state = type(config).family_spec.hidden_state
-    if hidden_state is None:
+    if hidden_state is None or hidden_state.collapse_module is None:
         return
     try:
         model.get_submodule(hidden_state.collapse_module)
@@ -288,7 +324,8 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     check_collapse_module(model, config)
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]), streams_of(config))
+    stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]), streams_of(config),
+                            _carried_arguments(layers[0], config))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     model.remote_layers = stand_in

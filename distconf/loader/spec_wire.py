@@ -5,8 +5,9 @@ Petals 2.x blocks exchange one ``[batch, seq, width]`` tensor. For most models `
 (manifold hyper-connections: ``[batch, seq, streams, hidden_size]``) sends them flattened, so the
 wire carries ``streams * hidden_size`` values per token. `wire_width_of` is the one home of that
 rule: every consumer that sizes, checks or builds the tensor between blocks reads it there (the
-synthesized config's ``wire_width`` property calls it). A later kind of wide wire (a stream the
-model carries next to the hidden states) adds its width to `HiddenStateSpec.extra_widths`.
+synthesized config's ``wire_width`` property calls it). A value the model carries from each layer
+to the next besides the hidden states (``hidden_state.carried``, `CarriedStream`) travels on the wire
+after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,27 @@ from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["CarriedArgument", "HiddenStateSpec", "wire_width_of", "streams_of"]
+__all__ = ["CarriedArgument", "CarriedStream", "HiddenStateSpec", "carried_widths", "wire_width_of", "streams_of"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class CarriedStream(StrictModel):
+    """A value the model's layer loop hands each layer from the layer before, carried on the wire.
+
+    ``hidden_states, carried = layer(hidden_states, carried, ...)`` starting from None: the wire holds the
+    value's ``width`` values per token after the hidden states; a block passes them to its layer as
+    ``argument`` and puts the layer's ``output_index``-th output back in their place. The first layer gets
+    ``initial`` (``zeros``: the model's None, for a layer that adds the value to one of its own).
+    """
+
+    argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                          description="The decoder layer's argument the value is passed as (by keyword).")
+    width: IntOrFormula = Field(description="Values per token (an integer or a formula over config fields, "
+                                            "e.g. router_hidden_size).")
+    output_index: int = Field(ge=1, description="Index of the value in the layer's output tuple.")
+    initial: Literal["zeros"] = Field(
+        default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None.")
 
 
 class HiddenStateSpec(StrictModel):
@@ -35,26 +54,33 @@ class HiddenStateSpec(StrictModel):
     """
 
     streams: IntOrFormula = Field(
+        default=1,
         description="Streams of hidden_size values the hidden state holds between layers (an integer or a "
                     "formula over config fields, e.g. hc_mult).",
     )
-    collapse_module: str = Field(
+    collapse_module: str | None = Field(
+        default=None,
         pattern=_MODULE_PATH,
         description="Dotted name, in the causal LM, of the model-level module that collapses the streams to "
                     "[batch, seq, hidden_size] after the last layer (e.g. model.hc_head); its weights are "
-                    "non-block tensors the client loads.",
+                    "non-block tensors the client loads. Required with several streams.",
     )
+    carried: list[CarriedStream] = Field(
+        default_factory=list, description="Values the layer loop carries from each layer to the next, on the wire "
+                                          "after the hidden states, in this order.")
 
     @model_validator(mode="after")
     def _several_streams(self) -> HiddenStateSpec:
         if isinstance(self.streams, int) and self.streams < 1:
             raise ValueError(f"streams must be at least 1, got {self.streams}")
+        if self.streams != 1 and self.collapse_module is None:
+            raise ValueError("several streams need collapse_module (the module collapsing them after the last layer)")
+        if self.streams == 1 and not self.carried:
+            raise ValueError("a hidden_state of one stream carrying nothing is the default: remove the section")
+        names = [c.argument for c in self.carried]
+        if len(set(names)) != len(names):
+            raise ValueError(f"carried: an argument named twice in {names}")
         return self
-
-    @property
-    def extra_widths(self) -> tuple[int, ...]:
-        """Widths of streams carried next to the hidden states (none yet: the wire holds the streams only)."""
-        return ()
 
 
 class CarriedArgument(StrictModel):
@@ -92,11 +118,28 @@ def streams_of(config: Any) -> int:
     return value
 
 
+def carried_widths(config: Any) -> tuple[int, ...]:
+    """Values per token of each of ``hidden_state.carried`` on ``config`` (in the wire's order; () for none)."""
+    spec = getattr(type(config), "family_spec", None)
+    hidden_state = getattr(spec, "hidden_state", None)
+    widths = []
+    for index, stream in enumerate(hidden_state.carried if hidden_state is not None else ()):
+        value: Any = stream.width
+        if isinstance(value, Formula):
+            try:
+                value = value.evaluate_on(config)
+            except FormulaError as exc:
+                raise ConfigValueError(f"family {spec.family!r}: hidden_state.carried[{index}].width: {exc}") from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigValueError(f"family {spec.family!r}: hidden_state.carried[{index}].width "
+                                   f"{excerpt(str(stream.width))} gave {excerpt(value)}; expected a positive integer")
+        widths.append(value)
+    return tuple(widths)
+
+
 def wire_width_of(config: Any) -> int:
-    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(extra widths)``.
+    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(carried widths)``.
 
     ``hidden_size`` for a family without a ``hidden_state`` section (and for a plain config).
     """
-    spec = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
-    extra = sum(spec.extra_widths) if spec is not None else 0
-    return streams_of(config) * int(config.hidden_size) + extra
+    return streams_of(config) * int(config.hidden_size) + sum(carried_widths(config))

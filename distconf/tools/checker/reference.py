@@ -108,17 +108,23 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     """Run the HF model on random tokens; return the first layer's input and every layer's output.
 
     Each as the blocks exchange it: a layer's ``[batch, seq, streams, hidden]`` flattened for a family whose
-    hidden state holds several streams (`distconf.blocks.wire`).
+    hidden state holds several streams (`distconf.blocks.wire`), followed by the values carried from layer to
+    layer (``hidden_state.carried``: the layer's input, zeros for the model's None, and its output).
     """
     import torch
 
+    from distconf.blocks.wire import carried_layout
+
+    layout = carried_layout(reference.config)
+    cls = type(reference.config)
     records: dict[int, list[tuple[Any, Any]]] = {i: [] for i in range(reference.layers)}
     hooks = []
     for i in range(reference.layers):
         def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
             out = output[0] if isinstance(output, (tuple, list)) else output
-            records[i].append((hidden.detach().clone(), out.detach().clone()))
+            records[i].append((_with_carried(hidden, _carried_inputs(module, args, kwargs, layout), layout, cls),
+                               _with_carried(out, output, layout, cls)))
         hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
@@ -140,8 +146,46 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
         raise located_failure(type(reference.config), ("block", "prefix"),
                               "the model called none of the layers at block.prefix in its forward pass")
     first, outputs = _chain(records, reference.layers)
-    streams = _checked_streams(reference, first)
-    return to_wire_form(first, streams), [to_wire_form(out, streams) for out in outputs]
+    streams = _checked_streams(reference, first[0])
+    return _wire(first, streams), [_wire(out, streams) for out in outputs]
+
+
+def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[tuple[str, int, int], ...]) -> list[Any]:
+    """The values ``layout`` names as the model handed them to ``module`` (None where it handed none)."""
+    import inspect
+
+    if not layout:
+        return []
+    bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    return [bound.get(name) for name, _, _ in layout]
+
+
+def _with_carried(hidden: Any, values: Any, layout: tuple[tuple[str, int, int], ...],
+                  cls: type) -> tuple[Any, list[Any]]:
+    """``hidden`` and the carried values (from a layer's inputs in order, or its output tuple at their indices)."""
+    hidden = hidden.detach().clone()
+    if not layout:
+        return hidden, []
+    if not isinstance(values, list):  # a layer's output tuple
+        values = [values[index] if isinstance(values, (tuple, list)) and len(values) > index else None
+                  for _, _, index in layout]
+    carried = []
+    for (name, width, _), value in zip(layout, values, strict=True):
+        value = hidden.new_zeros(*hidden.shape[:2], width) if value is None else value.detach().clone()
+        if value.shape[-1] != width:
+            raise located_failure(cls, ("hidden_state", "carried"), f"the model carries {name} of "
+                                  f"{list(value.shape)}, not {width} values per token")
+        carried.append(value.to(hidden.dtype))
+    return hidden, carried
+
+
+def _wire(record: tuple[Any, list[Any]], streams: int) -> Any:
+    """A recorded hidden state and its carried values as the wire holds them."""
+    import torch
+
+    hidden, carried = record
+    wire = to_wire_form(hidden, streams)
+    return torch.cat([wire, *carried], dim=-1) if carried else wire
 
 
 def _checked_streams(reference: Reference, first: Any) -> int:
@@ -160,7 +204,7 @@ def _checked_streams(reference: Reference, first: Any) -> int:
         raise located_failure(cls, ("hidden_state", "streams"), f"gives {declared} streams, but the model's layers "
                               f"take a {shape} hidden state ({seen} streams of hidden_size {hidden})")
     hidden_state = cls.family_spec.hidden_state  # type: ignore[attr-defined]
-    if hidden_state is not None:
+    if hidden_state is not None and hidden_state.collapse_module is not None:
         try:
             reference.model.get_submodule(hidden_state.collapse_module)
         except AttributeError:

@@ -81,7 +81,9 @@ def _carried_streams(cls: type, reference: Any) -> list[str]:
         module = reference.model.get_submodule(owner) if owner else reference.model
     except AttributeError:
         return []
-    return carried_streams(module, attribute)
+    hidden_state = cls.family_spec.hidden_state  # type: ignore[attr-defined]
+    declared = {stream.argument for stream in hidden_state.carried} if hidden_state is not None else set()
+    return [name for name in carried_streams(module, attribute) if name not in declared]
 
 
 def check_family(name_or_path: str | Path) -> list[CheckResult]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from distconf.loader.per_layer import layer_config
 from distconf.tools.drafting.carried import draft_carried_arguments
+from distconf.tools.drafting.carried_streams import carried_places, draft_carried_streams
 from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
@@ -129,6 +130,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
     note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
     carried = carried_keywords(scan.base_model, scan.prefix.rpartition(".")[2])
+    places = carried_places(scan.base_model, scan.prefix.rpartition(".")[2], scan.layer_class)
     first_layer = layer_config(text, 0)  # a heterogeneous config holds the head counts per layer
     draft.kv_groups = kv_groups_formula(first_layer, config, FieldNames.of(config_class))
     if draft.kv_groups == 1 and field_value(first_layer, "num_attention_heads") is None:
@@ -153,6 +155,8 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         draft_hidden_state(draft, plan.config_class, base_tiny)
+        draft_carried_streams(draft, plan.config_class, base_tiny,
+                              {k: v for k, v in places.items() if k not in carried})
         draft_carried_arguments(draft, plan.config_class, base_tiny, carried)
         finish_state(draft, by_type, mixer, layer_class)
     finish_sublayers(draft, sublayers)
