@@ -67,5 +67,5 @@ def test_named_layer_type_the_model_cannot_build_gets_no_variant(tmp_path: Path)
     (draft,) = (tmp_path / "out").glob("*.yaml")
     text = draft.read_text()
     assert "variant layer type conv" not in text and "- conv" not in text
-    # its layers hand prev_router_hidden_states on to the next one: a block gets None, which the draft says
-    assert "passes prev_router_hidden_states from each layer's output" in text
+    # its layers hand prev_router_hidden_states on to the next one: the draft carries it on the wire
+    assert "argument: prev_router_hidden_states" in text and "width: router_hidden_size" in text
