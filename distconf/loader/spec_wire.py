@@ -100,41 +100,36 @@ class CarriedArgument(StrictModel):
     )
 
 
+def _positive(config: Any, family: str, where: str, value: Any) -> int:
+    """``value`` (an integer or a `Formula`) on ``config`` as a positive integer; ``where`` names the field."""
+    written = value
+    if isinstance(value, Formula):
+        try:
+            value = value.evaluate_on(config)
+        except FormulaError as exc:
+            raise ConfigValueError(f"family {family!r}: {where}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigValueError(f"family {family!r}: {where} {excerpt(str(written))} gave {excerpt(value)}; "
+                               "expected a positive integer")
+    return value
+
+
 def streams_of(config: Any) -> int:
     """Streams of ``hidden_size`` values the hidden state of ``config``'s family holds between layers (1: plain)."""
     spec = getattr(type(config), "family_spec", None)
     hidden_state = getattr(spec, "hidden_state", None)
     if hidden_state is None:
         return 1
-    value: Any = hidden_state.streams
-    if isinstance(value, Formula):
-        try:
-            value = value.evaluate_on(config)
-        except FormulaError as exc:
-            raise ConfigValueError(f"family {spec.family!r}: hidden_state.streams: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigValueError(f"family {spec.family!r}: hidden_state.streams {excerpt(str(hidden_state.streams))} "
-                               f"gave {excerpt(value)}; expected a positive integer")
-    return value
+    return _positive(config, spec.family, "hidden_state.streams", hidden_state.streams)
 
 
 def carried_widths(config: Any) -> tuple[int, ...]:
     """Values per token of each of ``hidden_state.carried`` on ``config`` (in the wire's order; () for none)."""
     spec = getattr(type(config), "family_spec", None)
     hidden_state = getattr(spec, "hidden_state", None)
-    widths = []
-    for index, stream in enumerate(hidden_state.carried if hidden_state is not None else ()):
-        value: Any = stream.width
-        if isinstance(value, Formula):
-            try:
-                value = value.evaluate_on(config)
-            except FormulaError as exc:
-                raise ConfigValueError(f"family {spec.family!r}: hidden_state.carried[{index}].width: {exc}") from None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigValueError(f"family {spec.family!r}: hidden_state.carried[{index}].width "
-                                   f"{excerpt(str(stream.width))} gave {excerpt(value)}; expected a positive integer")
-        widths.append(value)
-    return tuple(widths)
+    carried = hidden_state.carried if hidden_state is not None else ()
+    return tuple(_positive(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
+                 for index, stream in enumerate(carried))
 
 
 def wire_width_of(config: Any) -> int:
