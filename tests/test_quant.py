@@ -13,6 +13,7 @@ from distconf.blocks import build_block, load_block
 from distconf.blocks.quant import (
     block_bytes,
     held_bytes,
+    nf4_cpu_packed,
     normalize_quant,
     petals_quant_type,
     quant_type_enum_name,
@@ -63,7 +64,9 @@ def test_quantized_block_is_close_and_sized_exactly(tiny, quant, dtype) -> None:
     exact = block_bytes(build_block(config, 0, device="meta", dtype=dtype), dtype, quant)
     assert held_bytes(block) == exact
     assert held_bytes(block) <= block_size_bytes(config, dtype, quant, layer_idx=0) <= exact * SIZE_MARGIN
-    assert exact < block_size_bytes(config, dtype, None) / (3 if quant == "nf4" else 1.8)
+    # bitsandbytes' own nf4 layout (no AVX512-BF16) adds a uint8 absmax per 64 values: a smaller saving
+    nf4_saving = 3 if nf4_cpu_packed() else 2.5
+    assert exact < block_size_bytes(config, dtype, None) / (nf4_saving if quant == "nf4" else 1.8)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -102,7 +105,8 @@ def test_smollm2_shapes_sizing_matches_measured(quant) -> None:
     assert abs(declared - measured) / measured < 0.10
     assert measured <= declared <= measured * SIZE_MARGIN + 1  # exact rule, plus the 1 % margin
     per_param = measured / sum(p.numel() for p in build_block(config, 0, device="meta").parameters())
-    assert per_param == pytest.approx({"int8": 1.0, "nf4": 0.53}[quant], abs=0.01)
+    nf4_per_param = 0.53 if nf4_cpu_packed() else 0.52  # the CPU kernel's layout, or bitsandbytes' own
+    assert per_param == pytest.approx({"int8": 1.0, "nf4": nf4_per_param}[quant], abs=0.01)
 
 
 def test_unknown_quant_is_refused_by_name(tiny) -> None:
