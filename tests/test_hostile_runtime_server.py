@@ -471,6 +471,7 @@ def test_swarm_a_huge_peer_id_is_refused_and_rpc_info_still_answers(swarm: Swarm
 @pytest.mark.swarm
 def test_swarm_a_55k_token_forward_is_refused_before_it_is_decoded(swarm: Swarm) -> None:
     from distconf.rpc import call_forward
+    from distconf.server.settings import MIN_FORWARD_TOKENS
 
     v = swarm.victim
     mark, rss = v.log_mark(), v.rss_mib()
@@ -479,9 +480,10 @@ def test_swarm_a_55k_token_forward_is_refused_before_it_is_decoded(swarm: Swarm)
     # refused at the first part's header: the caller, still sending, may see its stream reset instead
     assert outcome[0] == "refused", outcome
     swarm.check(mark)
-    cap = swarm.client.info(v.peer)["max_forward_tokens"]  # the default: Petals' max_batch_size for the model
+    # the default: Petals' max_batch_size for the model, or less where the server measured itself slow at start
+    cap = swarm.client.info(v.peer)["max_forward_tokens"]
     logged = wait_for(lambda: f"1 x 55000 tokens exceeds the {cap} tokens" in v.log_since(mark), timeout=15)
-    assert cap in (2048, 8192) and logged, v.log_since(mark)
+    assert MIN_FORWARD_TOKENS <= cap <= 8192 and logged, v.log_since(mark)
     print(f"RSS {rss:.0f} -> {v.rss_mib():.0f} MiB")  # a figure for the report, not asserted
 
 
