@@ -258,13 +258,14 @@ class BlockAdapter:
             if state is not None:
                 cache = carry_state(cache, settings, hidden_states)
         positions = counted_positions(seen, hidden_states) if seen is not None and kv_past is None else None
-        kwargs = {**self.layer_kwargs(hidden_states, past, cache, rows, positions), **carried}
+        kwargs = {**self.layer_kwargs(hidden_states, past, cache, rows, positions),
+                  **{slot.argument: slot.layer_part(carried[slot.argument], settings.layer_idx) for slot in layout}}
         with held_in_modules(self, settings, cache, hidden_states):
             output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs,
                                      cache, settings)
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
-        return join_carried(to_wire_form(hidden, settings.streams), output, layout), present
+        return join_carried(to_wire_form(hidden, settings.streams), output, layout, carried), present
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:

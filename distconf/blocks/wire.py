@@ -4,19 +4,21 @@ A family with ``hidden_state.streams: N`` (`distconf.loader.spec_wire.HiddenStat
 ``[batch, seq, N, hidden_size]``; blocks, servers and clients exchange ``[batch, seq, N * hidden_size]``,
 each token's streams one after the other. These two reshapes are the only place that layout is written.
 Values the model carries from layer to layer (``hidden_state.carried``) follow the hidden state on the wire;
-`split_carried` and `join_carried` are the only place that layout is written.
+`split_carried` and `join_carried` are the only place that layout is written; `ModelInputCapture` keeps, where
+the model's own forward runs (the client, check's reference), the values a model method computes for every layer.
 `carried_stand_ins` gives a layer what the block passes for a value the model carries from the layer
 before (``block.call.carried_arguments``), which the wire does not hold.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "carried_layout", "split_carried", "join_carried"]
+__all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "split_carried",
+           "join_carried", "ModelInputCapture"]
 
 
 def to_layer_form(hidden: torch.Tensor, streams: int) -> torch.Tensor:
@@ -39,45 +41,115 @@ def to_wire_form(hidden: torch.Tensor, streams: int) -> torch.Tensor:
     return hidden.flatten(-2)
 
 
-def carried_layout(config: Any) -> tuple[tuple[str, int, int], ...]:
-    """``(argument, width, output_index)`` of each value ``config``'s family carries on the wire, in wire order."""
+class CarriedSlot(NamedTuple):
+    """One value of ``hidden_state.carried`` as the wire holds it (after the hidden state, in this order)."""
+
+    argument: str
+    """The layer's argument the value is passed as."""
+    width: int
+    """Values per token on the wire (every layer's part of a ``computed_by`` value)."""
+    output_index: int | None
+    """Index of the value in a layer's output tuple (None: a ``computed_by`` value, handed on unchanged)."""
+    computed_by: str | None
+    """Dotted name of the causal LM's method returning every layer's part (None: carried by the layers)."""
+    layers: int
+    """Layers whose parts the wire holds (1 for a value carried by the layers)."""
+
+    def layer_part(self, part: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``)."""
+        if self.computed_by is None:
+            return part
+        return part.unflatten(-1, (self.layers, self.width // self.layers))[..., layer_idx, :]
+
+
+def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
+    """The `CarriedSlot` of each value ``config``'s family carries on the wire, in wire order."""
     from distconf.loader.spec_wire import carried_widths
 
     hidden_state = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
     if hidden_state is None or not hidden_state.carried:
         return ()
-    return tuple((stream.argument, width, stream.output_index)
+    return tuple(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
+                             int(config.num_hidden_layers) if stream.computed_by is not None else 1)
                  for stream, width in zip(hidden_state.carried, carried_widths(config), strict=True))
 
 
-def split_carried(wire: torch.Tensor, layout: tuple[tuple[str, int, int], ...],
+def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The hidden-state part of ``wire`` and ``{argument: value}`` of the carried values after it."""
+    """The hidden-state part of ``wire`` and ``{argument: value}`` of the carried values after it (as on the
+    wire: every layer's part of a ``computed_by`` value)."""
     if not layout:
         return wire, {}
-    extra = sum(width for _, width, _ in layout)
+    extra = sum(slot.width for slot in layout)
     if wire.shape[-1] <= extra:
         raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold {extra} carried values and "
                          "the hidden state")
-    hidden, *parts = wire.split([wire.shape[-1] - extra, *(width for _, width, _ in layout)], dim=-1)
-    return hidden, {name: part for (name, _, _), part in zip(layout, parts, strict=True)}
+    hidden, *parts = wire.split([wire.shape[-1] - extra, *(slot.width for slot in layout)], dim=-1)
+    return hidden, {slot.argument: part for slot, part in zip(layout, parts, strict=True)}
 
 
-def join_carried(hidden: torch.Tensor, output: Any, layout: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
-    """The wire of a layer's ``hidden`` (wire form) and the carried values at their indices of its ``output``."""
+def join_carried(hidden: torch.Tensor, output: Any, layout: tuple[CarriedSlot, ...],
+                 inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The wire of a layer's ``hidden`` (wire form) and the carried values: at their indices of its ``output``, or
+    as the block got them (``inputs``, `split_carried`'s) for a ``computed_by`` value."""
     import torch
 
     if not layout:
         return hidden
     parts = []
-    for name, width, index in layout:
-        value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
-        if not isinstance(value, torch.Tensor) or value.shape[-1] != width:
-            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"the layer's output {index} ({name}, carried to the next layer) is {shape}, not "
-                             f"{width} values per token")
-        parts.append(value.to(hidden.dtype).expand(*hidden.shape[:-1], width))
+    for slot in layout:
+        if slot.computed_by is not None:
+            value = (inputs or {}).get(slot.argument)
+            if value is None:
+                raise ValueError(f"no {slot.argument} ({slot.computed_by}) came with the hidden state")
+        else:
+            index = slot.output_index
+            value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+            if not isinstance(value, torch.Tensor) or value.shape[-1] != slot.width:
+                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"the layer's output {index} ({slot.argument}, carried to the next layer) is "
+                                 f"{shape}, not {slot.width} values per token")
+        parts.append(value.to(hidden.dtype).expand(*hidden.shape[:-1], slot.width))
     return torch.cat([hidden, *parts], dim=-1)
+
+
+class ModelInputCapture:
+    """Keeps what the methods ``hidden_state.carried[].computed_by`` names return when the model's forward calls
+    them (the client's model and check's reference run the model's own forward): each one's latest result, as
+    the wire holds it (``[batch, seq, layers * width]``).
+    """
+
+    def __init__(self, model: Any, layout: tuple[CarriedSlot, ...]) -> None:
+        """Wrap, on ``model`` (the causal LM) itself, each method ``layout`` computes a value by."""
+        self.values: dict[str, torch.Tensor] = {}
+        for slot in layout:
+            if slot.computed_by is not None:
+                self._wrap(model, slot)
+
+    def _wrap(self, model: Any, slot: CarriedSlot) -> None:
+        owner_name, _, method_name = slot.computed_by.rpartition(".")  # type: ignore[union-attr]
+        try:
+            owner = model.get_submodule(owner_name) if owner_name else model
+            method = getattr(owner, method_name)
+        except AttributeError:
+            raise ValueError(f"{type(model).__name__} has no method {slot.computed_by!r}") from None
+        if not callable(method):
+            raise ValueError(f"{slot.computed_by!r} of {type(model).__name__} is not a method")
+
+        def captured(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            self.values[slot.argument] = result.flatten(-2) if result.ndim > 3 else result
+            return result
+        setattr(owner, method_name, captured)
+
+    def value(self, slot: CarriedSlot, wire: torch.Tensor) -> torch.Tensor:
+        """``slot``'s value of the step whose hidden state is ``wire`` (the latest result of its method)."""
+        value = self.values.get(slot.argument)
+        if value is None or value.shape[-1] != slot.width or value.shape[:-1] != wire.shape[:-1]:
+            shape = "nothing" if value is None else list(value.shape)
+            raise ValueError(f"{slot.computed_by} gave {shape} for {slot.argument}, not {slot.width} values for "
+                             f"each of the {list(wire.shape[:-1])} tokens (hidden_state.carried)")
+        return value
 
 
 def carried_stand_ins(block_cls: type, config: Any, hidden: torch.Tensor, past: int) -> dict[str, Any]:

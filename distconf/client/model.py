@@ -30,7 +30,14 @@ import torch
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
 from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer
 from distconf.blocks.weights import layer_prefixes
-from distconf.blocks.wire import carried_layout, split_carried, to_layer_form, to_wire_form
+from distconf.blocks.wire import (
+    CarriedSlot,
+    ModelInputCapture,
+    carried_layout,
+    split_carried,
+    to_layer_form,
+    to_wire_form,
+)
 from distconf.client.cache import RemoteCache
 from distconf.client.hf_generation import RemoteCacheGenerationMixin, layer_output_is_tuple
 from distconf.client.lmhead import install_lm_head
@@ -71,16 +78,20 @@ class RemoteLayers(torch.nn.Module):
     (``hidden_state.streams``) hands it ``[batch, seq, streams, hidden]``, sent flattened
     (`distconf.blocks.wire`); the model's own forward expands and collapses the streams. A value the model's
     loop carries from layer to layer (``hidden_state.carried``: ``carried`` holds each one's argument, its
-    position among the layer's arguments, width and output index) goes on the wire after the hidden state
-    (zeros where the model hands None) and comes back at its index of the returned tuple.
+    `CarriedSlot` and its position among the layer's arguments) goes on the wire after the hidden state
+    (zeros where the model hands None) and comes back at its index of the returned tuple; one a model method
+    computes for every layer (``computed_by``) goes as that method returned it in the model's forward
+    (``capture``), all layers' parts, and the blocks hand it on.
     """
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
-                 carried: tuple[tuple[str, int | None, int, int], ...] = ()) -> None:
+                 carried: tuple[tuple[CarriedSlot, int | None], ...] = (),
+                 capture: ModelInputCapture | None = None) -> None:
         super().__init__()
         self.remote = remote
         self.streams = streams
         self.carried = carried
+        self.__dict__["capture"] = capture
         self.returns_tuple = False
         self.tuple_padding = 0
         self.probing = False
@@ -102,26 +113,33 @@ class RemoteLayers(torch.nn.Module):
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
             out = cache.step(wire) if cache is not None else self._forward(wire)
-        out, carried = split_carried(out, tuple((name, width, index) for name, _, width, index in self.carried))
+        out, carried = split_carried(out, tuple(slot for slot, _ in self.carried))
         out = to_layer_form(out, self.streams)
         if not self.returns_tuple:
             return out
         result: list[Any] = [out, *[None] * self.tuple_padding]
-        for (_, _, _, index), value in zip(self.carried, carried.values(), strict=True):
-            result += [None] * (index + 1 - len(result))
-            result[index] = value
+        for (slot, _), value in zip(self.carried, carried.values(), strict=True):
+            if slot.output_index is None:  # computed by the model, not carried out of the layers
+                continue
+            result += [None] * (slot.output_index + 1 - len(result))
+            result[slot.output_index] = value
         return tuple(result)
 
     def _carried_inputs(self, wire: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        """Each carried value as the model's loop hands it (by keyword or position), zeros for None."""
+        """Each carried value as the model's loop hands it (by keyword or position), zeros for None; a
+        ``computed_by`` value as its method returned it."""
         values = []
-        for name, position, width, _ in self.carried:
-            value = kwargs.get(name)
+        for slot, position in self.carried:
+            capture: ModelInputCapture | None = self.__dict__["capture"]
+            if slot.computed_by is not None and capture is not None:
+                values.append(capture.value(slot, wire).to(wire.dtype))
+                continue
+            value = kwargs.get(slot.argument)
             if value is None and position is not None and len(args) > position:
                 value = args[position]
             if value is None:
-                value = wire.new_zeros(*wire.shape[:-1], width)
-            values.append(value.to(wire.dtype).expand(*wire.shape[:-1], width))
+                value = wire.new_zeros(*wire.shape[:-1], slot.width)
+            values.append(value.to(wire.dtype).expand(*wire.shape[:-1], slot.width))
         return values
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -142,12 +160,24 @@ def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
 
 
 def _carried_arguments(layer: torch.nn.Module, config: DistributedConfig,
-                       ) -> tuple[tuple[str, int | None, int, int], ...]:
-    """``(argument, position after the hidden states or None, width, output index)`` of each carried value."""
+                       ) -> tuple[tuple[CarriedSlot, int | None], ...]:
+    """``(slot, position after the hidden states or None)`` of each carried value."""
     names = [p.name for p in list(inspect.signature(type(layer).forward).parameters.values())[2:]
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return tuple((name, names.index(name) if name in names else None, width, index)
-                 for name, width, index in carried_layout(config))
+    return tuple((slot, names.index(slot.argument) if slot.argument in names else None)
+                 for slot in carried_layout(config))
+
+
+def _model_input_capture(model: torch.nn.Module, config: DistributedConfig) -> ModelInputCapture | None:
+    """The capture of the methods ``hidden_state.carried[].computed_by`` names (None: none named)."""
+    layout = carried_layout(config)
+    if not any(slot.computed_by for slot in layout):
+        return None
+    try:
+        return ModelInputCapture(model, layout)
+    except ValueError as exc:
+        index = next(k for k, slot in enumerate(layout) if slot.computed_by)
+        raise type(config).family_source.error(("hidden_state", "carried", index, "computed_by"), str(exc)) from None
 
 
 def decoder_layer_list(model: torch.nn.Module, config: DistributedConfig) -> tuple[str, torch.nn.ModuleList]:
@@ -325,7 +355,7 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     stand_in = RemoteLayers(RemoteSequential(config, swarm), _plain_attributes(layers[0]), streams_of(config),
-                            _carried_arguments(layers[0], config))
+                            _carried_arguments(layers[0], config), _model_input_capture(model, config))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     model.remote_layers = stand_in

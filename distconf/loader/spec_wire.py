@@ -32,15 +32,33 @@ class CarriedStream(StrictModel):
     value's ``width`` values per token after the hidden states; a block passes them to its layer as
     ``argument`` and puts the layer's ``output_index``-th output back in their place. The first layer gets
     ``initial`` (``zeros``: the model's None, for a layer that adds the value to one of its own).
+
+    A value the model computes once, before the layers, and slices for each layer (``per_layer_input =
+    per_layer_inputs[:, :, i, :]``) is ``computed_by`` the model method returning it: ``width`` is one layer's
+    part, the wire holds ``num_hidden_layers * width`` values per token (every layer's part, the client's
+    model computing them as the model does) and a block passes its layer's part, handing the whole on unchanged.
     """
 
     argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                           description="The decoder layer's argument the value is passed as (by keyword).")
     width: IntOrFormula = Field(description="Values per token (an integer or a formula over config fields, "
                                             "e.g. router_hidden_size).")
-    output_index: int = Field(ge=1, description="Index of the value in the layer's output tuple.")
+    output_index: int | None = Field(default=None, ge=1, description="Index of the value in the layer's output "
+                                     "tuple (a value each layer hands the next; not with computed_by).")
+    computed_by: str | None = Field(
+        default=None, pattern=_MODULE_PATH,
+        description="Dotted name, in the causal LM, of the model method whose result the model slices for each "
+                    "layer (e.g. model.project_per_layer_inputs: [batch, seq, layers, width]); the client sends "
+                    "every layer's slice, each block passes its layer's (not with output_index).")
     initial: Literal["zeros"] = Field(
         default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CarriedStream:
+        if (self.output_index is None) == (self.computed_by is None):
+            raise ValueError(f"carried {self.argument!r}: give exactly one of output_index (a layer's output handed "
+                             "to the next layer) and computed_by (a model method's per-layer result)")
+        return self
 
 
 class HiddenStateSpec(StrictModel):
@@ -124,11 +142,13 @@ def streams_of(config: Any) -> int:
 
 
 def carried_widths(config: Any) -> tuple[int, ...]:
-    """Values per token of each of ``hidden_state.carried`` on ``config`` (in the wire's order; () for none)."""
+    """Values per token of each of ``hidden_state.carried`` on ``config`` (in the wire's order; () for none): a
+    ``computed_by`` value's width for each of the model's layers."""
     spec = getattr(type(config), "family_spec", None)
     hidden_state = getattr(spec, "hidden_state", None)
     carried = hidden_state.carried if hidden_state is not None else ()
     return tuple(_positive(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
+                 * (int(config.num_hidden_layers) if stream.computed_by is not None else 1)
                  for index, stream in enumerate(carried))
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.wire import to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
+
+if TYPE_CHECKING:
+    from distconf.blocks.wire import CarriedSlot, ModelInputCapture
 
 __all__ = ["SEQ_LEN", "BATCH", "tiny_variants", "Reference", "build_reference", "save_sharded",
            "find_layer_module", "record_layer_io", "perturb_weights"]
@@ -117,14 +120,17 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
 
     layout = carried_layout(reference.config)
     cls = type(reference.config)
+    capture = _capture(reference, layout)
     records: dict[int, list[tuple[Any, Any]]] = {i: [] for i in range(reference.layers)}
     hooks = []
     for i in range(reference.layers):
         def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
             out = output[0] if isinstance(output, (tuple, list)) else output
-            records[i].append((_with_carried(hidden, _carried_inputs(module, args, kwargs, layout), layout, cls),
-                               _with_carried(out, output, layout, cls)))
+            computed = _computed_inputs(cls, capture, layout, hidden, _carried_inputs(module, args, kwargs, layout), i)
+            records[i].append((_with_carried(hidden, _carried_inputs(module, args, kwargs, layout), layout, cls,
+                                             computed),
+                               _with_carried(out, output, layout, cls, computed)))
         hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
@@ -150,31 +156,74 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     return _wire(first, streams), [_wire(out, streams) for out in outputs]
 
 
-def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[tuple[str, int, int], ...]) -> list[Any]:
+def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[CarriedSlot, ...]) -> list[Any]:
     """The values ``layout`` names as the model handed them to ``module`` (None where it handed none)."""
     import inspect
 
     if not layout:
         return []
     bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    return [bound.get(name) for name, _, _ in layout]
+    return [bound.get(slot.argument) for slot in layout]
 
 
-def _with_carried(hidden: Any, values: Any, layout: tuple[tuple[str, int, int], ...],
-                  cls: type) -> tuple[Any, list[Any]]:
-    """``hidden`` and the carried values (from a layer's inputs in order, or its output tuple at their indices)."""
+def _capture(reference: Reference, layout: tuple[CarriedSlot, ...]) -> ModelInputCapture | None:
+    """A `ModelInputCapture` of the reference model's ``computed_by`` methods (None: the family has none)."""
+    from distconf.blocks.wire import ModelInputCapture
+
+    if not any(slot.computed_by for slot in layout):
+        return None
+    try:
+        return ModelInputCapture(reference.model, layout)
+    except ValueError as exc:
+        index = next(k for k, slot in enumerate(layout) if slot.computed_by)
+        raise located_failure(type(reference.config), ("hidden_state", "carried", index, "computed_by"),
+                              str(exc)) from None
+
+
+def _computed_inputs(cls: type, capture: ModelInputCapture | None, layout: tuple[CarriedSlot, ...], hidden: Any,
+                     handed: list[Any], layer_idx: int) -> dict[str, Any]:
+    """``{argument: every layer's part}`` of the ``computed_by`` values, as their methods returned them; each
+    checked to hold, at layer ``layer_idx``'s part, what the model ``handed`` that layer."""
+    import torch
+
+    if capture is None:
+        return {}
+    found = {}
+    for index, (slot, value) in enumerate(zip(layout, handed, strict=True)):
+        if slot.computed_by is None:
+            continue
+        where = ("hidden_state", "carried", index, "computed_by")
+        try:
+            whole = capture.value(slot, hidden.flatten(2) if hidden.ndim > 3 else hidden)
+        except ValueError as exc:
+            raise located_failure(cls, where, str(exc)) from None
+        part = slot.layer_part(whole, layer_idx)
+        if not isinstance(value, torch.Tensor) or value.shape != part.shape or not torch.equal(value, part):
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise located_failure(cls, where, f"layer {layer_idx} got {slot.argument} {shape}, not its part "
+                                  f"[..., {layer_idx}, :] of what {slot.computed_by} returned")
+        found[slot.argument] = whole.detach().clone()
+    return found
+
+
+def _with_carried(hidden: Any, values: Any, layout: tuple[CarriedSlot, ...], cls: type,
+                  computed: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """``hidden`` and the carried values (from a layer's inputs in order, or its output tuple at their indices;
+    ``computed``, every layer's part, for a ``computed_by`` value)."""
     hidden = hidden.detach().clone()
     if not layout:
         return hidden, []
     if not isinstance(values, list):  # a layer's output tuple
-        values = [values[index] if isinstance(values, (tuple, list)) and len(values) > index else None
-                  for _, _, index in layout]
+        values = [values[slot.output_index] if slot.output_index is not None and isinstance(values, (tuple, list))
+                  and len(values) > slot.output_index else None for slot in layout]
     carried = []
-    for (name, width, _), value in zip(layout, values, strict=True):
-        value = hidden.new_zeros(*hidden.shape[:2], width) if value is None else value.detach().clone()
-        if value.shape[-1] != width:
-            raise located_failure(cls, ("hidden_state", "carried"), f"the model carries {name} of "
-                                  f"{list(value.shape)}, not {width} values per token")
+    for slot, value in zip(layout, values, strict=True):
+        if slot.computed_by is not None:
+            value = computed[slot.argument]
+        value = hidden.new_zeros(*hidden.shape[:2], slot.width) if value is None else value.detach().clone()
+        if value.shape[-1] != slot.width:
+            raise located_failure(cls, ("hidden_state", "carried"), f"the model carries {slot.argument} of "
+                                  f"{list(value.shape)}, not {slot.width} values per token")
         carried.append(value.to(hidden.dtype))
     return hidden, carried
 
