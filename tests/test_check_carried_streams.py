@@ -14,10 +14,9 @@ import pytest
 from sweephelpers import new_from_defaults
 
 from distconf.cli import main
+from distconf.loader.registry import clear_cache
 
 
-@pytest.mark.xfail(strict=True, reason="zaya's attention takes attention_mask as a dict {'causal', 'conv'} that blocks "
-                   "do not build yet: its cached runs crash before the carried stream's difference is seen")
 def test_a_carried_stream_is_named_as_the_cause(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert new_from_defaults("zaya", tmp_path, family="zaya_carried") == 0
     (draft,) = (tmp_path / "out").glob("*.yaml")
@@ -26,6 +25,7 @@ def test_a_carried_stream_is_named_as_the_cause(tmp_path: Path, capsys: pytest.C
     end = next(i for i in range(start + 1, len(text)) if text[i - 1] == "\n" and text[i] not in " -#\n"
                and i > start + len("\nhidden_state:\n"))
     draft.write_text(text[:start + 1] + text[end:])
+    clear_cache()  # distconf new checked the draft in this process: forget the class synthesized from it
     capsys.readouterr()
     assert main(["check", str(draft)]) == 1
     out = capsys.readouterr()

@@ -86,6 +86,14 @@ def _kv_cache(kv_past: tuple[Any, ...] | None, settings: LayerSettings) -> Block
                         keeps_indexer=settings.geometry.indexer_head_dim > 0)
 
 
+def _mask_dict(entries: dict[str, str], mask: Any, padding_mask: torch.Tensor | None, seq: int) -> dict[str, Any]:
+    """The mask a layer takes as a dict (``block.mask.as_dict``): each key gets the attention mask, the padding
+    of this call's ``seq`` tokens (None when no row is padded) or None."""
+    padding = padding_mask[:, -seq:] if padding_mask is not None else None
+    held = {"attention": mask, "padding": padding, "none": None}
+    return {key: held[entry] for key, entry in entries.items()}
+
+
 class BlockAdapter:
     """Mixin placed before the decoder-layer class: one ``forward`` for every family."""
 
@@ -221,7 +229,9 @@ class BlockAdapter:
         if call.alibi_argument:
             kwargs[call.alibi_argument] = alibi
         if call.mask_argument:
-            kwargs[call.mask_argument] = mask
+            entries = settings.spec.mask.as_dict
+            kwargs[call.mask_argument] = _mask_dict(entries, mask, padding_mask, hidden_states.shape[1]) \
+                if entries else mask
         return kwargs
 
     def forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, ...] | None = None,

@@ -16,12 +16,13 @@ from distconf.loader.spec_wire import CarriedArgument
 
 __all__ = [
     "BlockSpec", "ConstructorSpec", "CallSpec", "ComputedArgument", "PositionSpec", "MaskSpec",
-    "MaskKind",
+    "MaskKind", "MaskEntry",
 ]
 
 _PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 MaskKind = Literal["causal", "sliding_window", "chunked", "none"]
+MaskEntry = Literal["attention", "padding", "none"]
 
 
 class ConstructorSpec(StrictModel):
@@ -239,6 +240,13 @@ class MaskSpec(StrictModel):
         description="Let transformers skip a plain causal mask for sdpa (None + is_causal). False always "
                     "materializes the mask, as models do that modify it afterwards.",
     )
+    as_dict: dict[str, MaskEntry] = Field(
+        default_factory=dict,
+        description="The layer takes its mask argument as a dict (e.g. {causal: attention, conv: padding}): "
+                    "key -> what it holds: 'attention' (the layer's attention mask, as built for its kind), "
+                    "'padding' (the [batch, tokens] padding mask of this call's tokens, True = a real token; "
+                    "None when no row is padded) or 'none' (None). Empty: the mask itself.",
+    )
 
     @model_validator(mode="after")
     def _window_given(self) -> MaskSpec:
@@ -348,6 +356,12 @@ class BlockSpec(StrictModel):
         if self.constructor.layer_type_argument and self.mask.layer_types_field is None:
             raise ValueError("constructor.layer_type_argument needs mask.layer_types_field (the config field "
                              "listing each layer's type)")
+        return self
+
+    @model_validator(mode="after")
+    def _keyword_for_dict_mask(self) -> BlockSpec:
+        if self.mask.as_dict and self.call.mask_argument is None:
+            raise ValueError("mask.as_dict needs call.mask_argument (the keyword the layer takes its mask as)")
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from distconf.tools.drafting.carried import draft_carried_arguments
 from distconf.tools.drafting.carried_streams import carried_places, draft_carried_streams
 from distconf.tools.drafting.causality import refuse_non_causal
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
+from distconf.tools.drafting.dict_mask import draft_dict_mask
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.fresh_arguments import draft_fresh_arguments
 from distconf.tools.drafting.hidden_streams import draft_hidden_state
@@ -152,6 +153,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
         draft_fresh_arguments(draft, plan.config_class, base_tiny)
+        draft_dict_mask(draft, plan.config_class, base_tiny)
         refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         draft_hidden_state(draft, plan.config_class, base_tiny)

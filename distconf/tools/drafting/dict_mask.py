@@ -1,0 +1,78 @@
+"""``block.mask.as_dict``: a layer that takes its mask argument as a dict of masks, one per key.
+
+Some models hand each layer ``attention_mask={"causal": <the layer's attention mask>, "conv": <the 2D padding
+mask>}``: the attention reads one entry, another sublayer (a convolution zeroing padded tokens) the other.
+The drafter runs the tiny model on a batch with a left-padded row and looks at what the first layer gets
+under the mask keyword: a dict's ``[batch, tokens]`` tensor is the padding mask, another tensor the
+attention mask, None nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.render import FamilyDraft
+
+__all__ = ["dict_mask_entries", "draft_dict_mask"]
+
+_BATCH, _TOKENS, _PADDED = 2, 5, 2  # the probe's rows, tokens per row, left-padded tokens of row 0
+
+
+def _entry(value: Any) -> str | None:
+    """What one entry of the dict mask holds (None: neither a tensor nor None)."""
+    import torch
+
+    if value is None:
+        return "none"
+    if not isinstance(value, torch.Tensor):
+        return None
+    return "padding" if tuple(value.shape) == (_BATCH, _TOKENS) else "attention"
+
+
+def dict_mask_entries(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
+                      mask_argument: str) -> dict[str, str]:
+    """Key -> what it holds (``attention``, ``padding``, ``none``) of the dict the tiny model's first layer
+    gets as ``mask_argument`` for a padded batch (empty: not a dict, an entry of another kind, or no run)."""
+    import torch
+
+    from distconf.tools.drafting.probe import build_tiny_model
+    from distconf.tools.drafting.scan import find_layer_list
+
+    seen: list[Any] = []
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not seen:
+            seen.append(kwargs.get(mask_argument))
+    try:
+        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+        padding = torch.ones(_BATCH, _TOKENS, dtype=torch.long)
+        padding[0, :_PADDED] = 0
+        handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            with torch.no_grad(), quiet_transformers():
+                model(torch.randint(1, 8, (_BATCH, _TOKENS)), attention_mask=padding, use_cache=False)
+        finally:
+            handle.remove()
+    except Exception:  # the tiny run reports why the config does not build
+        return {}
+    if not seen or not isinstance(seen[0], dict):
+        return {}
+    entries = {str(key): _entry(value) for key, value in seen[0].items()}
+    return {} if None in entries.values() else entries  # type: ignore[return-value]
+
+
+def draft_dict_mask(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+    """Write ``block.mask.as_dict`` when the tiny model hands its layers the mask as a dict."""
+    mask_argument = draft.call.get("mask_argument", "attention_mask")
+    if not mask_argument:
+        return
+    entries = dict_mask_entries(config_class, tiny, draft.attn_implementation, mask_argument)
+    if not entries:
+        return
+    draft.mask["as_dict"] = entries
+    draft.facts.append(f"the layers take {mask_argument} as a dict ("
+                       + ", ".join(f"{key}: {entry}" for key, entry in entries.items())
+                       + "): the block builds it the same way (block.mask.as_dict)")
