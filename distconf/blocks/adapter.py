@@ -88,7 +88,7 @@ def _kv_cache(kv_past: tuple[Any, ...] | None, settings: LayerSettings) -> Block
 
 def _mask_dict(entries: dict[str, str], mask: Any, padding_mask: torch.Tensor | None, seq: int) -> dict[str, Any]:
     """The mask a layer takes as a dict (``block.mask.as_dict``): each key gets the attention mask, the padding
-    of this call's ``seq`` tokens (None when no row is padded) or None."""
+    of this call's ``seq`` tokens (None for a call whose rows are not padded: no ``padding_mask``) or None."""
     padding = padding_mask[:, -seq:] if padding_mask is not None else None
     held = {"attention": mask, "padding": padding, "none": None}
     return {key: held[entry] for key, entry in entries.items()}

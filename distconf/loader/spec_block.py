@@ -245,7 +245,7 @@ class MaskSpec(StrictModel):
         description="The layer takes its mask argument as a dict (e.g. {causal: attention, conv: padding}): "
                     "key -> what it holds: 'attention' (the layer's attention mask, as built for its kind), "
                     "'padding' (the [batch, tokens] padding mask of this call's tokens, True = a real token; "
-                    "None when no row is padded) or 'none' (None). Empty: the mask itself.",
+                    "None for a call whose rows are not padded) or 'none' (None). Empty: the mask itself.",
     )
 
     @model_validator(mode="after")
