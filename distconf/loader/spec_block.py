@@ -291,6 +291,13 @@ class BlockSpec(StrictModel):
                     "'num_layers'). A swarm serves one block per module: the family's config then reads "
                     "num_hidden_layers from this field, and kv_cache.sublayers says how many sublayers cache.",
     )
+    config_section: Identifier | None = Field(
+        default=None,
+        description="Config field holding the sub-config of the served layer stack, for a model built of "
+                    "several stacks each sized by a nested sub-config and whose config counts no layers at its "
+                    "top level (e.g. 'global_config'). The family's config reads every attribute its top level "
+                    "lacks (num_hidden_layers, hidden_size, head counts...) from that sub-config.",
+    )
     base_model_prefix: str | None = Field(
         default=None, pattern=_PREFIX,
         description="The architecture's base-model prefix (e.g. 'transformer', 'model'). Checkpoints may "

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from distconf.errors import ConfigValueError, FamilyValidationError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula
+from distconf.loader.layer_section import section_namespace, sectioned_config_class
 from distconf.loader.mixins import (
     ClientConfig,
     LMHeadConfig,
@@ -118,11 +119,14 @@ def _check_names(source: FamilySource, config_class: type) -> None:
     """Check formula names and fix-up fields against a default instance of the base config."""
     # Some HF defaults are inconsistent (token ids outside the default vocabulary) and
     # transformers warns about them; this probe instance is never used for anything else.
+    from transformers import PreTrainedConfig
+
     hf_logger = logging.getLogger("transformers")
     previous = hf_logger.level
     hf_logger.setLevel(logging.ERROR)
+    stack = source.spec.block.config_section
     try:
-        default = config_class()
+        default = (sectioned_config_class(config_class, stack) if stack else config_class)()
     except Exception as exc:
         raise source.error(("config_class",), f"{config_class.__name__}() cannot be built: {exc}") from None
     finally:
@@ -139,6 +143,9 @@ def _check_names(source: FamilySource, config_class: type) -> None:
             if not hasattr(default, name):
                 problems.append(source.problem(
                     ("after_load", section, name), f"{name!r} is not a field of {config_class.__name__}"))
+    if stack is not None and not isinstance(default.__dict__.get(stack), PreTrainedConfig):
+        raise source.error(("block", "config_section"), f"{stack!r} is not a sub-config field of "
+                           f"{config_class.__name__} (a nested config whose layers the family serves)")
     modules = source.spec.block.modules_field
     if modules is not None and not isinstance(getattr(default, modules, None), int):
         problems.append(source.problem(("block", "modules_field"),
@@ -289,6 +296,8 @@ def synthesize_config_class(source: FamilySource, *, module: str) -> type:
         namespace["pinned_revisions"] = dict(spec.revisions)
     if spec.block.modules_field:
         namespace["num_hidden_layers"] = _blocks_counted_by(config_class, spec.block.modules_field)
+    if spec.block.config_section:
+        namespace.update(section_namespace(spec.block.config_section))
     cls = type(spec.class_name, bases, namespace)
     cls.synthesized_class = cls
     return cls

@@ -67,7 +67,7 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
                                   "block gets as None (blocks exchange hidden states only): the likely cause, which "
                                   "no family file can cure") from None
         raise
-    check_kv_cache(cls, reference.config, caches, result)
+    check_kv_cache(cls, reference.config, caches, result, int(ref_in.shape[1]))
     check_block_sizes(cls, reference.config, blocks, result)
     check_meta_build(cls, reference.config)
 

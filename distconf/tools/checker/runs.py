@@ -13,11 +13,23 @@ from distconf.tools.checker.failures import located_failure
 from distconf.tools.checker.reference import SEQ_LEN
 from distconf.tools.checker.result import TOLERANCE, CheckResult
 
-__all__ = ["CHUNKS", "max_rel_diff", "run_in_steps", "compare_full", "compare_cached"]
+__all__ = ["CHUNKS", "max_rel_diff", "run_in_steps", "compare_full", "compare_cached", "chunk_sizes"]
 
 CHUNKS = (4, 2, 1, 2)
 """Step sizes of the chunked run (they sum to `SEQ_LEN`)."""
 assert sum(CHUNKS) == SEQ_LEN
+
+
+def chunk_sizes(length: int) -> list[int]:
+    """`CHUNKS` cut or extended to ``length`` positions: the layer stack may see another sequence length than the
+    model's input (a byte-level model's stack runs on patches of tokens)."""
+    sizes, left = [], length
+    for size in CHUNKS:
+        if left <= 0:
+            break
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+    return sizes + ([left] if left > 0 else [])
 
 
 def max_rel_diff(a: Any, b: Any) -> float:
@@ -71,14 +83,15 @@ def compare_cached(cls: type, blocks: list[Any], ref_in: Any, ref_out: list[Any]
     import torch
 
     with torch.no_grad():
-        incremental, caches = run_in_steps(blocks, ref_in, [1] * SEQ_LEN)
+        length = int(ref_in.shape[1])
+        incremental, caches = run_in_steps(blocks, ref_in, [1] * length)
         empty = [i for i, c in enumerate(caches) if c is None and _keeps_something(blocks[i])]
         if empty:
             keyword = cls.family_spec.block.call.cache_argument  # type: ignore[attr-defined]
             raise located_failure(cls, ("block", "call", "cache_argument"),
                                   f"block {empty[0]} kept no KV cache: the layer never wrote to the "
                                   f"cache passed as {keyword}=...; its forward takes the cache under another keyword")
-        chunked, _ = run_in_steps(blocks, ref_in, list(CHUNKS))
+        chunked, _ = run_in_steps(blocks, ref_in, chunk_sizes(length))
         chained = ref_in  # full-sequence chain through our blocks, for a like-for-like comparison
         for block in blocks:
             chained, _ = block(chained)

@@ -14,10 +14,12 @@ from distconf.tools.checker.result import CheckResult
 __all__ = ["check_kv_cache", "check_state", "check_block_sizes", "loaded_block_bytes"]
 
 
-def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], result: CheckResult) -> None:
+def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], result: CheckResult,
+                   tokens: int = SEQ_LEN) -> None:
     """Bytes per token each K/V block caches must equal ``kv_cache_bytes_per_token``, and each state block's state
     must have the family's ``state`` shapes; else name the wrong field. Which block keeps which:
-    `distconf.blocks.layer_types` (a hybrid family has both kinds, an MLP-only layer neither)."""
+    `distconf.blocks.layer_types` (a hybrid family has both kinds, an MLP-only layer neither). The caches hold
+    ``tokens`` positions."""
     import torch
 
     from distconf.blocks.kvcache import kv_geometry
@@ -44,7 +46,7 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
         result.kv_declared = result.kv_actual = 0
         return
     declared = [kv_cache_bytes_per_token(config, torch.float32, i) for i in kv_layers]
-    held = [sum(t.numel() for t in kv) * kv[0].element_size() // (BATCH * SEQ_LEN) for kv in kv_caches]
+    held = [sum(t.numel() for t in kv) * kv[0].element_size() // (BATCH * tokens) for kv in kv_caches]
     worst = max(range(len(kv_caches)), key=lambda i: abs(held[i] - declared[i]))
     result.kv_declared, result.kv_actual = max(declared), max(held)
     if held[worst] != declared[worst]:

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from distconf.loader.layer_section import sectioned_config_class
 from distconf.loader.per_layer import layer_config
 from distconf.tools.drafting.carried import draft_carried_arguments
 from distconf.tools.drafting.carried_streams import carried_places, draft_carried_streams
@@ -29,7 +30,7 @@ from distconf.tools.drafting.positions import draft_computed_positions
 from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.scan import ModelScan, meta_model, scan_model
+from distconf.tools.drafting.scan import ModelScan, layer_section, meta_model, scan_model
 from distconf.tools.drafting.sections import (
     draft_call,
     draft_constructor,
@@ -39,7 +40,7 @@ from distconf.tools.drafting.sections import (
     draft_position,
     map_layer_kinds,
 )
-from distconf.tools.drafting.shrink import shrink_config
+from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.state import state_layout
 from distconf.tools.drafting.state_attributes import apply_module_states
@@ -113,10 +114,21 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         shrink_config(config, config_class=config_class)  # raises the explanation before any model is built
     full, model = meta_model(config_class, config)
     text = full.get_text_config() if hasattr(full, "get_text_config") else full
+    section = layer_section(full, model) if field_value(text, "num_hidden_layers") is None else None
+    hf_config_class = config_class
+    if section is not None:  # the served stack is sized by a sub-config: the config reads it from there
+        config_class = sectioned_config_class(config_class, section)
+        full, model = meta_model(config_class, config)
+        text = full
     scan = scan_model(model, field_value(text, "num_hidden_layers"))
-    draft = _new_draft(family, str(config["model_type"]), config_class, scan)
+    draft = _new_draft(family, str(config["model_type"]), hf_config_class, scan)
     if nested is not None:
         draft.facts.insert(0, nested_fact)
+    if section is not None:
+        draft.config_section = section
+        draft.facts.append(f"{hf_config_class.__name__} counts no layers at its top level; the served stack "
+                           f"'{scan.prefix}' is sized by its sub-config {section!r} (block.config_section)")
+        draft.review.extend(_shadowed_section_fields(full, section))
     draft_modules_field(draft, scan, text)
     sublayers = scan.sublayers
     draft_constructor(draft, scan.layer_class, scan.base_model)
@@ -163,6 +175,16 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         finish_state(draft, by_type, mixer, layer_class)
     finish_sublayers(draft, sublayers)
     return draft
+
+
+def _shadowed_section_fields(full: Any, section: str) -> list[str]:
+    """Review notes for the fields the top level and the sub-config ``section`` both set to different values: the
+    family's config reads the top level's, the model builds the served layers with the sub-config's."""
+    top, sub = vars(full), vars(getattr(full, section))
+    return [f"{name} is {top[name]!r} at the top level but {sub[name]!r} in {section}: the family's config reads "
+            "the top level's, the model builds its layers with the sub-config's"
+            for name in sorted(sub) if name in top and not name.startswith("_") and name not in CHECKPOINT_KEYS
+            and top[name] != sub[name]]
 
 
 def _sibling_variants(draft: FamilyDraft, plan: TinyPlan) -> list[_Variant]:

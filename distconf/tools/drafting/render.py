@@ -24,6 +24,7 @@ class FamilyDraft:
     prefix: str
     base_model_prefix: str | None = None
     modules_field: str | None = None  # the config field counting layer modules that hold sublayers
+    config_section: str | None = None  # the config field holding the sub-config sizing the served layer stack
     layer_classes: dict[str, str] = field(default_factory=dict)  # layer type -> its own decoder-layer class
     skipped_layer_kinds: list[str] = field(default_factory=list)  # layer types the model skips for ids alone
     model_buffers: dict[str, str] = field(default_factory=dict)  # buffer path in a layer -> function making it
@@ -76,6 +77,7 @@ class FamilyDraft:
             "attention_class": self.attention_class or "transformers.TODO_AttentionClass",
             "prefix": self.prefix,
             **({"modules_field": self.modules_field} if self.modules_field else {}),
+            **({"config_section": self.config_section} if self.config_section else {}),
         }
         if self.base_model_prefix:
             block["base_model_prefix"] = self.base_model_prefix

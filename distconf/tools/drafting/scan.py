@@ -55,6 +55,8 @@ def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]
     try:
         with quiet_transformers():
             full = AutoConfig.for_model(**copy.deepcopy(dict(config)))  # transformers edits nested dicts
+            if type(full) is not config_class and issubclass(config_class, type(full)):  # a subclass of the mapped one
+                full = config_class(**{k: v for k, v in copy.deepcopy(dict(config)).items() if k != "model_type"})
     except Exception as exc:  # report the transformers message as is
         raise DraftingError(f"{config_class.__name__} rejects this config.json: {exc}") from None
     if causal_lm_class(type(full)) is None:
@@ -119,10 +121,10 @@ def find_layer_list(model: Any, num_layers: int | None) -> tuple[str, Any]:
 def find_layer_modules(model: Any, num_layers: int | None) -> tuple[str, Any, int]:
     """The ``ModuleList`` of ``num_layers`` layers holding the most parameters, its path, and 1; or, when the
     model has none, a list of modules each holding ``s`` attention sublayers (``num_layers / s`` of them), and s."""
-    candidates = _layer_lists(model, lambda n: num_layers is None or n == num_layers)
+    candidates = _layer_lists(_section_module(model), lambda n: num_layers is None or n == num_layers)
     if candidates:
         return (*candidates[0], 1)
-    for name, module in _layer_lists(model, lambda n: num_layers is not None and n < num_layers
+    for name, module in _layer_lists(_section_module(model), lambda n: num_layers is not None and n < num_layers
                                      and num_layers % n == 0):
         sublayers = num_layers // len(module)  # type: ignore[operator]
         if all(_attention_count(layer) == sublayers for layer in module):
@@ -131,8 +133,53 @@ def find_layer_modules(model: Any, num_layers: int | None) -> tuple[str, Any, in
         f"no ModuleList of {num_layers} layers in {type(model).__name__}; is num_hidden_layers right?")
 
 
+def layer_section(full: Any, model: Any) -> str | None:
+    """The field of ``full`` holding the sub-config of ``model``'s served layer stack, for a config counting no
+    layers at its top level: of the sub-configs counting layers, the one whose module's list of that many layers
+    holds the most parameters (None when there is none)."""
+    found = []
+    for field, sub in vars(full).items():
+        layers = getattr(sub, "num_hidden_layers", None) if hasattr(sub, "to_dict") else None
+        if not isinstance(layers, int) or isinstance(layers, bool):
+            continue
+        for _, owner in model.named_modules():
+            if getattr(owner, "config", None) is sub:
+                found += [(params, field) for params, _, _, _ in _sized_lists(owner, lambda n, k=layers: n == k)]
+    return max(found)[1] if found else None
+
+
+def _section_module(model: Any) -> Any:
+    """``model``, or where its config names a layer section (`distconf.loader.layer_section`), the module built
+    with that sub-config; the layer list is searched there, the paths kept relative to ``model``."""
+    from distconf.loader.layer_section import section_of
+
+    sub = section_of(getattr(model, "config", None))
+    if sub is None:
+        return model
+    for name, owner in model.named_modules():
+        if name and getattr(owner, "config", None) is sub:
+            return _Prefixed(owner, name)
+    return model
+
+
+class _Prefixed:
+    """A submodule whose ``named_modules`` paths start at the model holding it."""
+
+    def __init__(self, module: Any, prefix: str) -> None:
+        self.module, self.prefix = module, prefix
+
+    def named_modules(self) -> Any:
+        return ((f"{self.prefix}.{name}" if name else self.prefix, m) for name, m in self.module.named_modules())
+
+
 def _layer_lists(model: Any, length_fits: Any) -> list[tuple[str, Any]]:
     """(path, ModuleList) of the lists of layers with parameters whose length fits, most parameters first."""
+    return [(name, module) for _, _, name, module in _sized_lists(model, length_fits)]
+
+
+def _sized_lists(model: Any, length_fits: Any) -> list[tuple[int, int, str, Any]]:
+    """(parameters, -depth, path, ModuleList) of the lists of layers with parameters whose length fits, most
+    parameters first."""
     import torch
 
     candidates = []
@@ -144,7 +191,7 @@ def _layer_lists(model: Any, length_fits: Any) -> list[tuple[str, Any]]:
         params = sum(p.numel() for p in module.parameters())
         candidates.append((params, -name.count("."), name, module))
     candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    return [(name, module) for _, _, name, module in candidates]
+    return candidates
 
 
 def _attention_count(layer: Any) -> int:
