@@ -28,6 +28,8 @@ from distconf.blocks.device import canonical_dtype
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
 from distconf.blocks.sizing import QUANT_BYTES
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
+from distconf.loader.naming import config_num_blocks
 from distconf.loader.spec_wire import wire_width_of
 
 __all__ = [
@@ -266,7 +268,7 @@ def plan_server(
     # size (counting sequences of the default max length would leave a server room for one or two sessions)
     kv_equivalent = 2 * int(config.hidden_size) * _torch_dtype(dtype_name).itemsize * attn_cache_tokens
     state_sequences = max(1, kv_equivalent // state_bytes) if state_bytes else 0
-    layers = int(config.num_hidden_layers)
+    layers = config_num_blocks(config)
     kinds = _layer_kinds(config, layers)
     kv_kinds = [kv for kv, _ in kinds]
     state_kinds = [st for _, st in kinds]
@@ -313,7 +315,8 @@ def _layer_kinds(config: DistributedConfig, layers: int) -> list[tuple[bool, boo
     """(keeps K/V, keeps a state) per layer; a config without a family spec (explicit sizes) keeps K/V only."""
     if getattr(type(config), "family_spec", None) is None:
         return [(True, False)] * max(layers, 1)
-    return [(keeps_kv_at(config, i), keeps_state_at(config, i)) for i in range(layers)] or [(True, False)]
+    model = [model_layer(config, i) for i in range(layers)]  # a looped layer stack's blocks run its layers
+    return [(keeps_kv_at(config, m), keeps_state_at(config, m)) for m in model] or [(True, False)]
 
 
 def choose_blocks(config: DistributedConfig, n: int, swarm_state: Any = None) -> tuple[int, int]:
@@ -329,7 +332,7 @@ def choose_blocks(config: DistributedConfig, n: int, swarm_state: Any = None) ->
     :param swarm_state: a `distconf.dht.discovery.SwarmState`, a sequence of per-block
         throughputs, or ``None`` for an empty swarm.
     """
-    layers = int(config.num_hidden_layers)
+    layers = config_num_blocks(config)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"a server must take at least one block, got n={n!r}")
     n = min(n, layers)

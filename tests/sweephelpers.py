@@ -52,6 +52,7 @@ def drafted_tiny_blocks(model_type: str, folder: Path, pick: Any = None,
 
     from distconf.blocks.weights import load_block
     from distconf.loader import load_family
+    from distconf.loader.naming import config_num_blocks
     from distconf.tools.checker import tiny_variants
 
     if check:
@@ -65,5 +66,5 @@ def drafted_tiny_blocks(model_type: str, folder: Path, pick: Any = None,
     config = cls(**values)
     model = hf_model(cls.hf_config_class(**values))
     save_checkpoint(model, folder / "ckpt")
-    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config.num_hidden_layers)]
+    blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config_num_blocks(config))]
     return config, model, blocks, path

@@ -101,6 +101,7 @@ class BlockAdapter:
     config_class: type
     layer_class: type
     _distconf: LayerSettings
+    _distconf_loop: Any = None  # a looped layer stack's block: its `distconf.blocks.layer_stack.BlockLoop`
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Construct the decoder layer with the family's constructor arguments, then the adapter."""
@@ -245,11 +246,19 @@ class BlockAdapter:
         if ``use_cache``, the cache including these tokens (None for a layer that keeps nothing).
         ``rows``: each row's positions and padding, when rows of one call have different lengths.
         """
+        if self._distconf_loop is not None:  # the wire ends with the looped stack's input
+            return self._distconf_loop.run(self._layer_forward, hidden_states, layer_past, use_cache, rows)
+        return self._layer_forward(hidden_states, layer_past, use_cache, rows)
+
+    def _layer_forward(self, hidden_states: torch.Tensor, layer_past: tuple[torch.Tensor, ...] | None = None,
+                       use_cache: bool = False, rows: RowLayout | None = None,
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """`forward` on a wire without a looped stack's input."""
         settings = self._distconf
         if settings.skipped:
             return hidden_states, None
         if steps_row_by_row(settings, hidden_states, layer_past, use_cache):
-            return row_by_row(self.forward, hidden_states, layer_past, use_cache, rows)  # type: ignore[arg-type]
+            return row_by_row(self._layer_forward, hidden_states, layer_past, use_cache, rows)  # type: ignore[arg-type]
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
@@ -310,6 +319,6 @@ class BlockAdapter:
         outputs = []
         past: tuple[torch.Tensor, ...] | None = layer_past
         for t in range(hidden_states.shape[1]):
-            out, past = self.forward(hidden_states[:, t:t + 1], layer_past=past, use_cache=True)
+            out, past = self._layer_forward(hidden_states[:, t:t + 1], layer_past=past, use_cache=True)
             outputs.append(out)
         return torch.cat(outputs, dim=1), (past if use_cache else None)

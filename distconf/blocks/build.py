@@ -19,6 +19,8 @@ from distconf.blocks.hf_compat import initialize_computed_buffers, non_persisten
 from distconf.blocks.layer_types import layer_type
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
+from distconf.loader.layer_stack import model_layer
+from distconf.loader.naming import config_num_blocks
 from distconf.loader.once import OncePerKey
 from distconf.loader.per_layer import layer_config
 from distconf.loader.registry import load_family_by_class_name
@@ -138,6 +140,9 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
                 buffers_device: Any = "cpu") -> Any:
     """Instantiate block ``layer_idx`` of ``config`` (on ``meta`` no parameter is allocated).
 
+    For a looped layer stack (``block.layer_stack``) ``layer_idx`` counts blocks: the block is the model layer
+    it runs (`distconf.loader.layer_stack.model_layer`), with its part in the loop (`block_loop`).
+
     Constructor arguments come from the family file (``block.constructor``). The block is
     in eval mode. On ``meta``, load weights with `distconf.blocks.weights.load_block`; buffers the
     layer computes itself (non-persistent, never in checkpoints) are materialized on
@@ -145,9 +150,13 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
     """
     import torch
 
-    num_layers = getattr(config, "num_hidden_layers", None)
+    from distconf.blocks.layer_stack import block_loop
+
+    looped = type(config).family_spec.block.layer_stack is not None
+    num_layers = config_num_blocks(config) if looped else getattr(config, "num_hidden_layers", None)
     if not isinstance(layer_idx, int) or layer_idx < 0 or (isinstance(num_layers, int) and layer_idx >= num_layers):
-        raise IndexError(f"layer_idx={layer_idx!r} out of range for num_hidden_layers={num_layers!r}")
+        raise IndexError(f"layer_idx={layer_idx!r} out of range for {num_layers!r} blocks")
+    block_idx, layer_idx = layer_idx, (model_layer(config, layer_idx) if looped else layer_idx)
     cls = block_class_for(config)
     if type(config).family_spec.block.layer_classes:
         cls = make_block_class(type(config), layer_type(config, layer_idx))
@@ -168,6 +177,8 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
     if str(device) == "meta" and buffers_device is not None:
         materialize_buffers(block, config, buffers_device)
     block.eval()
+    if looped:
+        block._distconf_loop = block_loop(config, block_idx)
     return block
 
 

@@ -21,6 +21,8 @@ from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.quant import QUANT_BYTES, normalize_quant
 from distconf.blocks.state import state_geometry
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
+from distconf.loader.naming import config_num_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +69,7 @@ def layer_param_counts(config: DistributedConfig) -> tuple[int, ...]:
     counts = _counts.get(key)
     if counts is None:
         counts = tuple(sum(p.numel() for p in build_block(config, i, device="meta", buffers_device=None).parameters())
-                       for i in range(config.num_hidden_layers))
+                       for i in range(config_num_blocks(config)))
         with _counts_lock:
             if len(_counts) > 256:
                 _counts.clear()
@@ -81,7 +83,7 @@ def block_param_count(config: DistributedConfig, layer_idx: int | None = None) -
     if layer_idx is None:
         return max(counts)
     if not 0 <= layer_idx < len(counts):
-        raise IndexError(f"layer_idx={layer_idx!r} out of range for num_hidden_layers={len(counts)}")
+        raise IndexError(f"layer_idx={layer_idx!r} out of range for {len(counts)} blocks")
     return counts[layer_idx]
 
 
@@ -105,7 +107,7 @@ def layer_sizes(config: DistributedConfig, dtype: torch.dtype | None = None, qua
         from distconf.blocks.quant import block_bytes
 
         sizes = tuple(block_bytes(build_block(config, i, device="meta", buffers_device=None), dtype, quant,
-                                  device_type=device_type) for i in range(config.num_hidden_layers))
+                                  device_type=device_type) for i in range(config_num_blocks(config)))
         with _counts_lock:
             if len(_sizes) > 256:
                 _sizes.clear()
@@ -125,7 +127,7 @@ def block_size_bytes(config: DistributedConfig, dtype: torch.dtype | None = None
     if layer_idx is None:
         return int(max(sizes) * SIZE_MARGIN)
     if not 0 <= layer_idx < len(sizes):
-        raise IndexError(f"layer_idx={layer_idx!r} out of range for num_hidden_layers={len(sizes)}")
+        raise IndexError(f"layer_idx={layer_idx!r} out of range for {len(sizes)} blocks")
     return int(sizes[layer_idx] * SIZE_MARGIN)
 
 
@@ -135,14 +137,15 @@ def kv_cache_bytes_per_token(config: DistributedConfig, dtype: torch.dtype | Non
 
     Without ``layer_idx``: what a K/V-keeping block of the family keeps (0 if none does).
     """
-    return int(kv_geometry(config, layer_idx).values_per_token * bytes_per_value(dtype))
+    layer = None if layer_idx is None else model_layer(config, layer_idx)
+    return int(kv_geometry(config, layer).values_per_token * bytes_per_value(dtype))
 
 
 def state_bytes_per_sequence(config: DistributedConfig, dtype: torch.dtype | None = None,
                              layer_idx: int | None = None) -> int:
     """Bytes of state block ``layer_idx`` keeps per sequence in ``dtype`` (the family's ``state`` section; 0 for a
     block that keeps none). Without ``layer_idx``: what a state-keeping block of the family keeps."""
-    geometry = state_geometry(config, layer_idx)
+    geometry = state_geometry(config, None if layer_idx is None else model_layer(config, layer_idx))
     if geometry is None:
         return 0
     recurrent_bytes = 4 if geometry.recurrent_float32 else bytes_per_value(dtype)

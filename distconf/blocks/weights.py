@@ -27,6 +27,7 @@ from distconf.blocks.convert import Conversions, Group, order_problem, plan_stre
 from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
 from distconf.blocks.safetensors_header import read_safetensors_header, tensor_label
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
 
 if TYPE_CHECKING:
     import torch
@@ -231,10 +232,11 @@ def load_block_weights(model_dir: str | Path, config: DistributedConfig, layer_i
     import torch
 
     expected = _expected(config, layer_idx, block)
+    layer = model_layer(config, layer_idx)  # a looped layer stack's blocks share their layer's tensors
     with Checkpoint(model_dir) as checkpoint, torch.no_grad():
-        prefix, names = layer_keys(checkpoint.names, config, layer_idx)
+        prefix, names = layer_keys(checkpoint.names, config, layer)
         if prefix is None:
-            _raise_no_layer(model_dir, config, layer_idx, checkpoint.names, expected)
+            _raise_no_layer(model_dir, config, layer, checkpoint.names, expected)
         match = _Match(prefix, expected)
         match.sort(names, Conversions(config, names, {prefix + local for local in expected}))
         match.check(checkpoint)

@@ -6,6 +6,8 @@ each token's streams one after the other. These two reshapes are the only place 
 Values the model carries from layer to layer (``hidden_state.carried``) follow the hidden state on the wire;
 `split_carried` and `join_carried` are the only place that layout is written; `ModelInputCapture` keeps, where
 the model's own forward runs (the client, check's reference), the values a model method computes for every layer.
+A looped layer stack's input (``block.layer_stack``) is last, as wide as the hidden state: `split_loop_input` and
+`join_loop_input`.
 `carried_stand_ins` gives a layer what the block passes for a value the model carries from the layer
 before (``block.call.carried_arguments``), which the wire does not hold.
 """
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "split_carried",
-           "join_carried", "ModelInputCapture"]
+           "join_carried", "ModelInputCapture", "split_loop_input", "join_loop_input"]
 
 
 def to_layer_form(hidden: torch.Tensor, streams: int) -> torch.Tensor:
@@ -176,3 +178,18 @@ def carried_stand_ins(block_cls: type, config: Any, hidden: torch.Tensor, past: 
                              "(block.call.carried_arguments)")
         values[name] = torch.arange(keys, dtype=torch.int32, device=hidden.device).expand(batch, seq, keys)
     return values
+
+
+def split_loop_input(wire: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wire without the looped stack's input (its last ``width`` values per token), and that input."""
+    if wire.shape[-1] <= width:
+        raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold a looped stack's input of "
+                         f"{width} values and the hidden state")
+    return wire[..., :-width], wire[..., -width:]
+
+
+def join_loop_input(wire: torch.Tensor, loop_input: torch.Tensor) -> torch.Tensor:
+    """``wire`` followed by the looped stack's input (`split_loop_input` undone)."""
+    import torch
+
+    return torch.cat([wire, loop_input.to(wire.dtype).expand(*wire.shape[:-1], loop_input.shape[-1])], dim=-1)

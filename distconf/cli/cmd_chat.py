@@ -8,6 +8,7 @@ import sys
 
 from distconf.cli.helptext import add_command, positive_int
 from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["register", "run", "main"]
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                   "use distconf generate for raw prompts", file=sys.stderr)
             return 2
         _enable_line_editing()
-        print(f"chatting with {model.config.dht_prefix} ({model.config.num_hidden_layers} blocks on the swarm); "
+        print(f"chatting with {model.config.dht_prefix} ({config_num_blocks(model.config)} blocks on the swarm); "
               "/help for commands, Ctrl-C stops a reply, /exit or Ctrl-D leaves", flush=True)
         quiet_verification_log()  # a log line would break into the reply: a notice follows it instead
         events = model.verification_events if model.config.verify_fraction > 0 else None

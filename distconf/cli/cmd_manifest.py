@@ -11,6 +11,7 @@ from typing import Any
 from distconf.blocks.device import DTYPE_CHOICES
 from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["register", "run", "build_manifest"]
 
@@ -84,7 +85,7 @@ def build_manifest(source: Any, dtypes: list[str], quants: list[str]) -> Any:
     from distconf.server.loading import Progress, load_blocks
 
     config = source.config
-    n = int(config.num_hidden_layers)
+    n = config_num_blocks(config)
     forms = _forms(config, dtypes, quants)
     total = sum(block_size_bytes(config, dtype, quant, layer_idx=i, device_type="cpu")
                 for dtype, quant in forms.values() for i in range(n))

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from distconf.cli.helptext import add_command, initial_peers, join_swarm
+from distconf.loader.naming import config_num_blocks
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +58,7 @@ def _resolve(model: str) -> tuple[str, int | None]:
         cfg = AutoDistributedConfig.from_pretrained(model)
         if not cfg.dht_prefix:
             raise ValueError(f"{model}/config.json has no dht_prefix; pass the prefix as --model instead")
-        return cfg.dht_prefix, cfg.num_hidden_layers
+        return cfg.dht_prefix, config_num_blocks(cfg)
     if "/" in model:
         try:
             from distconf import load_preset
@@ -65,7 +66,7 @@ def _resolve(model: str) -> tuple[str, int | None]:
 
             if model in list_presets():
                 cfg = load_preset(model)
-                return cfg.dht_prefix, cfg.num_hidden_layers
+                return cfg.dht_prefix, config_num_blocks(cfg)
         except ImportError:
             pass
     return model, None

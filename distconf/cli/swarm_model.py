@@ -15,6 +15,8 @@ import argparse
 import logging
 from typing import Any
 
+from distconf.loader.naming import config_num_blocks
+
 __all__ = ["CommandFailed", "REPORT_FLUSH_SECONDS", "open_swarm_model", "check_route", "close_swarm_model",
            "publish_reports", "quiet_verification_log"]
 
@@ -75,7 +77,7 @@ def publish_reports(model: Any) -> None:
     """Publish a report to the swarm's DHT for every server ``model``'s spot checks catch."""
     from distconf.dht.reports import ReportPublisher
 
-    publisher = ReportPublisher(model.remote.swarm.dht, model.config.dht_prefix, model.config.num_hidden_layers)
+    publisher = ReportPublisher(model.remote.swarm.dht, model.config.dht_prefix, config_num_blocks(model.config))
     model.remote.verifier.listeners.append(publisher)
 
 

@@ -50,6 +50,7 @@ from distconf.client.verifier import VerificationRollback
 from distconf.client.verify_events import VerificationEvent
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.naming import config_num_blocks
 from distconf.loader.once import OncePerKey
 from distconf.loader.spec_wire import streams_of
 from distconf.sources import ModelSource, ModelSourceError
@@ -229,7 +230,7 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
 
         ``max_length`` counts the user's tokens; the session also holds the prompt positions.
         """
-        return RemoteCache(self.remote, max_length, self.config.num_hidden_layers, prompts=self.prompts)
+        return RemoteCache(self.remote, max_length, config_num_blocks(self.config), prompts=self.prompts)
 
     @property
     def verification_events(self) -> list[VerificationEvent]:
@@ -347,6 +348,10 @@ def _open_checkpoint(source: ClientSource) -> Checkpoint:
 
 def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmClient, dtype: torch.dtype) -> Any:
     """The distributed model of ``config``: non-block modules loaded from ``checkpoint``, layer list replaced."""
+    if type(config).family_spec.block.layer_stack is not None:
+        raise type(config).family_source.error(
+            ("block", "layer_stack"), "the client does not run a looped layer stack yet (the model's own forward "
+            "would enter every pass again after the blocks); its blocks are served and checked")
     model_cls = distributed_model_class(type(config))
     with torch.device("meta"):
         model = model_cls(config)

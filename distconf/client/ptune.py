@@ -27,6 +27,7 @@ import logging
 import torch
 
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["PromptTuning", "prompt_tuning_for"]
 
@@ -97,7 +98,7 @@ def prompt_tuning_for(config: DistributedConfig, input_embeddings: torch.nn.Modu
     if isinstance(weight, torch.Tensor) and weight.numel() > 1 and weight.device.type != "meta":
         rows = weight.detach()[:: max(1, weight.shape[0] // 4096)]  # a sample: no float32 copy of a large table
         std = float(rows.float().std()) or std
-    tuning = PromptTuning(int(config.pre_seq_len), int(config.hidden_size), int(config.num_hidden_layers),
+    tuning = PromptTuning(int(config.pre_seq_len), int(config.hidden_size), config_num_blocks(config),
                           deep=mode == "deep_ptune", init_std=std)
     logger.debug("prompt tuning: %s, %d prompt positions", mode, tuning.pre_seq_len)
     return tuning

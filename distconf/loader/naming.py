@@ -132,7 +132,12 @@ def config_dht_prefix(config: Any) -> str:
 
 
 def config_num_blocks(config: Any) -> int:
-    """Number of transformer blocks of a config (``num_hidden_layers``, or ``n_layer`` for old configs)."""
+    """Number of transformer blocks of a config (``num_hidden_layers``, or ``n_layer`` for old configs; a looped
+    layer stack's unrolled count, `distconf.loader.layer_stack.block_count`)."""
+    from distconf.loader.layer_stack import block_count
+
+    if getattr(getattr(getattr(type(config), "family_spec", None), "block", None), "layer_stack", None) is not None:
+        return block_count(config)
     n = getattr(config, "num_hidden_layers", None)
     if n is None:
         n = getattr(config, "n_layer", None)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from distconf.loader.spec_stack import LayerStackSpec
 from distconf.loader.spec_types import ClassPath, FormulaText, Identifier, ScalarValue, StrictModel
 from distconf.loader.spec_wire import CarriedArgument
 
@@ -330,6 +331,11 @@ class BlockSpec(StrictModel):
         default_factory=PositionSpec, description="Rotary / ALiBi / no position handling inside the block."
     )
     mask: MaskSpec = Field(default_factory=MaskSpec, description="Attention mask kind, per layer if needed.")
+    layer_stack: LayerStackSpec | None = Field(
+        default=None,
+        description="How the model runs its layer list when not each layer once in order (a looped range of "
+                    "layers, served unrolled: one block per layer the forward pass runs).",
+    )
     skipped_layer_kinds: list[str] = Field(
         default_factory=list,
         description="Layer types the model skips when it gets no input besides the hidden states (e.g. "

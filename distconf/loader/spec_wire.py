@@ -20,7 +20,8 @@ from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["CarriedArgument", "CarriedStream", "HiddenStateSpec", "carried_widths", "wire_width_of", "streams_of"]
+__all__ = ["CarriedArgument", "CarriedStream", "HiddenStateSpec", "carried_widths", "wire_width_of", "streams_of",
+           "loops_layers"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
@@ -153,8 +154,17 @@ def carried_widths(config: Any) -> tuple[int, ...]:
 
 
 def wire_width_of(config: Any) -> int:
-    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(carried widths)``.
+    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(carried widths)``,
+    plus ``streams * hidden_size`` more for a looped layer stack's input (`loops_layers`).
 
     ``hidden_size`` for a family without a ``hidden_state`` section (and for a plain config).
     """
-    return streams_of(config) * int(config.hidden_size) + sum(carried_widths(config))
+    hidden = streams_of(config) * int(config.hidden_size)
+    return hidden + sum(carried_widths(config)) + (hidden if loops_layers(config) else 0)
+
+
+def loops_layers(config: Any) -> bool:
+    """Whether ``config``'s family loops a range of layers (``block.layer_stack``): the wire then holds the
+    stack's input after the hidden state and the carried values, as wide as the hidden state."""
+    spec = getattr(type(config), "family_spec", None)
+    return getattr(getattr(spec, "block", None), "layer_stack", None) is not None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from distconf.blocks import sizing
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
+from distconf.loader.layer_stack import model_layer
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["CacheFigures", "cache_figures", "figures_of_repository"]
 
@@ -36,7 +38,7 @@ def cache_figures(config: object) -> CacheFigures:
     """The figures of a distributed config (family-level sizes, per-layer counts)."""
     import torch
 
-    layers = range(int(config.num_hidden_layers))  # type: ignore[attr-defined]
+    layers = [model_layer(config, i) for i in range(config_num_blocks(config))]  # the layer each block runs
     return CacheFigures(
         kv_bytes_per_token=sizing.kv_cache_bytes_per_token(config, torch.bfloat16),  # type: ignore[arg-type]
         state_bytes_per_sequence=sizing.state_bytes_per_sequence(config, torch.bfloat16),  # type: ignore[arg-type]

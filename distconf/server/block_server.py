@@ -27,6 +27,8 @@ from typing import Any
 from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
 from distconf.dht.announce import hub_repository  # re-exported: distconf.server.hub_repository
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
+from distconf.loader.naming import config_num_blocks
 from distconf.server.logfilter import install_refused_request_filter
 from distconf.server.span_moves import SpanMoves
 
@@ -200,7 +202,7 @@ class BlockServer(SpanMoves):
         self.weights_form = weights_form(self.dtype_name, self.quant, self.device.type)
         self.dht = start_local_dht([] if o.new_swarm else o.initial_peers,
                                    host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"],
-                                   num_workers=max(1, int(self.config.num_hidden_layers)))
+                                   num_workers=max(1, config_num_blocks(self.config)))
 
     def _serve(self) -> None:
         from distconf.blocks.quant import petals_quant_type
@@ -223,7 +225,7 @@ class BlockServer(SpanMoves):
             logger.info("sized from memory: %.2f GiB available (%s) - %.2f GiB margin = %.2f GiB -> %d of %d "
                         "blocks (%.1f MiB each, %s, quant %s), %d cache tokens per block", seen.available / 2**30,
                         seen.source, seen.margin / 2**30, seen.usable / 2**30, span.num_blocks,
-                        int(config.num_hidden_layers), span.plan.block_bytes / 2**20, dtype_name,
+                        config_num_blocks(config), span.plan.block_bytes / 2**20, dtype_name,
                         self.quant or "none", span.plan.attn_cache_tokens)
         self.start_block, self.end_block = span.start, span.end
         self.kv_bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
@@ -318,7 +320,7 @@ class BlockServer(SpanMoves):
 
         o, config = self.options, self.config
         uids = block_uids(config.dht_prefix, start, start + len(modules))
-        served = [ServedBlock(uid, start + i, m, self.dtype, kv_geometry(config, start + i),
+        served = [ServedBlock(uid, start + i, m, self.dtype, kv_geometry(config, model_layer(config, start + i)),
                               kv_cache_bytes_per_token(config, self.dtype, start + i),
                               state_bytes_per_sequence(config, self.dtype, start + i))
                   for i, (uid, m) in enumerate(zip(uids, modules))]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["Progress", "SpanPlan", "Throughput", "load_blocks", "measure_throughput", "plan_span"]
 
@@ -52,7 +53,7 @@ def plan_span(config: DistributedConfig, memory: int | str, dtype: str, *, dht: 
     from distconf.planning import choose_blocks, plan_server
 
     plan = plan_server(config, memory, dtype, quant, attn_cache_tokens=attn_cache_tokens, device_type=device_type)
-    layers = int(config.num_hidden_layers)
+    layers = config_num_blocks(config)
     if blocks is not None:
         start, end = blocks
         if not 0 <= start < end <= layers:

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from distconf.dht import ServerInfo, ServerState
+from distconf.loader.naming import config_num_blocks
 from distconf.rpc.protocol import NOT_SERVED
 
 __all__ = ["SpanMoves"]
@@ -88,7 +89,7 @@ class SpanMoves:
         """
         old_start, old_end = self.start_block, self.end_block
         end = start + old_end - old_start
-        if not 0 <= start < end <= int(self.config.num_hidden_layers):
+        if not 0 <= start < end <= config_num_blocks(self.config):
             raise ValueError(f"cannot move to blocks {start}..{end - 1}: outside the model")
         old_announcer, old_handler, rpc = self.announcer, self.handler, self.rpc
         if start == old_start or old_announcer is None or old_handler is None or rpc is None:

@@ -20,6 +20,7 @@ from distconf.blocks.weights import layer_keys, load_block_weights
 from distconf.errors import ConfigValueError, FamilyNotFoundError, FamilyValidationError, ModelSourceError
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
 from distconf.loader.naming import check_dht_prefix, config_num_blocks, derive_dht_prefix
 
 if TYPE_CHECKING:
@@ -168,11 +169,12 @@ def _check_weights(name: str, folder: Path, config: DistributedConfig) -> None:
                                      f"model.safetensors.index.json{hint}") from None
     except BlockWeightsError as exc:
         raise ModelSourceError(name, f"its weights cannot be read: {exc}") from None
-    missing = [i for i in range(config_num_blocks(config)) if layer_keys(names, config, i)[0] is None]
+    missing = [i for i in range(config_num_blocks(config))
+               if layer_keys(names, config, model_layer(config, i))[0] is None]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise ModelSourceError(name, f"missing tensors: no tensors of block(s) {shown} of "
-                                     f"{config.num_hidden_layers} under {type(config).family_spec.block.prefix!r}")
+                                     f"{config_num_blocks(config)} under {type(config).family_spec.block.prefix!r}")
 
 
 def open_checkpoint(name: str, kind: str, origin: Path, folder: Path, *, dht_prefix: str | None = None,
@@ -194,5 +196,5 @@ def open_checkpoint(name: str, kind: str, origin: Path, folder: Path, *, dht_pre
         raise ModelSourceError(name, f"its config.json cannot be used: {_brief(exc)}") from None
     _check_weights(name, folder, config)
     logger.info("model source %s (%s): %s, %d blocks, dht_prefix %s", name, kind, type(config).__name__,
-                config.num_hidden_layers, config.dht_prefix)
+                config_num_blocks(config), config.dht_prefix)
     return ModelSource(name=name, kind=kind, origin=origin, checkpoint_dir=folder, config=config)

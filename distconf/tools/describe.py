@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.naming import config_num_blocks
 
 __all__ = ["describe_class", "describe_config", "size_summary"]
 
@@ -45,7 +46,7 @@ def size_summary(config: DistributedConfig) -> list[tuple[str, str]]:
 
 def describe_config(config: DistributedConfig) -> list[tuple[str, str]]:
     """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids, sizes."""
-    n = config.num_hidden_layers
+    n = config_num_blocks(config)
     rows = [
         ("model", str(getattr(config, "_name_or_path", "") or "-")),
         ("kv groups (value)", str(config.num_key_value_groups)),

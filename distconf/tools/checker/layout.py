@@ -80,9 +80,10 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
     import torch
 
     from distconf.blocks.weights import BlockWeightsError, load_block
+    from distconf.loader.layer_stack import model_layer
 
     blocks = []
-    for i in range(reference.layers):
+    for i in range(reference.blocks):
         try:
             block = load_block(directory, reference.config, i, dtype=torch.float32)
         except BlockWeightsError as exc:
@@ -95,7 +96,7 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
             raise located_failure(cls, ("block", "attention_class"),
                                   f"no {attn_class.__name__} inside block {i} (attention-like modules: "
                                   f"{', '.join(found) or 'none'})")
-        hf_params = sum(p.numel() for p in reference.layer(i).parameters())
+        hf_params = sum(p.numel() for p in reference.layer(model_layer(reference.config, i)).parameters())
         params = sum(p.numel() for p in block.parameters())
         if params != hf_params:
             raise located_failure(cls, ("block", "constructor"),

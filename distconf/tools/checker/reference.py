@@ -52,6 +52,14 @@ class Reference:
         """Decoder layers of the model."""
         return int(self.config.num_hidden_layers)
 
+    @property
+    def blocks(self) -> int:
+        """Blocks of the model: its layers as the forward pass runs them (more than `layers` for a looped
+        layer stack, `distconf.loader.layer_stack`)."""
+        from distconf.loader.naming import config_num_blocks
+
+        return config_num_blocks(self.config)
+
     def layer(self, layer_idx: int) -> Any:
         """The model's decoder layer ``layer_idx`` (found through the family prefix), or None."""
         return find_layer_module(self.model, self.config, layer_idx)
@@ -140,20 +148,72 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     finally:
         for h in hooks:
             h.remove()
-    looped = [i for i in range(reference.layers) if len(records[i]) > 1]
-    if looped:  # hidden states loop back through these layers: no chain of blocks computes that
-        shown = ", ".join(map(str, looped[:8])) + ("..." if len(looped) > 8 else "")
-        raise located_failure(type(reference.config), ("block",),
-                              f"{'layers' if len(looped) > 1 else 'layer'} {shown} of the model "
-                              f"{'run' if len(looped) > 1 else 'runs'} {max(len(records[i]) for i in looped)} "
-                              "times in one forward pass (a looped layer stack); a chain of blocks runs each "
-                              "layer once, so this architecture cannot be served as blocks")
     if not any(records.values()):
         raise located_failure(type(reference.config), ("block", "prefix"),
                               "the model called none of the layers at block.prefix in its forward pass")
-    first, outputs = _chain(records, reference.layers)
+    records = _unrolled(reference, records)
+    first, outputs = _chain(records, reference.blocks)
     streams = _checked_streams(reference, first[0])
-    return _wire(first, streams), [_wire(out, streams) for out in outputs]
+    ins, outs = [_wire(first, streams)], [_wire(out, streams) for out in outputs]
+    if type(reference.config).family_spec.block.layer_stack is not None:  # type: ignore[attr-defined]
+        ins, outs = _with_loop_input(reference, ins, outs)
+    return ins[0], outs
+
+
+def _unrolled(reference: Reference, records: dict[int, list[tuple[Any, Any]]]) -> dict[int, list[tuple[Any, Any]]]:
+    """Each block's call, as the family's layer stack says the model runs its layers (each once, or a looped
+    range several times: `distconf.loader.layer_stack`); a layer run another number of times fails, located."""
+    from distconf.errors import ConfigValueError
+    from distconf.loader.layer_stack import block_count, model_layer
+
+    cls = type(reference.config)
+    try:
+        blocks = block_count(reference.config)
+        layers = [model_layer(reference.config, b) for b in range(blocks)]
+    except ConfigValueError as exc:
+        raise located_failure(cls, ("block", "layer_stack", "loop"), str(exc)) from None
+    expected = {i: layers.count(i) for i in range(reference.layers)}
+    wrong = [i for i in range(reference.layers) if records[i] and len(records[i]) != expected[i]]
+    if wrong:  # hidden states loop back through these layers other than the family file says
+        i = wrong[0]
+        shown = ", ".join(map(str, wrong[:8])) + ("..." if len(wrong) > 8 else "")
+        looped = cls.family_spec.block.layer_stack is not None  # type: ignore[attr-defined]
+        raise located_failure(cls, ("block", "layer_stack", "loop") if looped else ("block",),
+                              f"{'layers' if len(wrong) > 1 else 'layer'} {shown} of the model "
+                              f"{'run' if len(wrong) > 1 else 'runs'} {len(records[i])} times in one forward pass, "
+                              f"the family file says {expected[i]}" + ("" if looped else
+                              " (a looped layer stack: declare it in block.layer_stack.loop)"))
+    seen: dict[int, int] = {}
+    unrolled: dict[int, list[tuple[Any, Any]]] = {}
+    for block, layer in enumerate(layers):
+        calls = records[layer]
+        unrolled[block] = [calls[seen.get(layer, 0)]] if calls else []
+        seen[layer] = seen.get(layer, 0) + 1
+    return unrolled
+
+
+def _with_loop_input(reference: Reference, ins: list[Any], outs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The wires with the looped stack's input after them: zeros into the first pass, then the hidden state
+    that entered it (the output of the block before), as the blocks carry it."""
+    import torch
+
+    from distconf.loader.layer_stack import loop_of
+
+    loop = loop_of(reference.config)
+    assert loop is not None  # the caller checks the family loops layers
+    stack_input = outs[loop.start - 1][..., :_hidden_width(reference)]
+    zeros = torch.zeros_like(stack_input)
+    ins = [torch.cat([ins[0], zeros], dim=-1)]
+    outs = [torch.cat([out, stack_input if block >= loop.start else zeros], dim=-1)
+            for block, out in enumerate(outs)]
+    return ins, outs
+
+
+def _hidden_width(reference: Reference) -> int:
+    """Values per token of the hidden state on the wire (its streams, without carried values)."""
+    from distconf.loader.spec_wire import streams_of
+
+    return streams_of(reference.config) * int(reference.config.hidden_size)
 
 
 def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[CarriedSlot, ...]) -> list[Any]:

@@ -36,7 +36,7 @@ def check_variant(cls: type, values: dict[str, Any], result: CheckResult) -> Non
     from distconf.blocks.weights import checkpoint_files
 
     reference = build_reference(cls, values)
-    result.layers = reference.layers
+    result.layers = reference.blocks
     attn_class = attention_class(cls)
     with tempfile.TemporaryDirectory(prefix="distconf-check-") as tmp:
         directory = Path(tmp)

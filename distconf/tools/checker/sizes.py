@@ -7,6 +7,7 @@ from typing import Any
 
 from distconf.blocks.sizing import SIZE_MARGIN
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_stack import model_layer
 from distconf.tools.checker.failures import CheckFailure, located_failure
 from distconf.tools.checker.reference import BATCH, SEQ_LEN
 from distconf.tools.checker.result import CheckResult
@@ -26,8 +27,8 @@ def check_kv_cache(cls: type, config: DistributedConfig, caches: list[Any], resu
     from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at
     from distconf.blocks.sizing import kv_cache_bytes_per_token
 
-    kv_layers = [i for i in range(len(caches)) if keeps_kv_at(config, i)]
-    state_layers = [i for i in range(len(caches)) if keeps_state_at(config, i)]
+    kv_layers = [i for i in range(len(caches)) if keeps_kv_at(config, model_layer(config, i))]
+    state_layers = [i for i in range(len(caches)) if keeps_state_at(config, model_layer(config, i))]
     for i in kv_layers + state_layers:
         where = ("kv_cache", "layer_kinds") if i in kv_layers else ("state", "layer_kinds")
         part = _kv_part(config, i, caches[i]) if i in kv_layers else _state_part(config, i, caches[i])
@@ -68,7 +69,7 @@ def _kv_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
 
     if cache is None:
         return None
-    return tuple(cache[:2]) if keeps_state_at(config, layer_idx) else tuple(cache[:3])
+    return tuple(cache[:2]) if keeps_state_at(config, model_layer(config, layer_idx)) else tuple(cache[:3])
 
 
 def _state_part(config: DistributedConfig, layer_idx: int, cache: Any) -> Any:
@@ -83,7 +84,7 @@ def _geometry_failure(cls: type, config: DistributedConfig, key: Any, value: Any
     """The field of the family's KV section that explains a cache of the wrong size (block ``layer_idx``)."""
     from distconf.blocks.kvcache import kv_geometry
 
-    geometry = kv_geometry(config, layer_idx)
+    geometry = kv_geometry(config, model_layer(config, layer_idx))
     if key.shape[1] != geometry.num_kv_heads:
         return _kv_heads_failure(cls, config, key.shape[1], geometry.num_kv_heads, key)
     if key.shape[-1] != geometry.key_head_dim:
@@ -161,7 +162,8 @@ def check_state(cls: type, config: DistributedConfig, states: list[Any], result:
     declared = state_bytes_per_sequence(config, torch.float32)
     result.kv_declared, result.cache_unit = declared, "sequence"
     for i, state in zip(layers if layers is not None else range(len(states)), states, strict=True):
-        expected = (state_geometry(config, i) or geometry).expected if layers is not None else geometry.expected
+        own = state_geometry(config, model_layer(config, i)) if layers is not None else None
+        expected = (own or geometry).expected
         for (field, shape), held in zip(expected, state, strict=True):
             got = None if held is None else tuple(held.shape[1:])
             if got != shape:

@@ -22,6 +22,7 @@ from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters
 from distconf.tools.drafting.layer_inputs import refuse_layer_inputs
+from distconf.tools.drafting.layer_stack import draft_layer_stack
 from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
@@ -162,6 +163,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     if run_tiny:
         _verify_tiny(draft, variants)
         base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
+        draft_layer_stack(draft, plan.config_class, base_tiny)
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
         draft_fresh_arguments(draft, plan.config_class, base_tiny)

@@ -38,6 +38,7 @@ class FamilyDraft:
     state: dict[str, Any] = field(default_factory=dict)
     keeps_kv: bool = True  # some layer keeps K/V (a pure state family writes no kv_groups)
     hidden_state: dict[str, Any] = field(default_factory=dict)  # several streams between layers (hidden_streams)
+    layer_stack: dict[str, Any] = field(default_factory=dict)  # a looped range of layers (drafting.layer_stack)
     tiny_config: dict[str, Any] = field(default_factory=dict)
     dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
     facts: list[str] = field(default_factory=list)
@@ -85,7 +86,7 @@ class FamilyDraft:
             block["attn_implementation"] = self.attn_implementation
         if self.model_buffers:
             block["model_buffers"] = self.model_buffers
-        for key in ("constructor", "call", "position", "mask"):
+        for key in ("constructor", "call", "position", "mask", "layer_stack"):
             value = getattr(self, key)
             if value:
                 block[key] = value
