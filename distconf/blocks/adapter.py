@@ -133,6 +133,9 @@ class BlockAdapter:
             with torch.device(key):
                 rotary = settings.rotary_class(config=settings.config)
             self._distconf_rotary[key] = rotary
+        keys = settings.spec.position.rotary_keys
+        if keys is not None:  # one result per key, each of the rotary type it names
+            return {key: rotary(hidden_states, position_ids, kind) for key, kind in keys.items()}
         if settings.rotary_layer_type is not None:
             return rotary(hidden_states, position_ids, settings.rotary_layer_type)
         return rotary(hidden_states, position_ids)
@@ -290,8 +293,10 @@ class BlockAdapter:
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """A layer that keeps no cache: run it on the earlier inputs followed by the new ones, as one sequence.
 
-        Its past is ``(inputs, empty)``: the inputs ``[batch, 1, tokens, hidden]`` where a K/V layer keeps keys
-        (so sessions, beams and batches handle them as K/V rows), and a ``[batch, 1, tokens, 0]`` value part.
+        Its past is ``(inputs, empty)``: the inputs ``[batch, 1, tokens, wire width]`` where a K/V layer keeps keys
+        (so sessions, beams and batches handle them as K/V rows), and a ``[batch, 1, tokens, 0]`` value part. The
+        inputs are kept as on the wire, carried values (``hidden_state.carried``) included, so the rerun gets them
+        for every earlier token too.
         """
         import torch
 
@@ -303,11 +308,12 @@ class BlockAdapter:
         if rows is not None:  # left-padded rows: each row's positions over its whole sequence
             padding = rows.padding_mask.to(hidden_states.device)
             full_rows = RowLayout(padding, (padding.long().cumsum(-1) - 1).clamp(min=0))
-        output = super().forward(to_layer_form(full, self._distconf.streams),  # type: ignore[misc]
-                                 **self.layer_kwargs(full, 0, None, full_rows))
-        if isinstance(output, (tuple, list)):
-            output = output[0]
-        output = to_wire_form(output, self._distconf.streams)
+        layout = carried_layout(self._distconf.config)  # values after the hidden state, for the whole sequence
+        hidden, carried = split_carried(full, layout)
+        output = super().forward(to_layer_form(hidden, self._distconf.streams),  # type: ignore[misc]
+                                 **self.layer_kwargs(hidden, 0, None, full_rows), **carried)
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        output = join_carried(to_wire_form(hidden, self._distconf.streams), output, layout, carried)
         present = (full.unsqueeze(1), full.new_zeros(*full.shape[:2], 0).unsqueeze(1)) if use_cache else None
         return output[:, full.shape[1] - new:], present
 

@@ -4,8 +4,10 @@ A family with ``hidden_state.streams: N`` (`distconf.loader.spec_wire.HiddenStat
 ``[batch, seq, N, hidden_size]``; blocks, servers and clients exchange ``[batch, seq, N * hidden_size]``,
 each token's streams one after the other. These two reshapes are the only place that layout is written.
 Values the model carries from layer to layer (``hidden_state.carried``) follow the hidden state on the wire;
-`split_carried` and `join_carried` are the only place that layout is written; `ModelInputCapture` keeps, where
-the model's own forward runs (the client, check's reference), the values a model method computes for every layer.
+`split_carried` and `join_carried` are the only place that layout is written; token ids carried to every
+layer (``initial: token_ids``) travel as base-256 digits (`token_id_digits`), exact in any wire dtype;
+`ModelInputCapture` keeps, where the model's own forward runs (the client, check's reference), the values a model
+method computes for every layer.
 A looped layer stack's input (``block.layer_stack``) is last, as wide as the hidden state: `split_loop_input` and
 `join_loop_input`.
 `carried_stand_ins` gives a layer what the block passes for a value the model carries from the layer
@@ -19,8 +21,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "split_carried",
-           "join_carried", "ModelInputCapture", "split_loop_input", "join_loop_input"]
+__all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "carried_wire_value",
+           "split_carried", "join_carried", "ModelInputCapture", "token_id_digits", "token_ids_of", "split_loop_input",
+           "join_loop_input"]
 
 
 def to_layer_form(hidden: torch.Tensor, streams: int) -> torch.Tensor:
@@ -49,19 +52,24 @@ class CarriedSlot(NamedTuple):
     argument: str
     """The layer's argument the value is passed as."""
     width: int
-    """Values per token on the wire (every layer's part of a ``computed_by`` value)."""
+    """Values per token on the wire (every layer's part of a ``computed_by`` value; digits of token ids)."""
     output_index: int | None
-    """Index of the value in a layer's output tuple (None: a ``computed_by`` value, handed on unchanged)."""
+    """Index of the value in a layer's output tuple (None: handed on unchanged, ``computed_by`` or token ids)."""
     computed_by: str | None
-    """Dotted name of the causal LM's method returning every layer's part (None: carried by the layers)."""
+    """Dotted name of the causal LM's method returning every layer's part (None: not computed by the model)."""
     layers: int
-    """Layers whose parts the wire holds (1 for a value carried by the layers)."""
+    """Layers whose parts the wire holds (1 unless ``computed_by``)."""
+    token_ids: bool = False
+    """The model's input ids (``initial: token_ids``), sent as ``width`` base-256 digits per token."""
 
     def layer_part(self, part: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``)."""
         if self.computed_by is None:
             return part
         return part.unflatten(-1, (self.layers, self.width // self.layers))[..., layer_idx, :]
+
+
+_DIGIT = 256  # digits 0..255 are exact in bf16 (8 significant bits), so ids survive any wire dtype
 
 
 def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
@@ -72,14 +80,46 @@ def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
     if hidden_state is None or not hidden_state.carried:
         return ()
     return tuple(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
-                             int(config.num_hidden_layers) if stream.computed_by is not None else 1)
+                             int(config.num_hidden_layers) if stream.computed_by is not None else 1,
+                             stream.initial == "token_ids")
                  for stream, width in zip(hidden_state.carried, carried_widths(config), strict=True))
+
+
+def token_id_digits(ids: torch.Tensor, digits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Token ids ``[batch, seq]`` as ``[batch, seq, digits]`` base-256 digits (most significant first)."""
+    import torch
+
+    ids = ids.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= _DIGIT ** digits):
+        raise ValueError(f"token ids {int(ids.min())}..{int(ids.max())} do not fit in {digits} base-{_DIGIT} digits "
+                         "(hidden_state.carried width)")
+    powers = _DIGIT ** torch.arange(digits - 1, -1, -1, device=ids.device)
+    return (ids.unsqueeze(-1) // powers % _DIGIT).to(dtype)
+
+
+def token_ids_of(digits: torch.Tensor) -> torch.Tensor:
+    """The token ids ``[batch, seq]`` (int64) of ``[batch, seq, digits]`` base-256 digits."""
+    import torch
+
+    powers = _DIGIT ** torch.arange(digits.shape[-1] - 1, -1, -1, device=digits.device)
+    return (digits.float().round().long() * powers).sum(-1)
+
+
+def carried_wire_value(slot: CarriedSlot, value: Any, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as the model hands it to a layer, as ``slot``'s part of a wire like ``like`` (zeros for None)."""
+    if slot.token_ids:
+        if value is None:
+            raise ValueError(f"the layers need the token ids as {slot.argument}, which the model did not pass")
+        return token_id_digits(value, slot.width, like.dtype).to(like.device).expand(*like.shape[:-1], slot.width)
+    if value is None:
+        return like.new_zeros(*like.shape[:-1], slot.width)
+    return value.to(like.dtype).expand(*like.shape[:-1], slot.width)
 
 
 def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The hidden-state part of ``wire`` and ``{argument: value}`` of the carried values after it (as on the
-    wire: every layer's part of a ``computed_by`` value)."""
+    wire: every layer's part of a ``computed_by`` value; token ids as ``[batch, seq]`` int64)."""
     if not layout:
         return wire, {}
     extra = sum(slot.width for slot in layout)
@@ -87,30 +127,32 @@ def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
         raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold {extra} carried values and "
                          "the hidden state")
     hidden, *parts = wire.split([wire.shape[-1] - extra, *(slot.width for slot in layout)], dim=-1)
-    return hidden, {slot.argument: part for slot, part in zip(layout, parts, strict=True)}
+    return hidden, {slot.argument: token_ids_of(part) if slot.token_ids else part
+                    for slot, part in zip(layout, parts, strict=True)}
 
 
 def join_carried(hidden: torch.Tensor, output: Any, layout: tuple[CarriedSlot, ...],
                  inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The wire of a layer's ``hidden`` (wire form) and the carried values: at their indices of its ``output``, or
-    as the block got them (``inputs``, `split_carried`'s) for a ``computed_by`` value."""
+    as the block got them (``inputs``, `split_carried`'s) for a value the layers hand on unchanged."""
     import torch
 
     if not layout:
         return hidden
     parts = []
     for slot in layout:
-        if slot.computed_by is not None:
+        if slot.output_index is None:  # handed on unchanged: a computed_by value or the token ids
             value = (inputs or {}).get(slot.argument)
             if value is None:
-                raise ValueError(f"no {slot.argument} ({slot.computed_by}) came with the hidden state")
-        else:
-            index = slot.output_index
-            value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
-            if not isinstance(value, torch.Tensor) or value.shape[-1] != slot.width:
-                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"the layer's output {index} ({slot.argument}, carried to the next layer) is "
-                                 f"{shape}, not {slot.width} values per token")
+                raise ValueError(f"no {slot.argument} ({slot.computed_by or 'token ids'}) came with the hidden state")
+            parts.append(carried_wire_value(slot, value, hidden))
+            continue
+        index = slot.output_index
+        value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+        if not isinstance(value, torch.Tensor) or value.shape[-1] != slot.width:
+            shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"the layer's output {index} ({slot.argument}, carried to the next layer) is "
+                             f"{shape}, not {slot.width} values per token")
         parts.append(value.to(hidden.dtype).expand(*hidden.shape[:-1], slot.width))
     return torch.cat([hidden, *parts], dim=-1)
 

@@ -34,6 +34,7 @@ from distconf.blocks.wire import (
     CarriedSlot,
     ModelInputCapture,
     carried_layout,
+    carried_wire_value,
     split_carried,
     to_layer_form,
     to_wire_form,
@@ -80,9 +81,9 @@ class RemoteLayers(torch.nn.Module):
     (`distconf.blocks.wire`); the model's own forward expands and collapses the streams. A value the model's
     loop carries from layer to layer (``hidden_state.carried``: ``carried`` holds each one's argument, its
     `CarriedSlot` and its position among the layer's arguments) goes on the wire after the hidden state
-    (zeros where the model hands None) and comes back at its index of the returned tuple; one a model method
-    computes for every layer (``computed_by``) goes as that method returned it in the model's forward
-    (``capture``), all layers' parts, and the blocks hand it on.
+    (zeros where the model hands None, token ids as digits) and comes back at its index of the returned tuple;
+    one a model method computes for every layer (``computed_by``) goes as that method returned it in the model's
+    forward (``capture``), all layers' parts, and the blocks hand it on.
     """
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
@@ -120,7 +121,7 @@ class RemoteLayers(torch.nn.Module):
             return out
         result: list[Any] = [out, *[None] * self.tuple_padding]
         for (slot, _), value in zip(self.carried, carried.values(), strict=True):
-            if slot.output_index is None:  # computed by the model, not carried out of the layers
+            if slot.output_index is None:  # not returned by the layers (computed by the model, or the ids)
                 continue
             result += [None] * (slot.output_index + 1 - len(result))
             result[slot.output_index] = value
@@ -138,9 +139,7 @@ class RemoteLayers(torch.nn.Module):
             value = kwargs.get(slot.argument)
             if value is None and position is not None and len(args) > position:
                 value = args[position]
-            if value is None:
-                value = wire.new_zeros(*wire.shape[:-1], slot.width)
-            values.append(value.to(wire.dtype).expand(*wire.shape[:-1], slot.width))
+            values.append(carried_wire_value(slot, value, wire))
         return values
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

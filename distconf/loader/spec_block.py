@@ -119,6 +119,12 @@ class PositionSpec(StrictModel):
                     "hidden states and called as rotary(hidden_states, position_ids); its result (e.g. "
                     "(cos, sin), or complex frequencies) goes unchanged to call.position_embeddings_argument.",
     )
+    rotary_keys: dict[Identifier, str] | None = Field(
+        default=None,
+        description="The layer takes a dict of rotary embeddings (one per rotary type) in place of one result: key "
+                    "-> the rotary type rotary_class computes it for, passed as a third argument "
+                    "(rotary(hidden_states, position_ids, type)). Null: one result.",
+    )
     rotary_layer_type_argument: bool = Field(
         default=False,
         description="Also pass the layer's type (from mask.layer_types_field) as a third argument to the "
@@ -188,6 +194,12 @@ class PositionSpec(StrictModel):
                              "combined with alibi_arguments")
         if self.rotary_layer_type_argument and not self.rotary_class:
             raise ValueError("rotary_layer_type_argument needs rotary_class")
+        if self.rotary_keys is not None and not self.rotary_class:
+            raise ValueError("rotary_keys needs rotary_class")
+        if self.rotary_keys is not None and self.rotary_layer_type_argument:
+            raise ValueError("rotary_keys names the rotary type of each key; it excludes rotary_layer_type_argument")
+        if self.rotary_keys is not None and not self.rotary_keys:
+            raise ValueError("rotary_keys names no key: remove it (null: one rotary result)")
         if self.rotary_layer_kinds is not None and not self.rotary_class:
             raise ValueError("rotary_layer_kinds needs rotary_class")
         return self

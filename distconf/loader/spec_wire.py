@@ -43,22 +43,26 @@ class CarriedStream(StrictModel):
     argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                           description="The decoder layer's argument the value is passed as (by keyword).")
     width: IntOrFormula = Field(description="Values per token (an integer or a formula over config fields, "
-                                            "e.g. router_hidden_size).")
+                                            "e.g. router_hidden_size); for token_ids, base-256 digits per id.")
     output_index: int | None = Field(default=None, ge=1, description="Index of the value in the layer's output "
-                                     "tuple (a value each layer hands the next; not with computed_by).")
+                                     "tuple (a value each layer hands the next; not with computed_by or token_ids).")
     computed_by: str | None = Field(
         default=None, pattern=_MODULE_PATH,
         description="Dotted name, in the causal LM, of the model method whose result the model slices for each "
                     "layer (e.g. model.project_per_layer_inputs: [batch, seq, layers, width]); the client sends "
                     "every layer's slice, each block passes its layer's (not with output_index).")
-    initial: Literal["zeros"] = Field(
-        default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None.")
+    initial: Literal["zeros", "token_ids"] = Field(
+        default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None; "
+                                     "token_ids: the model's input ids [batch, seq], handed to every layer unchanged "
+                                     "and sent as width base-256 digits per token (exact in bf16).")
 
     @model_validator(mode="after")
     def _one_source(self) -> CarriedStream:
-        if (self.output_index is None) == (self.computed_by is None):
+        sources = [self.output_index is not None, self.computed_by is not None, self.initial == "token_ids"]
+        if sum(sources) != 1:
             raise ValueError(f"carried {self.argument!r}: give exactly one of output_index (a layer's output handed "
-                             "to the next layer) and computed_by (a model method's per-layer result)")
+                             "to the next layer), computed_by (a model method's per-layer result) and initial: "
+                             "token_ids (the model's ids, handed to every layer)")
         return self
 
 

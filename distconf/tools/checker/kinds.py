@@ -181,6 +181,12 @@ def _add_named_layer_types(cls: type, reals: list[tuple[str, Any]], result: Laye
             raise located_failure(cls, ("block", "mask", "layer_kinds"), f"the architecture has layers of {name}, "
                                   f"which the family cannot build: {problem.message if problem else exc}; map "
                                   "the type, and make a tiny variant run it") from None
+        except Exception:  # the layer class itself cannot be built of that type (a type named for another list)
+            refusal = model_refuses_layer_type(cls, config)
+            if refusal is None:
+                raise
+            result.notes.append(f"{name}: the model itself does not run it ({refusal.splitlines()[0]})")
+            continue
         refusal = model_refuses_layer_type(cls, config) if set(kinds[0]) - result.tiny else None
         if refusal is not None:  # the family maps the type (its mask names it), the model's layers do not run it
             result.notes.append(f"{name}: the model itself does not run it ({refusal.splitlines()[0]})")

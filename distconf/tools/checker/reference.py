@@ -135,10 +135,10 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
         def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
             out = output[0] if isinstance(output, (tuple, list)) else output
-            computed = _computed_inputs(cls, capture, layout, hidden, _carried_inputs(module, args, kwargs, layout), i)
-            records[i].append((_with_carried(hidden, _carried_inputs(module, args, kwargs, layout), layout, cls,
-                                             computed),
-                               _with_carried(out, output, layout, cls, computed)))
+            inputs = _carried_inputs(module, args, kwargs, layout)
+            computed = _computed_inputs(cls, capture, layout, hidden, inputs, i)
+            records[i].append((_with_carried(hidden, inputs, layout, cls, computed),
+                               _with_carried(out, output, layout, cls, computed, inputs)))
         hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
@@ -223,7 +223,9 @@ def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[CarriedSl
     if not layout:
         return []
     bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    return [bound.get(slot.argument) for slot in layout]
+    extra = bound.get(next((n for n, p in inspect.signature(module.forward).parameters.items()
+                            if p.kind is p.VAR_KEYWORD), ""), {})
+    return [bound.get(slot.argument, extra.get(slot.argument)) for slot in layout]
 
 
 def _capture(reference: Reference, layout: tuple[CarriedSlot, ...]) -> ModelInputCapture | None:
@@ -267,24 +269,32 @@ def _computed_inputs(cls: type, capture: ModelInputCapture | None, layout: tuple
 
 
 def _with_carried(hidden: Any, values: Any, layout: tuple[CarriedSlot, ...], cls: type,
-                  computed: dict[str, Any]) -> tuple[Any, list[Any]]:
+                  computed: dict[str, Any], inputs: list[Any] | None = None) -> tuple[Any, list[Any]]:
     """``hidden`` and the carried values (from a layer's inputs in order, or its output tuple at their indices;
-    ``computed``, every layer's part, for a ``computed_by`` value)."""
+    ``computed``, every layer's part, for a ``computed_by`` value; a value the layer does not return from
+    ``inputs``), as the wire holds them."""
+    from distconf.blocks.wire import carried_wire_value
+
     hidden = hidden.detach().clone()
     if not layout:
         return hidden, []
     if not isinstance(values, list):  # a layer's output tuple
-        values = [values[slot.output_index] if slot.output_index is not None and isinstance(values, (tuple, list))
-                  and len(values) > slot.output_index else None for slot in layout]
+        values = [(inputs or [None] * len(layout))[n] if slot.output_index is None
+                  else values[slot.output_index]
+                  if isinstance(values, (tuple, list)) and len(values) > slot.output_index else None
+                  for n, slot in enumerate(layout)]
     carried = []
+    like = hidden.new_zeros(*hidden.shape[:2], 1)
     for slot, value in zip(layout, values, strict=True):
         if slot.computed_by is not None:
             value = computed[slot.argument]
-        value = hidden.new_zeros(*hidden.shape[:2], slot.width) if value is None else value.detach().clone()
-        if value.shape[-1] != slot.width:
+        if value is not None and not slot.token_ids and value.shape[-1] != slot.width:
             raise located_failure(cls, ("hidden_state", "carried"), f"the model carries {slot.argument} of "
                                   f"{list(value.shape)}, not {slot.width} values per token")
-        carried.append(value.to(hidden.dtype))
+        try:
+            carried.append(carried_wire_value(slot, None if value is None else value.detach().clone(), like))
+        except ValueError as exc:
+            raise located_failure(cls, ("hidden_state", "carried"), str(exc)) from None
     return hidden, carried
 
 

@@ -165,7 +165,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
         draft_layer_stack(draft, plan.config_class, base_tiny)
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
-        draft_computed_positions(draft, plan.config_class, base_tiny, layer_class)
+        draft_computed_positions(draft, plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"))
         draft_fresh_arguments(draft, plan.config_class, base_tiny)
         draft_dict_mask(draft, plan.config_class, base_tiny)
         refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)

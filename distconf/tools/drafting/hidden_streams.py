@@ -92,7 +92,7 @@ def draft_hidden_state(draft: FamilyDraft, config_class: type, tiny: Mapping[str
                             f"{seen.streams}, hidden_size]), but the drafter did not find {missing}: write "
                             "hidden_state (streams, collapse_module) by hand")
         return
-    draft.hidden_state = {"streams": field, "collapse_module": seen.collapse_module}
+    draft.hidden_state = {"streams": field, "collapse_module": seen.collapse_module, **draft.hidden_state}
     draft.facts.append(f"the layers take and return {field} streams of hidden_size values ([batch, seq, {field}, "
                        f"hidden_size]; {seen.collapse_module} collapses them after the last layer): blocks exchange "
                        f"them flattened, {field} * hidden_size values per token (hidden_state)")

@@ -19,8 +19,8 @@ from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, forward_parameters
 
-__all__ = ["draft_constructor", "draft_call", "draft_position", "draft_mask", "draft_mask_skip", "draft_model_inputs",
-           "map_layer_kinds", "mask_kind_of"]
+__all__ = ["cache_argument_names", "draft_constructor", "draft_call", "draft_position", "draft_mask",
+           "draft_mask_skip", "draft_model_inputs", "map_layer_kinds", "mask_kind_of"]
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "past_key_value")
 _LAYER_IDX_ARGUMENTS = ("layer_idx", "layer_id", "layer_number", "layer_index")
@@ -30,6 +30,11 @@ _KNOWN_INPUTS = {*_CACHE_ARGUMENTS, "self", "hidden_states", "attention_mask", "
 # transformers' standard attention layer types -> mask kind, and the standard config field of each kind's size
 _KNOWN_LAYER_TYPES = {"full_attention": "causal", "sliding_attention": "sliding_window", "chunked_attention": "chunked",
                       "indexed_attention": "causal"}  # sparse-attention layers: causal, their indexer narrows it
+
+
+def cache_argument_names() -> tuple[str, ...]:
+    """The keywords a decoder layer's cache goes by, the first preferred."""
+    return _CACHE_ARGUMENTS
 
 
 def mask_kind_of(layer_type: str) -> str:
@@ -167,7 +172,11 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
     # the model may read each layer's type through the layer (``decoder_layer.attention_type``), not in forward
     per_layer = "layer_types" in source or not source or bool(draft.position.get("rotary_layer_type_argument")) \
         or "layer_types" in _module_source(type(base_model))
-    if isinstance(layer_types, (list, tuple)) and layer_types and per_layer:
+    if has_window and _mask_builders(source) == {"create_sliding_window_causal_mask"}:
+        # one mask for every layer whatever its type: the layer types name other differences (e.g. compression)
+        draft.mask = {"kind": "sliding_window", "sliding_window": "sliding_window"}
+        draft.facts.append(f"the model builds one sliding-window mask ({window} tokens) for all its layers")
+    elif isinstance(layer_types, (list, tuple)) and layer_types and per_layer:
         draft.mask = _layer_types_rule([str(t) for t in layer_types], config, draft.review)
         counts = ", ".join(f"{layer_types.count(t)} {t}" for t in dict.fromkeys(layer_types))
         draft.facts.append(f"mask per layer from layer_types ({counts}); sliding_window={window}")
@@ -178,6 +187,16 @@ def draft_mask(draft: FamilyDraft, config: Any, base_model: Any) -> None:
                                "q-window+1 .. q)")
     elif has_window and not source:
         draft.review.append("the config has sliding_window; check whether every layer slides (mask.kind)")
+
+
+def _mask_builders(source: str) -> set[str]:
+    """Names of the ``create_*mask`` functions ``source`` (a forward's) calls."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return set()
+    return {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id.startswith("create_") and "mask" in node.func.id}
 
 
 def map_layer_kinds(draft: FamilyDraft, types: list[str]) -> None:
