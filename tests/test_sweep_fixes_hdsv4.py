@@ -62,9 +62,9 @@ def test_token_ids_are_exact_on_a_bf16_wire() -> None:
 def test_knobs_refuse_what_they_cannot_mean() -> None:
     """token_ids are never returned by a layer; a returned value needs its index; rotary_keys needs the module."""
     assert CarriedStream(argument="input_ids", width=3, initial="token_ids").output_index is None
-    with pytest.raises(ValueError, match="output_index must be null"):
+    with pytest.raises(ValueError, match="exactly one of output_index"):
         CarriedStream(argument="input_ids", width=3, initial="token_ids", output_index=1)
-    with pytest.raises(ValueError, match="output_index is needed"):
+    with pytest.raises(ValueError, match="exactly one of output_index"):
         CarriedStream(argument="carried", width=3)
     with pytest.raises(ValueError, match="rotary_keys needs rotary_class"):
         PositionSpec(rotary_keys={"main": "main"})
@@ -128,7 +128,7 @@ def test_client_stand_in_puts_the_ids_on_the_wire(chain: tuple[object, object, l
     config, model, _ = chain
     layer = model.model.layers[0]
     carried = _carried_arguments(layer, config)
-    assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, True), 0),)  # its first argument after the hidden states
+    assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, True), 0),)  # first after the hidden states
     stand_in = RemoteLayers(None, {}, streams=config.hc_mult, carried=carried)  # type: ignore[arg-type]
     hidden = torch.randn(1, 4, config.hc_mult, config.hidden_size)
     ids = torch.tensor([[9, 200, 3, 17]])
