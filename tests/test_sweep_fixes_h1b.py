@@ -16,7 +16,6 @@ import transformers  # noqa: F401  (first imported outside capsys: its log handl
 import yaml
 from blockhelpers import hf_model, record_layers, save_checkpoint
 from sessionhelpers import served, session_with_beam_and_restart, steps
-from sweephelpers import new_fails
 
 from distconf.blocks.sizing import state_bytes_per_sequence
 from distconf.blocks.state import BlockStateCache, state_geometry
@@ -123,15 +122,6 @@ def test_a_state_idx_the_family_does_not_declare_is_named() -> None:
     assert cache.present is not None and cache.present[0] is None and cache.present[1].shape == (1, 3, 4)
     with pytest.raises(ConfigValueError, match=r"conv state 2, but the family's state\.conv_shape declares 2"):
         cache.update_conv_state(torch.zeros(1, 3, 2), state_idx=2)
-
-
-@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])
-def test_layers_reading_a_stack_of_earlier_outputs_are_refused_in_one_line(
-        model_type: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Their layers keep four conv states too, but each reads every earlier layer's output (``block_states``)."""
-    line = new_fails(model_type, tmp_path, capsys)
-    assert "block_states, a stack of every earlier layer's hidden states" in line
-    assert "blocks exchange one hidden state only" in line
 
 
 def test_several_states_of_a_layer_get_a_shape_each() -> None:

@@ -222,6 +222,10 @@ class BlockAdapter:
             kwargs[call.position_embeddings_argument] = self._rotary(hidden_states, position_ids)
         elif settings.no_rotary and call.position_embeddings_argument:
             kwargs[call.position_embeddings_argument] = None
+        if settings.spec.position.relative_distance_argument:  # query index minus key index, over every key
+            queries = torch.arange(past, past + hidden_states.shape[1], device=hidden_states.device)
+            kwargs[settings.spec.position.relative_distance_argument] = queries[:, None] - torch.arange(
+                past + hidden_states.shape[1], device=hidden_states.device)[None, :]
         for name, function in settings.computed_arguments:
             kwargs[name] = function(position_ids) if function is not None else None
         kwargs.update(carried_stand_ins(type(self), settings.config, hidden_states, past))
@@ -287,7 +291,8 @@ class BlockAdapter:
                                      cache, settings)
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
-        return join_carried(to_wire_form(hidden, settings.streams), output, layout, carried), present
+        return join_carried(to_wire_form(hidden, settings.streams), output, layout, carried, settings.layer_idx,
+                            hidden_states), present
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:

@@ -7,9 +7,10 @@ Values the model carries from layer to layer (``hidden_state.carried``) follow t
 `split_carried` and `join_carried` are the only place that layout is written; token ids carried to every
 layer (``initial: token_ids``) travel as base-256 digits (`token_id_digits`), exact in any wire dtype;
 `ModelInputCapture` keeps, where the model's own forward runs (the client, check's reference), the values a model
-method computes for every layer.
-A looped layer stack's input (``block.layer_stack``) is last, as wide as the hidden state: `split_loop_input` and
-`join_loop_input`.
+method computes for every layer;
+a stack the loop grows (``grows``) is carried at its full size, `stack_for_layer` and `stack_on_wire` the only place
+its entries are. A looped layer stack's input (``block.layer_stack``) is last, as wide as the hidden state:
+`split_loop_input` and `join_loop_input`.
 `carried_stand_ins` gives a layer what the block passes for a value the model carries from the layer
 before (``block.call.carried_arguments``), which the wire does not hold.
 """
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "carried_wire_value",
            "split_carried", "join_carried", "ModelInputCapture", "token_id_digits", "token_ids_of", "split_loop_input",
-           "join_loop_input"]
+           "join_loop_input", "grow_stack", "stack_for_layer", "stack_on_wire"]
 
 
 def to_layer_form(hidden: torch.Tensor, streams: int) -> torch.Tensor:
@@ -61,12 +62,23 @@ class CarriedSlot(NamedTuple):
     """Layers whose parts the wire holds (1 unless ``computed_by``)."""
     token_ids: bool = False
     """The model's input ids (``initial: token_ids``), sent as ``width`` base-256 digits per token."""
+    every: int | None = None
+    """For a stack the loop grows (``grows``): the layers apart its entries are appended (None: no stack)."""
+    entry: int | None = None
+    """For a stack the loop grows: values per token of each entry."""
 
     def layer_part(self, part: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``)."""
+        """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``;
+        the entries made before it, for a growing stack)."""
+        if self.every is not None:
+            return stack_for_layer(part, self, layer_idx)
         if self.computed_by is None:
             return part
         return part.unflatten(-1, (self.layers, self.width // self.layers))[..., layer_idx, :]
+
+    def entries_before(self, layer_idx: int) -> int:
+        """Entries of a growing stack layer ``layer_idx`` reads: one per earlier multiple of ``every``."""
+        return -(-layer_idx // self.every)  # type: ignore[operator]
 
 
 _DIGIT = 256  # digits 0..255 are exact in bf16 (8 significant bits), so ids survive any wire dtype
@@ -74,15 +86,21 @@ _DIGIT = 256  # digits 0..255 are exact in bf16 (8 significant bits), so ids sur
 
 def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
     """The `CarriedSlot` of each value ``config``'s family carries on the wire, in wire order."""
-    from distconf.loader.spec_wire import carried_widths
+    from distconf.loader.spec_wire import carried_widths, stack_entries
 
     hidden_state = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
     if hidden_state is None or not hidden_state.carried:
         return ()
-    return tuple(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
-                             int(config.num_hidden_layers) if stream.computed_by is not None else 1,
-                             stream.initial == "token_ids")
-                 for stream, width in zip(hidden_state.carried, carried_widths(config), strict=True))
+    slots = []
+    for index, (stream, width) in enumerate(zip(hidden_state.carried, carried_widths(config), strict=True)):
+        if stream.grows is not None:
+            every, entries = stack_entries(config, index)
+            slots.append(CarriedSlot(stream.argument, width, None, None, 1, every=every, entry=width // entries))
+        else:
+            slots.append(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
+                                     int(config.num_hidden_layers) if stream.computed_by is not None else 1,
+                                     stream.initial == "token_ids"))
+    return tuple(slots)
 
 
 def token_id_digits(ids: torch.Tensor, digits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -131,16 +149,57 @@ def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
                     for slot, part in zip(layout, parts, strict=True)}
 
 
+def stack_for_layer(part: torch.Tensor, slot: CarriedSlot, layer_idx: int | None = None) -> torch.Tensor:
+    """A growing stack's wire part as layer ``layer_idx`` reads it, ``[..., entries, entry]`` (every entry the
+    model makes when ``layer_idx`` is None: what the module reading it after the last layer gets)."""
+    entries = slot.width // slot.entry if layer_idx is None else slot.entries_before(layer_idx)  # type: ignore[operator]
+    return part[..., :entries * slot.entry].unflatten(-1, (entries, slot.entry))  # type: ignore[operator]
+
+
+def stack_on_wire(stack: torch.Tensor | None, slot: CarriedSlot, like: torch.Tensor) -> torch.Tensor:
+    """A stack ``[..., entries, entry]`` as the wire holds it: flattened, the entries not made yet zeros."""
+    import torch
+
+    flat = like.new_zeros(*like.shape[:-1], slot.width)
+    if stack is None or stack.shape[-2] == 0:
+        return flat
+    if stack.shape[-1] != slot.entry or stack.shape[-2] * slot.entry > slot.width:  # type: ignore[operator]
+        raise ValueError(f"{slot.argument} is a stack of {list(stack.shape)}, not at most "
+                         f"{slot.width // slot.entry} entries of {slot.entry} values")  # type: ignore[operator]
+    values = stack.to(like.dtype).flatten(-2)
+    return torch.cat([values.expand(*like.shape[:-1], values.shape[-1]), flat[..., values.shape[-1]:]], dim=-1)
+
+
+def grow_stack(part: torch.Tensor, slot: CarriedSlot, layer_idx: int, layer_input: torch.Tensor) -> torch.Tensor:
+    """The stack after layer ``layer_idx``: the loop appends the layer's input after every ``every`` layers."""
+    import torch
+
+    if layer_idx % slot.every:  # type: ignore[operator]
+        return part
+    start = slot.entries_before(layer_idx) * slot.entry  # type: ignore[operator]
+    if layer_input.shape[-1] != slot.entry or start + slot.entry > slot.width:  # type: ignore[operator]
+        raise ValueError(f"layer {layer_idx} cannot append its input of {layer_input.shape[-1]} values to "
+                         f"{slot.argument} ({slot.width // slot.entry} entries of {slot.entry})")  # type: ignore[operator]
+    return torch.cat([part[..., :start], layer_input.to(part.dtype), part[..., start + slot.entry:]], dim=-1)
+
+
 def join_carried(hidden: torch.Tensor, output: Any, layout: tuple[CarriedSlot, ...],
-                 inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                 inputs: dict[str, torch.Tensor] | None = None, layer_idx: int = 0,
+                 layer_input: torch.Tensor | None = None) -> torch.Tensor:
     """The wire of a layer's ``hidden`` (wire form) and the carried values: at their indices of its ``output``, or
-    as the block got them (``inputs``, `split_carried`'s) for a value the layers hand on unchanged."""
+    as the block got them (``inputs``, `split_carried`'s) for a value the layers hand on unchanged; a growing stack is
+    the one the layer got with ``layer_input`` appended as the loop does."""
     import torch
 
     if not layout:
         return hidden
     parts = []
     for slot in layout:
+        if slot.every is not None:
+            if inputs is None or layer_input is None:
+                raise ValueError(f"{slot.argument}: a growing stack needs the layer's input and the stack it got")
+            parts.append(grow_stack(inputs[slot.argument], slot, layer_idx, layer_input))
+            continue
         if slot.output_index is None:  # handed on unchanged: a computed_by value or the token ids
             value = (inputs or {}).get(slot.argument)
             if value is None:

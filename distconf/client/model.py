@@ -36,6 +36,8 @@ from distconf.blocks.wire import (
     carried_layout,
     carried_wire_value,
     split_carried,
+    stack_for_layer,
+    stack_on_wire,
     to_layer_form,
     to_wire_form,
 )
@@ -83,7 +85,9 @@ class RemoteLayers(torch.nn.Module):
     `CarriedSlot` and its position among the layer's arguments) goes on the wire after the hidden state
     (zeros where the model hands None, token ids as digits) and comes back at its index of the returned tuple;
     one a model method computes for every layer (``computed_by``) goes as that method returned it in the model's
-    forward (``capture``), all layers' parts, and the blocks hand it on.
+    forward (``capture``), all layers' parts, and the blocks hand it on; a stack the loop grows (``grows``) goes as
+    the model's loop has it (zeros for the entries not made yet) and comes back whole in ``stacks``
+    (`hand_final_stacks` gives it to the module reading it).
     """
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
@@ -94,6 +98,7 @@ class RemoteLayers(torch.nn.Module):
         self.streams = streams
         self.carried = carried
         self.__dict__["capture"] = capture
+        self.stacks: dict[str, torch.Tensor] = {}
         self.returns_tuple = False
         self.tuple_padding = 0
         self.probing = False
@@ -116,12 +121,14 @@ class RemoteLayers(torch.nn.Module):
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
             out = cache.step(wire) if cache is not None else self._forward(wire)
         out, carried = split_carried(out, tuple(slot for slot, _ in self.carried))
+        self.stacks = {slot.argument: stack_for_layer(carried[slot.argument], slot) for slot, _ in self.carried
+                       if slot.every is not None}
         out = to_layer_form(out, self.streams)
         if not self.returns_tuple:
             return out
         result: list[Any] = [out, *[None] * self.tuple_padding]
         for (slot, _), value in zip(self.carried, carried.values(), strict=True):
-            if slot.output_index is None:  # not returned by the layers (computed by the model, or the ids)
+            if slot.output_index is None:  # not returned by the layers (computed by the model, the ids, a stack)
                 continue
             result += [None] * (slot.output_index + 1 - len(result))
             result[slot.output_index] = value
@@ -139,6 +146,9 @@ class RemoteLayers(torch.nn.Module):
             value = kwargs.get(slot.argument)
             if value is None and position is not None and len(args) > position:
                 value = args[position]
+            if slot.every is not None:  # the stack so far (none before the first block)
+                values.append(stack_on_wire(value, slot, wire))
+                continue
             values.append(carried_wire_value(slot, value, wire))
         return values
 
@@ -155,7 +165,11 @@ class RemoteLayers(torch.nn.Module):
 def _plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     """Plain attributes of a decoder layer (e.g. its attention type) that a layer loop may read."""
     skip = {"training", "_is_hf_initialized"}
-    return {k: v for k, v in vars(layer).items()
+    found: dict[str, Any] = {}
+    for owner in reversed(type(layer).__mro__[:type(layer).__mro__.index(torch.nn.Module)]):
+        found.update(vars(owner))  # class attributes too (e.g. a layer's attention_type)
+    found.update(vars(layer))
+    return {k: v for k, v in found.items()
             if not k.startswith("_") and k not in skip and isinstance(v, (str, int, float, bool, type(None)))}
 
 
@@ -178,6 +192,26 @@ def _model_input_capture(model: torch.nn.Module, config: DistributedConfig) -> M
     except ValueError as exc:
         index = next(k for k, slot in enumerate(layout) if slot.computed_by)
         raise type(config).family_source.error(("hidden_state", "carried", index, "computed_by"), str(exc)) from None
+
+
+def hand_final_stacks(model: torch.nn.Module, config: DistributedConfig, stand_in: RemoteLayers) -> None:
+    """The module each growing stack's ``grows.read_by`` names gets, as its first argument, the stack the blocks
+    returned (the model's own loop grows a stack of its one stand-in layer only)."""
+    streams = type(config).family_spec.hidden_state.carried if type(config).family_spec.hidden_state else ()
+    for stream in streams:
+        if stream.grows is None or stream.grows.read_by is None:
+            continue
+        try:
+            reader = model.get_submodule(stream.grows.read_by)
+        except AttributeError:
+            raise type(config).family_source.error(
+                ("hidden_state", "carried", streams.index(stream), "grows", "read_by"),
+                f"{type(model).__name__} has no module {stream.grows.read_by!r}") from None
+
+        def hand(module: torch.nn.Module, args: tuple[Any, ...], name: str = stream.argument) -> tuple[Any, ...]:
+            stack = stand_in.stacks.get(name)
+            return (stack.to(args[0].dtype), *args[1:]) if stack is not None and args else args
+        reader.register_forward_pre_hook(hand)
 
 
 def decoder_layer_list(model: torch.nn.Module, config: DistributedConfig) -> tuple[str, torch.nn.ModuleList]:
@@ -364,6 +398,7 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     model.remote_layers = stand_in
     model._created_caches = []
+    hand_final_stacks(model, config, stand_in)
     model.to_empty(device="cpu")
     model.tie_weights()
     load_non_block_weights(model, config, checkpoint)

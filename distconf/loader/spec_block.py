@@ -171,6 +171,12 @@ class PositionSpec(StrictModel):
                     "(positions computed outside the layers): keyword -> function and the layer types "
                     "that get it.",
     )
+    relative_distance_argument: Identifier | None = Field(
+        default=None,
+        description="Keyword under which the layer takes each query's distance to each key, [queries, keys] "
+                    "(the query's index minus the key's, over the cached and new tokens), which the model "
+                    "computes once outside the layers. Null: none.",
+    )
     from_cache_length: bool = Field(
         default=False,
         description="Some layer of the family reads token positions from its cache's length rather than "
@@ -293,6 +299,11 @@ class BlockSpec(StrictModel):
     attention_class: ClassPath = Field(
         description="Attention class inside the layer (decides the KV-cache layout)."
     )
+    attention_classes: dict[str, ClassPath] = Field(
+        default_factory=dict,
+        description="Layer type -> the attention class inside layers of that type, where a type's own "
+                    "decoder-layer class (layer_classes) holds another attention class than attention_class.",
+    )
     prefix: str = Field(
         pattern=_PREFIX,
         description="State-dict prefix of the layers: tensors of layer i start with '{prefix}.{i}.'.",
@@ -375,6 +386,9 @@ class BlockSpec(StrictModel):
     @model_validator(mode="after")
     def _layer_types_for_classes(self) -> BlockSpec:
         typed = self.mask.layer_types_field is not None or bool(self.mask.layer_index_fields)
+        if self.attention_classes and not set(self.attention_classes) <= set(self.layer_classes):
+            raise ValueError("attention_classes names layer types layer_classes does not: "
+                             f"{', '.join(sorted(set(self.attention_classes) - set(self.layer_classes)))}")
         if self.layer_classes and not typed:
             raise ValueError("layer_classes needs mask.layer_types_field (the config field listing each layer's type) "
                              "or mask.layer_index_fields")

@@ -7,7 +7,9 @@ wire carries ``streams * hidden_size`` values per token. `wire_width_of` is the 
 rule: every consumer that sizes, checks or builds the tensor between blocks reads it there (the
 synthesized config's ``wire_width`` property calls it). A value the model carries from each layer
 to the next besides the hidden states (``hidden_state.carried``, `CarriedStream`) travels on the wire
-after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`).
+after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`). A stack the
+loop grows from the layers' inputs (``grows``, `GrowingStack`) is carried at its largest, every entry the model
+makes: ``ceil(num_hidden_layers / every)`` entries of ``width`` (`stack_entries`), the ones not made yet zeros.
 """
 
 from __future__ import annotations
@@ -20,10 +22,27 @@ from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
-__all__ = ["CarriedArgument", "CarriedStream", "HiddenStateSpec", "carried_widths", "wire_width_of", "streams_of",
-           "loops_layers"]
+__all__ = ["CarriedArgument", "CarriedStream", "GrowingStack", "HiddenStateSpec", "carried_widths", "stack_entries",
+           "wire_width_of", "streams_of", "loops_layers"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class GrowingStack(StrictModel):
+    """A carried value the layer loop grows itself: a stack of earlier layers' inputs each layer reads whole.
+
+    ``if layer.is_boundary: stack = torch.cat([stack, hidden_states.unsqueeze(-2)], dim=-2)`` after each layer
+    whose index is a multiple of ``every``: layer ``i`` reads ``ceil(i / every)`` entries ``[batch, seq, n, width]``
+    (the inputs of layers ``0, every, 2 * every, ...``). The layer does not return it: the block appends its
+    layer's input itself. ``read_by``: the model-level module reading the whole stack after the last layer
+    (its first argument), handed the blocks' stack by the client.
+    """
+
+    every: IntOrFormula = Field(description="The loop appends the input of each layer whose index is a multiple of "
+                                            "this (an integer or a formula, e.g. n_layers_per_attn_res_block).")
+    read_by: str | None = Field(default=None, pattern=_MODULE_PATH,
+                                description="Dotted name, in the causal LM, of the module the model hands the "
+                                            "final stack after the last layer (e.g. model.final_input).")
 
 
 class CarriedStream(StrictModel):
@@ -38,19 +57,26 @@ class CarriedStream(StrictModel):
     per_layer_inputs[:, :, i, :]``) is ``computed_by`` the model method returning it: ``width`` is one layer's
     part, the wire holds ``num_hidden_layers * width`` values per token (every layer's part, the client's
     model computing them as the model does) and a block passes its layer's part, handing the whole on unchanged.
+    With ``grows`` the value is a stack of ``width``-wide entries the loop appends to (`GrowingStack`), no output.
+    Exactly one of ``output_index``, ``computed_by``, ``initial: token_ids`` and ``grows`` says where it comes from.
     """
 
     argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                           description="The decoder layer's argument the value is passed as (by keyword).")
     width: IntOrFormula = Field(description="Values per token (an integer or a formula over config fields, "
-                                            "e.g. router_hidden_size); for token_ids, base-256 digits per id.")
+                                            "e.g. router_hidden_size); for token_ids, base-256 digits per id; "
+                                            "with grows, of each entry.")
     output_index: int | None = Field(default=None, ge=1, description="Index of the value in the layer's output "
-                                     "tuple (a value each layer hands the next; not with computed_by or token_ids).")
+                                     "tuple (a value each layer hands the next; not with computed_by, token_ids or "
+                                     "grows).")
     computed_by: str | None = Field(
         default=None, pattern=_MODULE_PATH,
         description="Dotted name, in the causal LM, of the model method whose result the model slices for each "
                     "layer (e.g. model.project_per_layer_inputs: [batch, seq, layers, width]); the client sends "
                     "every layer's slice, each block passes its layer's (not with output_index).")
+    grows: GrowingStack | None = Field(
+        default=None, description="The value is a stack the loop grows from layers' inputs, not a layer output "
+                                  "(not with output_index, computed_by or token_ids).")
     initial: Literal["zeros", "token_ids"] = Field(
         default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None; "
                                      "token_ids: the model's input ids [batch, seq], handed to every layer unchanged "
@@ -58,11 +84,12 @@ class CarriedStream(StrictModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> CarriedStream:
-        sources = [self.output_index is not None, self.computed_by is not None, self.initial == "token_ids"]
+        sources = [self.output_index is not None, self.computed_by is not None, self.initial == "token_ids",
+                   self.grows is not None]
         if sum(sources) != 1:
             raise ValueError(f"carried {self.argument!r}: give exactly one of output_index (a layer's output handed "
-                             "to the next layer), computed_by (a model method's per-layer result) and initial: "
-                             "token_ids (the model's ids, handed to every layer)")
+                             "to the next layer), computed_by (a model method's per-layer result), initial: "
+                             "token_ids (the model's ids, handed to every layer) and grows (a stack the loop grows)")
         return self
 
 
@@ -146,15 +173,32 @@ def streams_of(config: Any) -> int:
     return _positive(config, spec.family, "hidden_state.streams", hidden_state.streams)
 
 
+def stack_entries(config: Any, index: int) -> tuple[int, int]:
+    """``(every, entries)`` of the growing stack ``hidden_state.carried[index]``: the model's whole stack holds
+    ``ceil(num_hidden_layers / every)`` entries."""
+    from distconf.loader.naming import config_num_blocks
+
+    spec = type(config).family_spec
+    every = _positive(config, spec.family, f"hidden_state.carried[{index}].grows.every",
+                      spec.hidden_state.carried[index].grows.every)
+    return every, -(-config_num_blocks(config) // every)
+
+
 def carried_widths(config: Any) -> tuple[int, ...]:
     """Values per token of each of ``hidden_state.carried`` on ``config`` (in the wire's order; () for none): a
-    ``computed_by`` value's width for each of the model's layers."""
+    ``computed_by`` value's width for each of the model's layers, a growing stack's for each of its entries."""
     spec = getattr(type(config), "family_spec", None)
     hidden_state = getattr(spec, "hidden_state", None)
     carried = hidden_state.carried if hidden_state is not None else ()
-    return tuple(_positive(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
-                 * (int(config.num_hidden_layers) if stream.computed_by is not None else 1)
-                 for index, stream in enumerate(carried))
+    widths = []
+    for index, stream in enumerate(carried):
+        width = _positive(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
+        if stream.grows is not None:
+            width *= stack_entries(config, index)[1]
+        elif stream.computed_by is not None:
+            width *= int(config.num_hidden_layers)
+        widths.append(width)
+    return tuple(widths)
 
 
 def wire_width_of(config: Any) -> int:

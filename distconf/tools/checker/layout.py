@@ -91,10 +91,11 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
                 raise located_failure(cls, ("block",), f"{exc} (buffers the layer computes itself are not in "
                                       "checkpoints; transformers' model class must initialize them)") from None
             raise located_failure(cls, tuple((exc.field or "block.prefix").split(".")), str(exc)) from None
-        if _holds_attention(block) and not any(isinstance(m, attn_class) for m in block.modules()):
+        own, loc = _attention_of(cls, reference.config, i, attn_class)
+        if _holds_attention(block) and not any(isinstance(m, own) for m in block.modules()):
             found = sorted({type(m).__name__ for m in block.modules() if "atten" in type(m).__name__.lower()})
-            raise located_failure(cls, ("block", "attention_class"),
-                                  f"no {attn_class.__name__} inside block {i} (attention-like modules: "
+            raise located_failure(cls, loc,
+                                  f"no {own.__name__} inside block {i} (attention-like modules: "
                                   f"{', '.join(found) or 'none'})")
         hf_params = sum(p.numel() for p in reference.layer(model_layer(reference.config, i)).parameters())
         params = sum(p.numel() for p in block.parameters())
@@ -103,6 +104,23 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
                                   f"block {i} has {params} parameters, the model's layer {hf_params}")
         blocks.append(block)
     return blocks
+
+
+def _attention_of(cls: type, config: Any, layer_idx: int, attn_class: type) -> tuple[type, tuple[str, ...]]:
+    """The attention class of layer ``layer_idx`` (``block.attention_classes`` of its type, else
+    ``attn_class``) and the field naming it."""
+    from distconf.blocks.layer_types import layer_type
+    from distconf.loader.synthesis import resolve_object
+
+    kind = layer_type(config, layer_idx)
+    classes = cls.family_spec.block.attention_classes  # type: ignore[attr-defined]
+    if kind is None or kind not in classes:
+        return attn_class, ("block", "attention_class")
+    loc = ("block", "attention_classes", kind)
+    try:
+        return resolve_object(cls.family_source, loc, classes[kind], want_class=True), loc  # type: ignore[attr-defined]
+    except FamilyValidationError as exc:
+        raise validation_failure(exc) from None
 
 
 def check_attention_gets_cache(cls: type, block: Any, attn_class: type, width: int) -> None:

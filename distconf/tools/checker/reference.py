@@ -137,8 +137,8 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
             out = output[0] if isinstance(output, (tuple, list)) else output
             inputs = _carried_inputs(module, args, kwargs, layout)
             computed = _computed_inputs(cls, capture, layout, hidden, inputs, i)
-            records[i].append((_with_carried(hidden, inputs, layout, cls, computed),
-                               _with_carried(out, output, layout, cls, computed, inputs)))
+            given = _with_carried(hidden, inputs, layout, cls, computed)
+            records[i].append((given, _with_carried(out, output, layout, cls, computed, inputs, given, i)))
         hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
@@ -151,6 +151,7 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     if not any(records.values()):
         raise located_failure(type(reference.config), ("block", "prefix"),
                               "the model called none of the layers at block.prefix in its forward pass")
+    _check_stack_growth(cls, records, layout)
     records = _unrolled(reference, records)
     first, outputs = _chain(records, reference.blocks)
     streams = _checked_streams(reference, first[0])
@@ -216,6 +217,21 @@ def _hidden_width(reference: Reference) -> int:
     return streams_of(reference.config) * int(reference.config.hidden_size)
 
 
+def _check_stack_growth(cls: type, records: dict[int, list[tuple[Any, Any]]],
+                        layout: tuple[CarriedSlot, ...]) -> None:
+    """Each growing stack after a layer, by the family's rule, is the stack the model hands the next layer."""
+    import torch
+
+    for j, slot in enumerate(layout):
+        if slot.every is None:
+            continue
+        for i in range(len(records) - 1):
+            if records[i] and records[i + 1] and not torch.equal(records[i][0][1][1][j], records[i + 1][0][0][1][j]):
+                raise located_failure(cls, ("hidden_state", "carried", j, "grows", "every"),
+                                      f"{slot.argument} after layer {i} is not the stack the model hands layer {i + 1} "
+                                      f"(appending the input of every {slot.every}th layer)")
+
+
 def _carried_inputs(module: Any, args: Any, kwargs: Any, layout: tuple[CarriedSlot, ...]) -> list[Any]:
     """The values ``layout`` names as the model handed them to ``module`` (None where it handed none)."""
     import inspect
@@ -269,11 +285,14 @@ def _computed_inputs(cls: type, capture: ModelInputCapture | None, layout: tuple
 
 
 def _with_carried(hidden: Any, values: Any, layout: tuple[CarriedSlot, ...], cls: type,
-                  computed: dict[str, Any], inputs: list[Any] | None = None) -> tuple[Any, list[Any]]:
+                  computed: dict[str, Any], inputs: list[Any] | None = None, given: tuple[Any, list[Any]] | None = None,
+                  layer_idx: int = 0) -> tuple[Any, list[Any]]:
     """``hidden`` and the carried values (from a layer's inputs in order, or its output tuple at their indices;
     ``computed``, every layer's part, for a ``computed_by`` value; a value the layer does not return from
-    ``inputs``), as the wire holds them."""
-    from distconf.blocks.wire import carried_wire_value
+    ``inputs``), as the wire holds them; a growing stack as the wire holds it (`stack_on_wire`), after a layer the
+    stack it was ``given`` grown by the loop's rule (the next layer's input is the model's own: a wrong rule
+    differs there)."""
+    from distconf.blocks.wire import carried_wire_value, grow_stack, stack_on_wire
 
     hidden = hidden.detach().clone()
     if not layout:
@@ -285,7 +304,17 @@ def _with_carried(hidden: Any, values: Any, layout: tuple[CarriedSlot, ...], cls
                   for n, slot in enumerate(layout)]
     carried = []
     like = hidden.new_zeros(*hidden.shape[:2], 1)
-    for slot, value in zip(layout, values, strict=True):
+    for j, (slot, value) in enumerate(zip(layout, values, strict=True)):
+        if slot.every is not None:
+            try:
+                if given is None:
+                    carried.append(stack_on_wire(value, slot, hidden if hidden.ndim == 3 else hidden.flatten(-2)))
+                else:
+                    layer_input = given[0] if given[0].ndim == 3 else given[0].flatten(-2)
+                    carried.append(grow_stack(given[1][j], slot, layer_idx, layer_input))
+            except ValueError as exc:
+                raise located_failure(cls, ("hidden_state", "carried"), f"layer {layer_idx}: {exc}") from None
+            continue
         if slot.computed_by is not None:
             value = computed[slot.argument]
         if value is not None and not slot.token_ids and value.shape[-1] != slot.width:

@@ -43,6 +43,7 @@ from distconf.tools.drafting.sections import (
 )
 from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
+from distconf.tools.drafting.stacks import draft_growing_stacks, stack_places
 from distconf.tools.drafting.state import state_layout
 from distconf.tools.drafting.state_attributes import apply_module_states
 from distconf.tools.drafting.state_list_draft import apply_state_list
@@ -141,7 +142,10 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     draft_layer_classes(draft, scan, text)
     draft_model_buffers(draft, scan, text)
     draft_model_inputs(draft, scan, params)
-    refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
+    stacks = stack_places(scan.base_model, scan.prefix.rpartition(".")[2], scan.layer_class)
+    owner = type(scan.base_model).__name__
+    if not run_tiny:  # a growing stack is confirmed on tiny runs only
+        refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
     note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
     carried = carried_keywords(scan.base_model, scan.prefix.rpartition(".")[2])
     places = carried_places(scan.base_model, scan.prefix.rpartition(".")[2], scan.layer_class)
@@ -168,6 +172,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"))
         draft_fresh_arguments(draft, plan.config_class, base_tiny)
         draft_dict_mask(draft, plan.config_class, base_tiny)
+        draft_growing_stacks(draft, plan.config_class, base_tiny, stacks, owner)
         refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)
         draft_skipped_layers(draft, plan.config_class, base_tiny)
         draft_hidden_state(draft, plan.config_class, base_tiny)

@@ -18,7 +18,7 @@ from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, field_value, module_path
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.scan import ModelScan, forward_parameters
+from distconf.tools.drafting.scan import ModelScan, find_attention, forward_parameters
 
 __all__ = ["layer_classes_by_type", "layer_classes_by_index_field", "merge_call_parameters", "draft_layer_classes"]
 
@@ -150,5 +150,12 @@ def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> Non
         return
     _check_constructors(draft, classes)
     draft.layer_classes = {t: module_path(c) for t, c in by_type.items() if c is not scan.layer_class}
+    layers = {type(layer): layer for layer in scan.layers}
+    for t, c in by_type.items():
+        own, _ = find_attention(layers[c])
+        if c is not scan.layer_class and own is not None and own is not scan.attention_class:
+            draft.attention_classes[t] = module_path(own)
+            draft.facts.append(f"layers of type {t} hold their own attention class, {own.__name__} "
+                               "(block.attention_classes)")
     draft.facts.append("layers of different classes, one per layer type: " + ", ".join(
         f"{t} -> {c.__name__}" for t, c in by_type.items()) + " (block.layer_classes)")

@@ -76,6 +76,7 @@ def refuse_layer_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[st
     config, inputs = positional_inputs(config_class, tiny, draft.attn_implementation, layer_class)
     handled = {draft.call.get(k, default) for k, default in _HANDLED.items()} | set(draft.call.get("extra", {}))
     handled |= set(draft.position.get("computed_arguments", {})) | set(draft.call.get("fresh_arguments", {}))
+    handled |= {carried["argument"] for carried in draft.hidden_state.get("carried", [])}  # on the wire
     refused = {name: tensor for name, tensor in inputs.items() if name not in handled}
     owner_path, _, attribute = draft.prefix.rpartition(".")
     carried = []

@@ -53,9 +53,19 @@ def draft_computed_positions(draft: FamilyDraft, config_class: type, tiny: Mappi
     handled |= set(draft.call.get("extra", {}))
     handled |= {carried["argument"] for carried in draft.hidden_state.get("carried", [])}
     names = sorted({k for kwargs in calls for k, v in kwargs.items() if _is_tensor(v)} - handled)
+    if "position_ids" in names and "position_ids_argument" in draft.call:  # through the layer's **kwargs
+        del draft.call["position_ids_argument"]
+        names.remove("position_ids")
+        draft.facts.append("the model passes position_ids to its layers, whose forward hands them on in **kwargs: "
+                           "the block passes them too")
     computed = {}
     for name in names:
         found = _function_of_positions(layer_class, calls, name)
+        if found is None and _relative_distances(calls, name):
+            draft.position["relative_distance_argument"] = name
+            draft.facts.append(f"the model passes its layers '{name}', each query's index minus each key's "
+                               "(block.position.relative_distance_argument): the block computes it")
+            continue
         if found is None:
             draft.review.append(f"the model passes its layers a tensor '{name}' the block does not compute: "
                                 "declare it in block.position.computed_arguments")
@@ -220,6 +230,17 @@ def _layer_calls(config_class: type, tiny: Mapping[str, Any],
         for handle in handles:
             handle.remove()
     return config, calls, input_ids
+
+
+def _relative_distances(calls: list[dict[str, Any]], name: str) -> bool:
+    """Every layer got ``name`` as each query's index minus each key's (a run from an empty cache)."""
+    import torch
+
+    values = [kwargs.get(name) for kwargs in calls]
+    if not values or not all(_is_tensor(v) and v.ndim == 2 and v.shape[0] == v.shape[1] for v in values):
+        return False
+    index = torch.arange(values[0].shape[0])
+    return all(torch.equal(v.cpu().long(), index[:, None] - index[None, :]) for v in values)
 
 
 def _function_of_positions(layer_class: type, calls: list[dict[str, Any]], name: str) -> str | None:

@@ -26,6 +26,7 @@ class FamilyDraft:
     modules_field: str | None = None  # the config field counting layer modules that hold sublayers
     config_section: str | None = None  # the config field holding the sub-config sizing the served layer stack
     layer_classes: dict[str, str] = field(default_factory=dict)  # layer type -> its own decoder-layer class
+    attention_classes: dict[str, str] = field(default_factory=dict)  # layer type -> its layers' attention class
     skipped_layer_kinds: list[str] = field(default_factory=list)  # layer types the model skips for ids alone
     model_buffers: dict[str, str] = field(default_factory=dict)  # buffer path in a layer -> function making it
     attn_implementation: str = "sdpa"
@@ -76,6 +77,7 @@ class FamilyDraft:
             **({"layer_classes": self.layer_classes} if self.layer_classes else {}),
             **({"skipped_layer_kinds": self.skipped_layer_kinds} if self.skipped_layer_kinds else {}),
             "attention_class": self.attention_class or "transformers.TODO_AttentionClass",
+            **({"attention_classes": self.attention_classes} if self.attention_classes else {}),
             "prefix": self.prefix,
             **({"modules_field": self.modules_field} if self.modules_field else {}),
             **({"config_section": self.config_section} if self.config_section else {}),

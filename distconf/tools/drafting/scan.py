@@ -219,11 +219,13 @@ def find_attention(layer: Any) -> tuple[type | None, str | None]:
     found = []
     for name, module in layer.named_modules():
         if name and _is_attention(module):
-            found.append((name.count("."), name, type(module)))
+            params = forward_parameters(type(module))
+            # at one depth, the module taking the cache (not an attention over other layers' outputs)
+            found.append((name.count("."), not any(p in params for p in _CACHE_PARAMETERS), name, type(module)))
     if not found:
         return None, None
-    found.sort(key=lambda f: f[0])
-    return found[0][2], found[0][1]
+    found.sort(key=lambda f: f[:2])
+    return found[0][3], found[0][2]
 
 
 def _find_rotary(model: Any, layers_prefix: str) -> type | None:
