@@ -104,7 +104,8 @@ class RemoteLayers(torch.nn.Module):
         self.probing = False
         self.__dict__["prompts"] = None  # the model owns the prompts; a reference here is not a submodule
         for name, value in attributes.items():
-            setattr(self, name, value)
+            if name not in vars(self) and not hasattr(type(self), name):  # never the stand-in's own
+                setattr(self, name, value)
 
     def use_prompts(self, prompts: PromptTuning | None) -> None:
         """Run with these trained prompts (held by the model, not registered here)."""
