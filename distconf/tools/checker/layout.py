@@ -91,7 +91,7 @@ def load_blocks(cls: type, directory: Path, reference: Reference, attn_class: ty
                 raise located_failure(cls, ("block",), f"{exc} (buffers the layer computes itself are not in "
                                       "checkpoints; transformers' model class must initialize them)") from None
             raise located_failure(cls, tuple((exc.field or "block.prefix").split(".")), str(exc)) from None
-        own, loc = _attention_of(cls, reference.config, i, attn_class)
+        own, loc = _attention_of(cls, reference.config, model_layer(reference.config, i), attn_class)
         if _holds_attention(block) and not any(isinstance(m, own) for m in block.modules()):
             found = sorted({type(m).__name__ for m in block.modules() if "atten" in type(m).__name__.lower()})
             raise located_failure(cls, loc,
