@@ -43,3 +43,23 @@ def test_two_user_files_for_one_family_are_refused(tmp_path, monkeypatch, fresh_
     monkeypatch.setenv(FAMILIES_PATH_ENV, f"{tmp_path / 'a'}:{tmp_path / 'b'}")
     with pytest.raises(FamilyValidationError, match="more than one file"):
         load_family("llama")
+
+
+def test_a_folder_added_to_the_search_path_later_is_seen(tmp_path, monkeypatch, fresh_cache) -> None:
+    """The model-type map is rescanned when the search path changes (a server started after `new`)."""
+    from distconf.errors import FamilyNotFoundError
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    text = (builtin_families_dir() / "llama.yaml").read_text(encoding="utf-8")
+    text = text.replace("family: llama\n", "family: my_llama\n", 1)
+    text = text.replace("model_type: llama\n", "model_type: my_llama\n", 1)
+    (folder / "my_llama.yaml").write_text(text, encoding="utf-8")
+    monkeypatch.delenv(FAMILIES_PATH_ENV, raising=False)
+    with pytest.raises(FamilyNotFoundError, match="no family serves model_type 'my_llama'"):
+        family_for_model_type("my_llama")
+    monkeypatch.setenv(FAMILIES_PATH_ENV, str(folder))
+    assert family_for_model_type("my_llama") == "my_llama"
+    monkeypatch.delenv(FAMILIES_PATH_ENV)
+    with pytest.raises(FamilyNotFoundError):
+        family_for_model_type("my_llama")

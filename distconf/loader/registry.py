@@ -13,7 +13,13 @@ import threading
 from typing import Any
 
 from distconf.errors import FamilyNotFoundError, FamilyValidationError
-from distconf.loader.search import FAMILIES_PATH_ENV, find_family_file, is_family_path, scan_valid_sources
+from distconf.loader.search import (
+    FAMILIES_PATH_ENV,
+    family_search_path,
+    find_family_file,
+    is_family_path,
+    scan_valid_sources,
+)
 from distconf.loader.source import FamilySource, read_family_file
 from distconf.loader.spec import FamilySpec
 
@@ -25,7 +31,8 @@ __all__ = [
 _lock = threading.RLock()
 _classes: dict[str, type] = {}  # family name, file path or class name -> class
 _sources: dict[str, FamilySource] = {}  # family name -> source
-_model_types: dict[str, str] | None = None
+# model type -> family, scanned from the search path in the key (the path can change at run time)
+_model_types: tuple[tuple[str, ...], dict[str, str]] | None = None
 
 
 def _source_for(name_or_path: str | os.PathLike[str]) -> FamilySource:
@@ -80,13 +87,14 @@ def load_family(name_or_path: str | os.PathLike[str]) -> type:
 def family_for_model_type(model_type: str) -> str:
     """The family serving HF ``model_type`` (for `AutoDistributedConfig`)."""
     global _model_types
+    search_path = tuple(str(folder) for folder in family_search_path())
     with _lock:
-        if _model_types is None:
+        if _model_types is None or _model_types[0] != search_path:
             mapping: dict[str, str] = {}
             for source in scan_valid_sources():
                 mapping.setdefault(source.spec.model_type, source.spec.family)
-            _model_types = mapping
-        mapping = _model_types
+            _model_types = (search_path, mapping)
+        mapping = _model_types[1]
     if model_type not in mapping:
         known = ", ".join(f"{fam} ({mt})" for mt, fam in sorted(mapping.items(), key=lambda kv: kv[1]))
         raise FamilyNotFoundError(

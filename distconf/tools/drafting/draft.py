@@ -20,7 +20,7 @@ from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_
 from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
-from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters
+from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters, settle_attention_classes
 from distconf.tools.drafting.layer_inputs import refuse_layer_inputs
 from distconf.tools.drafting.layer_stack import draft_layer_stack
 from distconf.tools.drafting.model_buffers import draft_model_buffers
@@ -180,6 +180,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
                               {k: v for k, v in places.items() if k not in carried})
         draft_carried_arguments(draft, plan.config_class, base_tiny, carried)
         finish_state(draft, by_type, mixer, layer_class)
+    settle_attention_classes(draft)
     finish_sublayers(draft, sublayers)
     return draft
 

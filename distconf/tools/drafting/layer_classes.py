@@ -155,7 +155,20 @@ def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> Non
         own, _ = find_attention(layers[c])
         if c is not scan.layer_class and own is not None and own is not scan.attention_class:
             draft.attention_classes[t] = module_path(own)
-            draft.facts.append(f"layers of type {t} hold their own attention class, {own.__name__} "
-                               "(block.attention_classes)")
+            draft.facts.append(_own_attention_fact(t, own.__name__))
     draft.facts.append("layers of different classes, one per layer type: " + ", ".join(
         f"{t} -> {c.__name__}" for t, c in by_type.items()) + " (block.layer_classes)")
+
+
+def _own_attention_fact(layer_type: str, class_name: str) -> str:
+    return f"layers of type {layer_type} hold their own attention class, {class_name} (block.attention_classes)"
+
+
+def settle_attention_classes(draft: FamilyDraft) -> None:
+    """Drop the ``block.attention_classes`` entries that name the family's ``attention_class`` once that is
+    settled (a hybrid whose first layer has no attention learns it after the tiny runs): they say nothing."""
+    for kind, path in list(draft.attention_classes.items()):
+        if path == draft.attention_class:
+            del draft.attention_classes[kind]
+            fact = _own_attention_fact(kind, path.rpartition(".")[2])
+            draft.facts[:] = [f for f in draft.facts if f != fact]
