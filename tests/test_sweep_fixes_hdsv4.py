@@ -128,7 +128,7 @@ def test_client_stand_in_puts_the_ids_on_the_wire(chain: tuple[object, object, l
     config, model, _ = chain
     layer = model.model.layers[0]
     carried = _carried_arguments(layer, config)
-    assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, True), 0),)  # first after the hidden states
+    assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, "token_ids"), 0),)  # first after the hidden states
     stand_in = RemoteLayers(None, {}, streams=config.hc_mult, carried=carried)  # type: ignore[arg-type]
     hidden = torch.randn(1, 4, config.hc_mult, config.hidden_size)
     ids = torch.tensor([[9, 200, 3, 17]])

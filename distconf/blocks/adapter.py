@@ -118,6 +118,20 @@ class BlockAdapter:
         self._distconf = layer_settings(type(self), config, layer_idx if isinstance(layer_idx, int) else 0)
         self._distconf_rotary: dict[Any, Any] = {}
 
+    @classmethod
+    def adopt(cls, layer: Any, config: DistributedConfig, layer_idx: int) -> Any:
+        """Make ``layer``, a decoder layer the model built (``block.constructor.from_model``), a block of ``cls``.
+
+        ``cls`` must derive from the layer's own class; the layer keeps its modules and parameter names.
+        """
+        if not isinstance(layer, cls.layer_class):
+            raise TypeError(f"the model's layer {layer_idx} is a {type(layer).__name__}, not the family's "
+                            f"{cls.layer_class.__name__}")
+        layer.__class__ = cls
+        layer._distconf = layer_settings(cls, config, layer_idx)
+        layer._distconf_rotary = {}
+        return layer
+
     @property
     def layer_idx_in_model(self) -> int:
         """Index of this block in the model."""
@@ -209,6 +223,8 @@ class BlockAdapter:
         kwargs.update((name, container()) for name, container in settings.fresh_arguments)
         if call.cache_argument is not None:
             kwargs[call.cache_argument] = cache
+        if call.layer_idx_argument is not None:
+            kwargs[call.layer_idx_argument] = settings.layer_idx
         if rows is None:
             position_ids = positions if positions is not None else torch.arange(
                 past, past + hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)

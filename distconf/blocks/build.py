@@ -162,8 +162,11 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
         cls = make_block_class(type(config), layer_type(config, layer_idx))
     kwargs = constructor_kwargs(config, layer_idx)
     try:
-        with torch.device(device):
-            block = cls(**kwargs)
+        if type(config).family_spec.block.constructor.from_model:
+            block = _from_model(cls, config, layer_idx, device)
+        else:
+            with torch.device(device):
+                block = cls(**kwargs)
     except TypeError as exc:
         raise type(config).family_source.error(("block", "constructor"),
                           f"{getattr(cls, 'layer_class', cls).__name__}({', '.join(kwargs)}) failed: {exc}"
@@ -179,6 +182,36 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
     block.eval()
     if looped:
         block._distconf_loop = block_loop(config, block_idx)
+    return block
+
+
+def _from_model(cls: type, config: DistributedConfig, layer_idx: int, device: Any) -> Any:
+    """Block ``layer_idx`` taken from the causal LM built on ``device`` (``block.constructor.from_model``).
+
+    The layer keeps the modules the model built it from; the names of its tensors the model ties to another
+    layer's (its tie map) are kept as ``distconf_tied`` (local name -> (layer, local name there)), which
+    `distconf.blocks.weights` reads them from.
+    """
+    import torch
+
+    from distconf.blocks.adapter import prepare_config
+    from distconf.blocks.hf_compat import causal_lm_from_config, tied_layer_tensors
+
+    prepare_config(config)
+    source = type(config).family_source
+    with torch.device(device):
+        try:
+            model = causal_lm_from_config(config)
+        except (TypeError, ValueError) as exc:
+            raise source.error(("block", "constructor", "from_model"),
+                               f"cannot build the model: {type(exc).__name__}: {exc}") from None
+    prefix = type(config).family_spec.block.prefix
+    try:
+        layers = model.get_submodule(prefix)
+    except AttributeError:
+        raise source.error(("block", "prefix"), f"the model has no module {prefix!r}") from None
+    block = cls.adopt(layers[layer_idx], config, layer_idx)
+    block.distconf_tied = tied_layer_tensors(model, prefix).get(layer_idx, {})
     return block
 
 

@@ -219,6 +219,45 @@ def initialize_computed_buffers(module: Any, owners: list[Any], hf_config_class:
     return True
 
 
+def _tie_map(model: Any) -> dict[str, str]:
+    """``{tied tensor: the tensor it is tied to}`` of a transformers model, full names (none without a map)."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if not callable(expand):
+        return {}
+    try:
+        return dict(expand(all_submodels=True))
+    except TypeError:
+        return dict(expand())
+
+
+def tied_layer_tensors(model: Any, prefix: str) -> dict[int, dict[str, tuple[int, str]]]:
+    """The tensors of the layers under ``prefix`` the model ties to another layer's: ``{layer: {local name: (that
+    layer, local name there)}}``, from the model's own tie map (transformers saves only the latter)."""
+    found: dict[int, dict[str, tuple[int, str]]] = {}
+    for target, source in _tie_map(model).items():
+        if not target.startswith(prefix + ".") or not source.startswith(prefix + "."):
+            continue
+        index, _, local = target[len(prefix) + 1:].partition(".")
+        there, _, local_there = source[len(prefix) + 1:].partition(".")
+        if index.isdigit() and there.isdigit() and index != there:
+            found.setdefault(int(index), {})[local] = (int(there), local_there)
+    return found
+
+
+def untie_layer_list(model: Any, prefix: str) -> None:
+    """Drop from the tie maps of ``model`` and its submodules every entry naming a tensor under ``prefix`` (the
+    decoder-layer list the client replaces), so transformers ties no tensors of layers that are not there."""
+    for name, module in model.named_modules():
+        if name and not prefix.startswith(name + "."):
+            continue
+        below = f"{prefix[len(name) + 1:] if name else prefix}."
+        for attribute in ("_tied_weights_keys", "all_tied_weights_keys"):
+            ties = module.__dict__.get(attribute)  # the instance's own map; a class's names no layer
+            if isinstance(ties, dict):
+                module.__dict__[attribute] = {k: v for k, v in ties.items()
+                                              if not k.startswith(below) and not v.startswith(below)}
+
+
 def record_as_decoder_layer(module: Any) -> bool:
     """Have transformers' output capturing record ``module``'s input and output as a decoder layer's.
 

@@ -239,6 +239,7 @@ def load_block_weights(model_dir: str | Path, config: DistributedConfig, layer_i
             _raise_no_layer(model_dir, config, layer, checkpoint.names, expected)
         match = _Match(prefix, expected)
         match.sort(names, Conversions(config, names, {prefix + local for local in expected}))
+        _add_tied(match, getattr(block, "distconf_tied", None) or {}, checkpoint.names, config, layer_idx)
         match.check(checkpoint)
         match.raise_problems(model_dir, layer_idx)
         state, converted = _read(match, checkpoint, dtype, config)
@@ -248,6 +249,20 @@ def load_block_weights(model_dir: str | Path, config: DistributedConfig, layer_i
     if report is not None:
         report.update(files=files, prefix=prefix, converted=converted)
     return state
+
+
+def _add_tied(match: _Match, tied: dict[str, tuple[int, str]], names: Any, config: DistributedConfig,
+              layer_idx: int) -> None:
+    """Read the block's tensors the model ties to another layer's (saved only there) from that layer's names."""
+    forms = layer_prefixes(config, layer_idx)
+    if not tied or match.prefix not in forms:
+        return
+    form = forms.index(match.prefix)
+    stored = set(names)
+    for local, (index, there) in tied.items():
+        name = layer_prefixes(config, index)[form] + there
+        if local in match.expected and local not in match.direct and name in stored:
+            match.direct[local] = name
 
 
 def _raise_no_layer(model_dir: Any, config: DistributedConfig, layer_idx: int, names: Any, expected: Any) -> None:

@@ -55,17 +55,24 @@ class CarriedSlot(NamedTuple):
     width: int
     """Values per token on the wire (every layer's part of a ``computed_by`` value; digits of token ids)."""
     output_index: int | None
-    """Index of the value in a layer's output tuple (None: handed on unchanged, ``computed_by`` or token ids)."""
+    """Index of the value in a layer's output tuple (None: handed on unchanged: a ``computed_by`` value, the token
+    ids or the embeddings)."""
     computed_by: str | None
     """Dotted name of the causal LM's method returning every layer's part (None: not computed by the model)."""
     layers: int
     """Layers whose parts the wire holds (1 unless ``computed_by``)."""
-    token_ids: bool = False
-    """The model's input ids (``initial: token_ids``), sent as ``width`` base-256 digits per token."""
+    initial: str = "zeros"
+    """What the first layer gets (``hidden_state.carried[].initial``): zeros standing for the model's None, the
+    model's input ids (``token_ids``, sent as ``width`` base-256 digits per token) or the embeddings (``hidden``)."""
     every: int | None = None
     """For a stack the loop grows (``grows``): the layers apart its entries are appended (None: no stack)."""
     entry: int | None = None
     """For a stack the loop grows: values per token of each entry."""
+
+    @property
+    def token_ids(self) -> bool:
+        """Whether the value is the model's input ids (sent as base-256 digits)."""
+        return self.initial == "token_ids"
 
     def layer_part(self, part: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``;
@@ -99,7 +106,7 @@ def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
         else:
             slots.append(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
                                      int(config.num_hidden_layers) if stream.computed_by is not None else 1,
-                                     stream.initial == "token_ids"))
+                                     stream.initial))
     return tuple(slots)
 
 
@@ -124,11 +131,14 @@ def token_ids_of(digits: torch.Tensor) -> torch.Tensor:
 
 
 def carried_wire_value(slot: CarriedSlot, value: Any, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as the model hands it to a layer, as ``slot``'s part of a wire like ``like`` (zeros for None)."""
+    """``value`` as the model hands it to a layer, as ``slot``'s part of a wire like ``like`` (zeros for None; for
+    ``initial: hidden``, the hidden state at the front of ``like``)."""
     if slot.token_ids:
         if value is None:
             raise ValueError(f"the layers need the token ids as {slot.argument}, which the model did not pass")
         return token_id_digits(value, slot.width, like.dtype).to(like.device).expand(*like.shape[:-1], slot.width)
+    if value is None and slot.initial == "hidden":  # the embeddings: the first layer's own input
+        value = like[..., :slot.width]
     if value is None:
         return like.new_zeros(*like.shape[:-1], slot.width)
     return value.to(like.dtype).expand(*like.shape[:-1], slot.width)
@@ -200,10 +210,11 @@ def join_carried(hidden: torch.Tensor, output: Any, layout: tuple[CarriedSlot, .
                 raise ValueError(f"{slot.argument}: a growing stack needs the layer's input and the stack it got")
             parts.append(grow_stack(inputs[slot.argument], slot, layer_idx, layer_input))
             continue
-        if slot.output_index is None:  # handed on unchanged: a computed_by value or the token ids
+        if slot.output_index is None:  # handed on unchanged: a computed_by value, the token ids or the embeddings
             value = (inputs or {}).get(slot.argument)
             if value is None:
-                raise ValueError(f"no {slot.argument} ({slot.computed_by or 'token ids'}) came with the hidden state")
+                what = slot.computed_by or ("token ids" if slot.token_ids else "the embeddings")
+                raise ValueError(f"no {slot.argument} ({what}) came with the hidden state")
             parts.append(carried_wire_value(slot, value, hidden))
             continue
         index = slot.output_index

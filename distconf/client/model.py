@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.checkpoint import BlockWeightsError, Checkpoint
-from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer
+from distconf.blocks.hf_compat import causal_lm_class, record_as_decoder_layer, untie_layer_list
 from distconf.blocks.weights import layer_prefixes
 from distconf.blocks.wire import (
     CarriedSlot,
@@ -397,6 +397,7 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
                             _carried_arguments(layers[0], config), _model_input_capture(model, config))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
+    untie_layer_list(model, name)  # the model's ties between its layers name layers that are not here
     model.remote_layers = stand_in
     model._created_caches = []
     hand_final_stacks(model, config, stand_in)

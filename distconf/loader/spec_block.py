@@ -45,6 +45,12 @@ class ConstructorSpec(StrictModel):
         description="Name of the constructor argument that receives the layer's type (its entry in "
                     "mask.layer_types_field), for a layer class that builds its mixer from it (null: none).",
     )
+    from_model: bool = Field(
+        default=False,
+        description="Take each block's layer from the model built on the meta device instead of constructing "
+                    "layer_class: for a model that assembles its layers from modules of its own (hybrid layers "
+                    "wrapping shared attention); tensors the model ties to another layer's load from that layer's.",
+    )
 
 
 class CallSpec(StrictModel):
@@ -75,6 +81,11 @@ class CallSpec(StrictModel):
         default=None,
         description="Keyword receiving the ALiBi bias [batch*heads, 1, kv_len]; when set, it is always passed "
                     "(None when the block does not use ALiBi for this config).",
+    )
+    layer_idx_argument: Identifier | None = Field(
+        default=None,
+        description="Keyword receiving the layer's index in the model, for a layer whose forward takes it (null: "
+                    "none).",
     )
     carried_arguments: dict[Identifier, CarriedArgument] = Field(
         default_factory=dict,

@@ -58,7 +58,9 @@ class CarriedStream(StrictModel):
     part, the wire holds ``num_hidden_layers * width`` values per token (every layer's part, the client's
     model computing them as the model does) and a block passes its layer's part, handing the whole on unchanged.
     With ``grows`` the value is a stack of ``width``-wide entries the loop appends to (`GrowingStack`), no output.
-    Exactly one of ``output_index``, ``computed_by``, ``initial: token_ids`` and ``grows`` says where it comes from.
+    Exactly one of ``output_index``, ``computed_by``, ``initial: token_ids`` and ``grows`` says where it comes from,
+    except for the embeddings every layer gets alongside the hidden states (``initial: hidden``, none of them),
+    which pass through every layer unchanged.
     """
 
     argument: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -77,16 +79,21 @@ class CarriedStream(StrictModel):
     grows: GrowingStack | None = Field(
         default=None, description="The value is a stack the loop grows from layers' inputs, not a layer output "
                                   "(not with output_index, computed_by or token_ids).")
-    initial: Literal["zeros", "token_ids"] = Field(
+    initial: Literal["zeros", "token_ids", "hidden"] = Field(
         default="zeros", description="What the first layer gets: zeros, which the layer treats as the model's None; "
                                      "token_ids: the model's input ids [batch, seq], handed to every layer unchanged "
-                                     "and sent as width base-256 digits per token (exact in bf16).")
+                                     "and sent as width base-256 digits per token (exact in bf16); hidden: the first "
+                                     "layer's input hidden states (the embeddings), which then pass through every "
+                                     "layer (no output_index, no computed_by).")
 
     @model_validator(mode="after")
     def _one_source(self) -> CarriedStream:
         sources = [self.output_index is not None, self.computed_by is not None, self.initial == "token_ids",
                    self.grows is not None]
-        if sum(sources) != 1:
+        if self.initial == "hidden" and any(sources):
+            raise ValueError(f"carried {self.argument!r}: initial: hidden (the embeddings, passed through every "
+                             "layer) takes neither output_index nor computed_by nor grows")
+        if self.initial != "hidden" and sum(sources) != 1:
             raise ValueError(f"carried {self.argument!r}: give exactly one of output_index (a layer's output handed "
                              "to the next layer), computed_by (a model method's per-layer result), initial: "
                              "token_ids (the model's ids, handed to every layer) and grows (a stack the loop grows)")

@@ -67,6 +67,14 @@ def _types_field(cls: type) -> str:
     return cls.family_spec.block.mask.layer_types_field or _LAYER_TYPES_FIELD  # type: ignore[attr-defined]
 
 
+def _names_of(config_class: type, field: str) -> list[str]:
+    """``field`` and the names the config class's ``attribute_map`` gives it (``layer_types`` is ZambaConfig's
+    alias of ``layers_block_type``), the field first."""
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    return [field, *(target for alias, target in aliases.items() if alias == field),
+            *(alias for alias, target in aliases.items() if target == field)]
+
+
 def named_layer_type_configs(cls: type, reals: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """``(name, config)``: a copy of the first real config per named layer type no real config has.
 
@@ -113,6 +121,7 @@ def model_refuses_layer_type(cls: type, config: Any) -> str | None:
     _, values = tiny_variants(tiny)[0]
     field = _types_field(cls)
     layer_type = getattr(config, field)[0]
+    field = next((name for name in _names_of(cls.hf_config_class, field) if name in values), field)  # type: ignore[attr-defined]
     types = values.get(field)
     if not isinstance(types, (list, tuple)) or not types:
         return None

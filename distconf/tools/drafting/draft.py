@@ -8,6 +8,7 @@ from typing import Any
 
 from distconf.loader.layer_section import sectioned_config_class
 from distconf.loader.per_layer import layer_config
+from distconf.tools.drafting.call_inputs import draft_call_inputs
 from distconf.tools.drafting.carried import draft_carried_arguments
 from distconf.tools.drafting.carried_streams import carried_places, draft_carried_streams
 from distconf.tools.drafting.causality import refuse_non_causal
@@ -171,6 +172,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"))
         draft_fresh_arguments(draft, plan.config_class, base_tiny)
+        draft_call_inputs(draft, plan.config_class, base_tiny)
         draft_dict_mask(draft, plan.config_class, base_tiny)
         draft_growing_stacks(draft, plan.config_class, base_tiny, stacks, owner)
         refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)

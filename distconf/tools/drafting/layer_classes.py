@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from distconf.tools.drafting.common import DraftingError, field_value, module_path
+from distconf.tools.drafting.common import field_value, module_path
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, find_attention, forward_parameters
 
@@ -111,23 +111,25 @@ def _constructor_mismatch(draft: FamilyDraft, cls: type) -> str | None:
     if not missing and not required:
         return None
     taken = ", ".join(name for name in params if name != "self")
-    return (f"{cls.__name__}({taken}) is not built from the config: the model assembles it from modules of its "
-            "own, which a family's layer constructor cannot do (a block.adapter written by hand could)")
+    return f"{cls.__name__}({taken})"
 
 
 def _check_constructors(draft: FamilyDraft, classes: list[type]) -> None:
-    for cls in classes:
-        problem = _constructor_mismatch(draft, cls)
-        if problem is not None:
-            raise DraftingError(f"the layers are of {len(classes)} classes, and {problem}")
+    """Layers of a class not built from the config are taken from the model (``block.constructor.from_model``)."""
+    assembled = [problem for cls in classes if (problem := _constructor_mismatch(draft, cls)) is not None]
+    if assembled:
+        draft.constructor["from_model"] = True
+        draft.facts.append(f"{', '.join(assembled)} not built from the config: the model assembles it from modules "
+                           "of its own, so each block's layer is taken from the model built on the meta device "
+                           "(block.constructor.from_model; tied tensors from the model's tie map)")
 
 
 def draft_layer_classes(draft: FamilyDraft, scan: ModelScan, config: Any) -> None:
     """``block.layer_classes`` when the layers are of several classes and the layer types tell them apart.
 
     Otherwise (no layer-type field, types of mixed classes) one review note says why.
-    Raises `DraftingError` when a layer class is not built from the config: no family
-    file the drafter can write would build that layer.
+    A layer class not built from the config (the model assembles it from modules of its own) makes every
+    block's layer come from the model (``block.constructor.from_model``).
     """
     classes = _classes(scan)
     if len(classes) < 2:

@@ -41,8 +41,17 @@ class ModelScan:
         return config_reads(type(self.model), self.layer_class, *attention)
 
     def layer_kinds(self) -> list[tuple[str, ...]]:
-        """`layer_signature` of every layer."""
-        return [layer_signature(layer) for layer in self.layers]
+        """`layer_signature` of every layer, with its part in the model's tie map: a layer tying tensors to another
+        layer's is of another kind than the layer they are tied to (a tiny model keeps both, so the tie holds)."""
+        from distconf.blocks.hf_compat import tied_layer_tensors
+
+        roles: dict[int, str] = {}
+        for i, tied in tied_layer_tensors(self.model, self.prefix).items():
+            for there, _ in tied.values():
+                roles[i] = "tied to another layer"
+                roles.setdefault(there, "tied to by another layer")
+        return [layer_signature(layer) + ((roles[i],) if i in roles else ())
+                for i, layer in enumerate(self.layers)]
 
 
 def meta_model(config_class: type, config: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -83,6 +92,12 @@ def scan_model(model: Any, num_layers: int | None) -> ModelScan:
     base_prefix = getattr(type(model), "base_model_prefix", None)
     base_prefix = base_prefix if base_prefix and prefix.startswith(base_prefix + ".") else None
     attention_class, attention_name = find_attention(layers[0])
+    firsts: dict[type, Any] = {}
+    for layer in layers:
+        firsts.setdefault(type(layer), layer)
+    for layer in firsts.values():
+        if attention_class is None:  # the first layer has none: the first class of layer with one
+            attention_class, attention_name = find_attention(layer)
     rotary_class = _find_rotary(model, prefix)
     owner = prefix.rpartition(".")[0]  # the module running the layers builds their masks
     return ModelScan(model=model, prefix=prefix, layers=layers, base_prefix=base_prefix,
@@ -224,6 +239,8 @@ def find_attention(layer: Any) -> tuple[type | None, str | None]:
             found.append((name.count("."), not any(p in params for p in _CACHE_PARAMETERS), name, type(module)))
     if not found:
         return None, None
+    inner = [f for f in found if not f[3].__name__.endswith("Layer")]  # a decoder layer holding the attention
+    found = inner or found
     found.sort(key=lambda f: f[:2])
     return found[0][3], found[0][2]
 

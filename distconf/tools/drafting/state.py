@@ -267,8 +267,9 @@ def _monomials(fields: Mapping[str, int]) -> list[tuple[str, tuple[str, ...], in
 
 
 def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
-    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first), a quotient, or
-    a field minus one (a convolution window of the earlier inputs only)."""
+    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first), a quotient (of
+    a field or a product of two by a field: a width split into heads), or a field minus one (a convolution window
+    of the earlier inputs only)."""
     fields = _fields(config, raw)
     monomials = _monomials(fields)
     found = [(text, combo) for text, combo, v in monomials if v == value]
@@ -284,6 +285,9 @@ def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[s
     found += [(f"{a} - 1", (a,)) for a in fields if fields[a] - 1 == value > 1]  # a window but the current input
     found += [(f"{a} // {b}", (a, b)) for a, b in itertools.permutations(fields, 2)  # equal ones give 1 by chance
               if fields[b] and fields[a] > fields[b] and fields[a] % fields[b] == 0 and fields[a] // fields[b] == value]
+    found += [(f"{text} // {b}", (*combo, b)) for text, combo, v in monomials  # a width split into heads
+              if len(combo) == 2 and not text[0].isdigit() for b in fields
+              if b not in combo and 1 < fields[b] < v and v % fields[b] == 0 and v // fields[b] == value]
     return found
 
 
@@ -374,7 +378,8 @@ def _splitting_field(candidates: list[tuple[str, tuple[str, ...]]], fields: Mapp
 
 
 def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
-    """A candidate formula (products, sums, one floor division, a field minus one) evaluated on ``fields``."""
+    """A candidate formula (products, sums, a field or product floor-divided by a field, a field minus one) evaluated
+    on ``fields``."""
     total = 0
     for term in text.split(" + "):
         if term.startswith("int("):
@@ -385,7 +390,10 @@ def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
             continue
         if " // " in term:
             a, b = term.split(" // ")
-            total += fields[a] // fields[b] if fields[b] else 0
+            numerator = 1
+            for factor in a.split(" * "):
+                numerator *= fields[factor]
+            total += numerator // fields[b] if fields[b] else 0
             continue
         product = 1
         for factor in term.split(" * "):
