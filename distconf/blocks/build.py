@@ -185,6 +185,44 @@ def build_block(config: DistributedConfig, layer_idx: int, *, device: Any = "met
     return block
 
 
+_meta_model_lock = threading.Lock()
+_meta_model: list[tuple[Any, Any, dict[int, dict[str, tuple[int, str]]]]] = []  # the last config's, with its ties
+
+
+def _model_layers(config: DistributedConfig, device: Any) -> tuple[Any, dict[int, dict[str, tuple[int, str]]]]:
+    """The layer list of the causal LM of ``config`` built on ``device`` and the tensors it ties between layers.
+
+    On ``meta`` the model of the last config asked for is kept (building a large model takes a while, and a
+    server builds every block of its span from one config); its layers are copied, never handed out.
+    """
+    import torch
+
+    from distconf.blocks.adapter import prepare_config
+    from distconf.blocks.hf_compat import causal_lm_from_config, tied_layer_tensors
+
+    meta = str(device) == "meta"
+    with _meta_model_lock:
+        if meta and _meta_model and _meta_model[0][0] is config:
+            return _meta_model[0][1], _meta_model[0][2]
+        prepare_config(config)
+        source = type(config).family_source
+        with torch.device(device):
+            try:
+                model = causal_lm_from_config(config)
+            except (TypeError, ValueError) as exc:
+                raise source.error(("block", "constructor", "from_model"),
+                                   f"cannot build the model: {type(exc).__name__}: {exc}") from None
+        prefix = type(config).family_spec.block.prefix
+        try:
+            layers = model.get_submodule(prefix)
+        except AttributeError:
+            raise source.error(("block", "prefix"), f"the model has no module {prefix!r}") from None
+        ties = tied_layer_tensors(model, prefix)
+        if meta:
+            _meta_model[:] = [(config, layers, ties)]
+        return layers, ties
+
+
 def _from_model(cls: type, config: DistributedConfig, layer_idx: int, device: Any) -> Any:
     """Block ``layer_idx`` taken from the causal LM built on ``device`` (``block.constructor.from_model``).
 
@@ -192,26 +230,12 @@ def _from_model(cls: type, config: DistributedConfig, layer_idx: int, device: An
     layer's (its tie map) are kept as ``distconf_tied`` (local name -> (layer, local name there)), which
     `distconf.blocks.weights` reads them from.
     """
-    import torch
+    import copy
 
-    from distconf.blocks.adapter import prepare_config
-    from distconf.blocks.hf_compat import causal_lm_from_config, tied_layer_tensors
-
-    prepare_config(config)
-    source = type(config).family_source
-    with torch.device(device):
-        try:
-            model = causal_lm_from_config(config)
-        except (TypeError, ValueError) as exc:
-            raise source.error(("block", "constructor", "from_model"),
-                               f"cannot build the model: {type(exc).__name__}: {exc}") from None
-    prefix = type(config).family_spec.block.prefix
-    try:
-        layers = model.get_submodule(prefix)
-    except AttributeError:
-        raise source.error(("block", "prefix"), f"the model has no module {prefix!r}") from None
-    block = cls.adopt(layers[layer_idx], config, layer_idx)
-    block.distconf_tied = tied_layer_tensors(model, prefix).get(layer_idx, {})
+    layers, ties = _model_layers(config, device)
+    layer = copy.deepcopy(layers[layer_idx]) if str(device) == "meta" else layers[layer_idx]
+    block = cls.adopt(layer, config, layer_idx)
+    block.distconf_tied = ties.get(layer_idx, {})
     return block
 
 
