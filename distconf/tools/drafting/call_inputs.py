@@ -8,7 +8,7 @@ Three arguments the block can give a layer itself, found by what each layer of t
   states that every layer gets unchanged (a shared block concatenating them with its input); blocks carry it on
   the wire after the hidden state, passed through each layer;
 - the 4D attention mask (``block.call.mask_argument``) under another name than the drafted one, when the drafted
-  argument gets no 4D mask (it holds a padding mask for the state layers) and one other argument does.
+  argument gets no 4D mask (it holds a padding mask for the state layers) and one other mask argument does.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _embeddings_argument(calls: list[dict[str, Any]]) -> str | None:
 
 
 def _mask_argument(calls: list[dict[str, Any]], drafted: str | None) -> str | None:
-    """Another argument receiving the 4D attention mask, when the drafted one receives none."""
+    """Another argument receiving the 4D attention mask (named a mask), when the drafted one receives none."""
     import torch
 
     def four_d(value: Any) -> bool:
@@ -95,7 +95,7 @@ def _mask_argument(calls: list[dict[str, Any]], drafted: str | None) -> str | No
 
     if drafted is not None and any(four_d(call.get(drafted)) for call in calls):
         return None
-    names = {name for call in calls for name, value in call.items() if four_d(value)}
+    names = {name for call in calls for name, value in call.items() if four_d(value) and "mask" in name.split("_")}
     return next(iter(names)) if len(names) == 1 else None
 
 
