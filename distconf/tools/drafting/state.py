@@ -267,9 +267,8 @@ def _monomials(fields: Mapping[str, int]) -> list[tuple[str, tuple[str, ...], in
 
 
 def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
-    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first), a quotient (of
-    a field or a product of two by a field: a width split into heads), or a field minus one (a convolution window
-    of the earlier inputs only)."""
+    """Formulas giving ``value`` on ``config``: one product, or a sum of two (fewest fields first), a quotient of two
+    fields, or a field minus one (a convolution window of the earlier inputs only)."""
     fields = _fields(config, raw)
     monomials = _monomials(fields)
     found = [(text, combo) for text, combo, v in monomials if v == value]
@@ -285,10 +284,16 @@ def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[s
     found += [(f"{a} - 1", (a,)) for a in fields if fields[a] - 1 == value > 1]  # a window but the current input
     found += [(f"{a} // {b}", (a, b)) for a, b in itertools.permutations(fields, 2)  # equal ones give 1 by chance
               if fields[b] and fields[a] > fields[b] and fields[a] % fields[b] == 0 and fields[a] // fields[b] == value]
-    found += [(f"{text} // {b}", (*combo, b)) for text, combo, v in monomials  # a width split into heads
-              if len(combo) == 2 and not text[0].isdigit() for b in fields
-              if b not in combo and 1 < fields[b] < v and v % fields[b] == 0 and v // fields[b] == value]
     return found
+
+
+def _split_candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Formulas ``a * b // c`` giving ``value`` on ``config`` (a width split into heads): tried only when no simpler
+    formula is confirmed, since such a quotient often equals a single field by chance."""
+    fields = _fields(config, raw)
+    return [(f"{text} // {b}", (*combo, b)) for text, combo, v in _monomials(fields)
+            if len(combo) == 2 and not text[0].isdigit() for b in fields
+            if b not in combo and 1 < fields[b] < v and v % fields[b] == 0 and v // fields[b] == value]
 
 
 def _score(text: str, combo: tuple[str, ...], key: str, index: int, length: int,
@@ -326,6 +331,8 @@ def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, 
         return value
     candidates += factor_candidates(_fields(config, raw), float_fields(config, raw), value, whole=True)
     found = _confirmed(config, raw, where, candidates, probe, perturb)
+    if found is None and value > 1:  # a product split into heads, only when nothing simpler holds
+        found = _confirmed(config, raw, where, _split_candidates(config, raw, value), probe, perturb)
     if found is None and value > 1:  # a width times any float factor of the config, as a last resort
         factors = factor_candidates(_fields(config, raw), float_fields(config, raw), value)
         found = _confirmed(config, raw, where, factors, probe, perturb)
