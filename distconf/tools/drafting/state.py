@@ -12,6 +12,7 @@ name the types keeping each.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ _SKIPPED_ROLES = frozenset({"token_id", "vocab_size", "positions", "layer_count"
 _CONV_LAST_WORDS = frozenset({"conv", "kernel"})
 _STATE_WORDS = frozenset({"state", "ssm", "head", "heads", "headdim", "mamba", "linear", "inner"})
 _MAX_MONOMIAL_FIELDS = 3
+_SPLIT_FIELDS = 3  # fields in a product split into heads (a * b // c)
 _MAX_SUMMED = 200  # more single products than this giving the size: sums are not searched
 _MAX_PERTURBED = 16  # fields changed one at a time to tell coincident candidates apart
 Run = Callable[[], "tuple[Any, list[LayerState]] | None"]
@@ -287,6 +289,11 @@ def _candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[s
     return found
 
 
+def _field_count(formula: str | int) -> int:
+    """How many config fields a drafted formula names (0 for an integer)."""
+    return 0 if isinstance(formula, int) else len(re.findall(r"\b(?!int\b)[A-Za-z_]\w*", formula))
+
+
 def _split_candidates(config: Any, raw: Mapping[str, Any], value: int) -> list[tuple[str, tuple[str, ...]]]:
     """Formulas ``a * b // c`` giving ``value`` on ``config`` (a width split into heads): tried only when no simpler
     formula is confirmed, since such a quotient often equals a single field by chance."""
@@ -331,8 +338,11 @@ def _formula(config: Any, raw: Mapping[str, Any], value: int, where: tuple[str, 
         return value
     candidates += factor_candidates(_fields(config, raw), float_fields(config, raw), value, whole=True)
     found = _confirmed(config, raw, where, candidates, probe, perturb)
-    if found is None and value > 1:  # a product split into heads, only when nothing simpler holds
-        found = _confirmed(config, raw, where, _split_candidates(config, raw, value), probe, perturb)
+    if value > 1 and (found is None or _field_count(found) > _SPLIT_FIELDS):
+        # a product split into heads, only when nothing as simple holds (a sum of products of more fields can match
+        # the tiny models by chance: zamba's head size)
+        split = _confirmed(config, raw, where, _split_candidates(config, raw, value), probe, perturb)
+        found = split if split is not None else found
     if found is None and value > 1:  # a width times any float factor of the config, as a last resort
         factors = factor_candidates(_fields(config, raw), float_fields(config, raw), value)
         found = _confirmed(config, raw, where, factors, probe, perturb)
