@@ -21,7 +21,7 @@ from distconf.blocks.weights import load_block
 from distconf.blocks.wire import CarriedSlot, carried_layout, token_id_digits, token_ids_of
 from distconf.loader import load_family
 from distconf.loader.registry import clear_cache
-from distconf.loader.spec_block import PositionSpec
+from distconf.loader.spec_position import PositionSpec
 from distconf.loader.spec_wire import CarriedStream
 from distconf.tools.checker import tiny_variants
 
@@ -123,11 +123,12 @@ def test_blocks_route_by_the_carried_ids_token_by_token(chain: tuple[object, obj
 def test_client_stand_in_puts_the_ids_on_the_wire(chain: tuple[object, object, list[object]]) -> None:
     """The client's layer stand-in sends the ids the model's loop hands its layers, and returns the hidden state
     alone (the layers return no ids)."""
-    from distconf.client.model import RemoteLayers, _carried_arguments
+    from distconf.client.layer_fit import carried_arguments
+    from distconf.client.model import RemoteLayers
 
     config, model, _ = chain
     layer = model.model.layers[0]
-    carried = _carried_arguments(layer, config)
+    carried = carried_arguments(layer, config)
     assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, "token_ids"), 0),)  # first after the hidden states
     stand_in = RemoteLayers(None, {}, streams=config.hc_mult, carried=carried)  # type: ignore[arg-type]
     hidden = torch.randn(1, 4, config.hc_mult, config.hidden_size)

@@ -67,7 +67,8 @@ def test_the_wire_holds_the_whole_stack_on_the_real_defaults(drafted: tuple[int,
 def test_the_client_hands_the_blocks_stack_to_final_input(drafted: tuple[int, Path], tmp_path: Path) -> None:
     """The model's loop around the client's one stand-in, the drafted tiny blocks behind it, and final_input given
     the stack the blocks returned (`hand_final_stacks`): the logits are the model's own."""
-    from distconf.client.model import RemoteLayers, _carried_arguments, _plain_attributes, hand_final_stacks
+    from distconf.client.layer_fit import carried_arguments, hand_final_stacks, plain_attributes
+    from distconf.client.model import RemoteLayers
 
     cls = load_family(drafted[1])
     tiny = {k: v for k, v in cls.family_spec.tiny_config.items() if k != "variants"}
@@ -87,8 +88,8 @@ def test_the_client_hands_the_blocks_stack_to_final_input(drafted: tuple[int, Pa
             return wire
 
         layers = model.model.layers
-        stand_in = RemoteLayers(chain, _plain_attributes(layers[0]), 1,  # type: ignore[arg-type]
-                                _carried_arguments(layers[0], config))
+        stand_in = RemoteLayers(chain, plain_attributes(layers[0]), 1,  # type: ignore[arg-type]
+                                carried_arguments(layers[0], config))
         model.model.layers = torch.nn.ModuleList([stand_in])
         without = model(input_ids=input_ids, use_cache=False).logits  # the loop's own stack: the embeddings only
         hand_final_stacks(model, config, stand_in)
