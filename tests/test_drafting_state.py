@@ -10,8 +10,9 @@ from distconf.loader.formula import Formula, evaluate_on
 from distconf.loader.presets import preset_path
 from distconf.tools.drafting import draft_family
 from distconf.tools.drafting.common import DraftingError
+from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.state import LayerState, StateLayout, state_layout
+from distconf.tools.drafting.state import StateLayout, state_layout
 from distconf.tools.drafting.statedraft import apply_state
 
 

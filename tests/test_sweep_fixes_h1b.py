@@ -128,7 +128,8 @@ def test_several_states_of_a_layer_get_a_shape_each() -> None:
     """The drafter lists one shape per cache state_idx (four conv windows: two per KV head, two per hidden)."""
     from transformers import InklingTextConfig
 
-    from distconf.tools.drafting.state import LayerState, state_layout
+    from distconf.tools.drafting.layer_state import LayerState
+    from distconf.tools.drafting.state import state_layout
 
     config = InklingTextConfig(**_TINY)
 

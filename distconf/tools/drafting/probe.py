@@ -9,9 +9,10 @@ from typing import Any
 
 from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
 from distconf.tools.drafting.indexer import find_indexers
+from distconf.tools.drafting.layer_state import LayerState, layer_states
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
-from distconf.tools.drafting.state import LayerState, foreign_cache_class, foreign_state, layer_states
+from distconf.tools.drafting.state import foreign_cache_class, foreign_state
 from distconf.tools.drafting.state_attributes import ModuleStatesFound, module_states, run_handing_cache
 from distconf.tools.drafting.state_list import StateListFound, find_state_list, list_states
 from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states

@@ -17,7 +17,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.state import LayerState
+from distconf.tools.drafting.layer_state import LayerState
 
 __all__ = ["ModuleStatesFound", "run_handing_cache", "module_states", "apply_module_states"]
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
+from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.state_factors import evaluate_factor, factor_candidates, float_fields
-
-if TYPE_CHECKING:
-    from distconf.tools.drafting.state import LayerState
 
 __all__ = ["Run", "Perturb", "dimension_formula"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.state import LayerState
+from distconf.tools.drafting.layer_state import LayerState
 
 __all__ = ["StateListFound", "find_state_list", "list_states"]
 

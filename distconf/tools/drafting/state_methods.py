@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
-from distconf.tools.drafting.state import LayerState
+from distconf.tools.drafting.layer_state import LayerState
 
 __all__ = ["StateMethodsFound", "find_state_methods", "with_method_states"]
 

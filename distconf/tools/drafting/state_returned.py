@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.state import LayerState
+from distconf.tools.drafting.layer_state import LayerState
 
 __all__ = ["ReturnedStateFound", "run_returning_states", "returned_states"]
 
