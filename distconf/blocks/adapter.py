@@ -28,6 +28,7 @@ from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache
 from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_field, layer_settings
 from distconf.blocks.module_state import counted_positions, held_in_modules, split_count, with_count
+from distconf.blocks.shared_kv import join_shared, reuse_into, split_shared, stored_part
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
@@ -36,8 +37,6 @@ from distconf.blocks.wire import (
     carried_stand_ins,
     join_carried,
     split_carried,
-    to_layer_form,
-    to_wire_form,
 )
 from distconf.loader.config_protocol import DistributedConfig
 
@@ -289,6 +288,7 @@ class BlockAdapter:
         state_past, seen = split_count(state_past, settings)
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
+        hidden_states, shared = split_shared(hidden_states, settings.shared_slots)  # kv_cache.shared: last
         layout = carried_layout(settings.config)  # hidden_state.carried: values after the hidden state
         hidden_states, carried = split_carried(hidden_states, layout)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
@@ -302,13 +302,24 @@ class BlockAdapter:
         positions = counted_positions(seen, hidden_states) if seen is not None and kv_past is None else None
         kwargs = {**self.layer_kwargs(hidden_states, past, cache, rows, positions),
                   **{slot.argument: slot.layer_part(carried[slot.argument], settings.layer_idx) for slot in layout}}
+        role, key = settings.sharing
+        if role == "reuse":
+            reuse_into(kwargs[self._shared_argument], key, shared[key], cache, settings.geometry)
         with held_in_modules(self, settings, cache, hidden_states):
-            output = call_with_state(super().forward, to_layer_form(hidden_states, settings.streams), kwargs,
+            output = call_with_state(super().forward, settings.layer_form(hidden_states), kwargs,
                                      cache, settings)
+        if role == "store":
+            width = next(slot.width for slot in settings.shared_slots if slot.key == key)
+            shared = {**shared, key: stored_part(kwargs[self._shared_argument], key, hidden_states.shape[1], width)}
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
-        return join_carried(to_wire_form(hidden, settings.streams), output, layout, carried, settings.layer_idx,
-                            hidden_states), present
+        wire = join_carried(settings.wire_form(hidden), output, layout, carried, settings.layer_idx, hidden_states)
+        return join_shared(wire, shared, settings.shared_slots), present
+
+    @property
+    def _shared_argument(self) -> str:
+        """The layer's keyword of the container it stores K/V in or reuses it from (``kv_cache.shared``)."""
+        return type(self).family_spec.kv_cache.shared.argument
 
     def _recompute(self, hidden_states: torch.Tensor, kv_past: tuple[torch.Tensor, ...] | None, use_cache: bool,
                    rows: RowLayout | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
@@ -331,10 +342,10 @@ class BlockAdapter:
             full_rows = RowLayout(padding, (padding.long().cumsum(-1) - 1).clamp(min=0))
         layout = carried_layout(self._distconf.config)  # values after the hidden state, for the whole sequence
         hidden, carried = split_carried(full, layout)
-        output = super().forward(to_layer_form(hidden, self._distconf.streams),  # type: ignore[misc]
+        output = super().forward(self._distconf.layer_form(hidden),  # type: ignore[misc]
                                  **self.layer_kwargs(hidden, 0, None, full_rows), **carried)
         hidden = output[0] if isinstance(output, (tuple, list)) else output
-        output = join_carried(to_wire_form(hidden, self._distconf.streams), output, layout, carried)
+        output = join_carried(self._distconf.wire_form(hidden), output, layout, carried)
         present = (full.unsqueeze(1), full.new_zeros(*full.shape[:2], 0).unsqueeze(1)) if use_cache else None
         return output[:, full.shape[1] - new:], present
 

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
+from distconf.blocks.stream_form import to_layer_form, to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
+from distconf.loader.kv_sharing import LayerSharing, SharedSlot, layer_sharing, shared_kv_slots
 from distconf.loader.per_layer import layer_config
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
-from distconf.loader.spec_wire import streams_of
+from distconf.loader.spec_wire import stream_axis_of, streams_of
 from distconf.loader.synthesis import resolve_object
 
 if TYPE_CHECKING:
@@ -35,6 +37,9 @@ class RowLayout:
 
     padding_mask: torch.Tensor
     position_ids: torch.Tensor
+
+
+_NO_SHARING = LayerSharing(None, None)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,20 @@ class LayerSettings:
     """(keyword, class) of the empty containers the layer gets anew on every call (``block.call.fresh_arguments``)."""
     streams: int = 1
     """Streams of hidden_size values the layer takes and returns (``hidden_state.streams``; 1: ``[B, S, H]``)."""
+    stream_axis: int = 2
+    """Where the streams sit in the layer's hidden state (``hidden_state.stream_axis``: 2 or 0)."""
+    sharing: LayerSharing = _NO_SHARING
+    """Whether the layer stores or reuses K/V shared across layers (``kv_cache.shared``), under which key."""
+    shared_slots: tuple[SharedSlot, ...] = ()
+    """The shared K/V the wire carries after the carried values (`distconf.loader.kv_sharing.shared_kv_slots`)."""
+
+    def layer_form(self, wire: torch.Tensor) -> torch.Tensor:
+        """The wire's hidden state as the layer takes it (`distconf.blocks.stream_form.to_layer_form`)."""
+        return to_layer_form(wire, self.streams, self.stream_axis)
+
+    def wire_form(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's hidden state as the wire holds it (`distconf.blocks.stream_form.to_wire_form`)."""
+        return to_wire_form(hidden, self.streams, self.stream_axis)
 
     @property
     def state_width(self) -> int:
@@ -160,7 +179,8 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
                                                     path, want_class=True))
                               for name, path in block.call.fresh_arguments.items()),
         counts_positions=spec.state is not None and spec.state.counts_positions,
-        streams=streams_of(config),
+        streams=streams_of(config), stream_axis=stream_axis_of(config),
+        sharing=layer_sharing(config, layer_idx), shared_slots=shared_kv_slots(config),
     )
 
 

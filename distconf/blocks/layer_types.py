@@ -16,8 +16,8 @@ that run both side by side, MLP-only layers) needs no code of its own:
 
 from __future__ import annotations
 
-from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.layer_kind import layer_type
 
 __all__ = ["layer_type", "skipped_at", "keeps_kv_at", "keeps_state_at", "any_layer_keeps_kv"]
 
@@ -25,30 +25,6 @@ __all__ = ["layer_type", "skipped_at", "keeps_kv_at", "keeps_state_at", "any_lay
 def _spec(config: DistributedConfig | type) -> object:
     cls = config if isinstance(config, type) else type(config)
     return getattr(cls, "family_spec", None)
-
-
-def layer_type(config: DistributedConfig, layer_idx: int) -> str | None:
-    """The type of layer ``layer_idx``: the type whose ``block.mask.layer_index_fields`` field lists the index,
-    else its entry in ``block.mask.layer_types_field``; None when the family or the config names no type."""
-    spec = _spec(config)
-    if spec is None:
-        return None
-    for kind, index_field in spec.block.mask.layer_index_fields.items():
-        indices = getattr(config, index_field, None)
-        if indices is not None and not isinstance(indices, (list, tuple, set, frozenset)):
-            raise ConfigValueError(f"{index_field}={indices!r} is not a list of layer indices")
-        if indices is not None and layer_idx in indices:
-            return kind
-    field = spec.block.mask.layer_types_field
-    if field is None:
-        return None
-    types = getattr(config, field, None)
-    if types is None:
-        return None
-    try:
-        return str(types[layer_idx])
-    except (IndexError, TypeError):
-        raise ConfigValueError(f"{field}={types!r} has no entry for layer {layer_idx}") from None
 
 
 def skipped_at(config: DistributedConfig, layer_idx: int) -> bool:

@@ -58,9 +58,10 @@ from distconf.client.verifier import VerificationRollback
 from distconf.client.verify_events import VerificationEvent
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
+from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.naming import config_num_blocks
 from distconf.loader.once import OncePerKey
-from distconf.loader.spec_wire import streams_of
+from distconf.loader.spec_wire import stream_axis_of, streams_of
 from distconf.sources import ModelSource, ModelSourceError
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
@@ -84,8 +85,10 @@ class RemoteLayers(torch.nn.Module):
     ``tuple_padding`` Nones: ``returns_tuple``, found at load by
     `distconf.client.hf_generation.layer_output_is_tuple`, which sets ``probing`` to make the
     stand-in pass hidden states through). A model whose layers take ``streams`` streams
-    (``hidden_state.streams``) hands it ``[batch, seq, streams, hidden]``, sent flattened
-    (`distconf.blocks.wire`); the model's own forward expands and collapses the streams. A value the model's
+    (``hidden_state.streams``) hands it ``[batch, seq, streams, hidden]`` (``[streams, batch, seq, hidden]`` with
+    ``stream_axis`` 0), sent flattened
+    (`distconf.blocks.wire`); the model's own forward expands and collapses the streams. K/V later layers reuse
+    (``kv_cache.shared``, ``shared_width`` values per token) go last, zeros the blocks fill. A value the model's
     loop carries from layer to layer (``hidden_state.carried``: ``carried`` holds each one's argument, its
     `CarriedSlot` and its position among the layer's arguments) goes on the wire after the hidden state
     (zeros where the model hands None, token ids as digits) and comes back at its index of the returned tuple;
@@ -97,10 +100,12 @@ class RemoteLayers(torch.nn.Module):
 
     def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
                  carried: tuple[tuple[CarriedSlot, int | None], ...] = (),
-                 capture: ModelInputCapture | None = None) -> None:
+                 capture: ModelInputCapture | None = None, stream_axis: int = 2, shared_width: int = 0) -> None:
         super().__init__()
         self.remote = remote
         self.streams = streams
+        self.stream_axis = stream_axis
+        self.shared_width = shared_width
         self.carried = carried
         self.__dict__["capture"] = capture
         self.stacks: dict[str, torch.Tensor] = {}
@@ -117,19 +122,24 @@ class RemoteLayers(torch.nn.Module):
         self.__dict__["prompts"] = prompts
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``, or ``[batch, seq, streams, hidden]``)."""
-        wire = to_wire_form(hidden_states, self.streams)
+        """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``, or ``[batch, seq, streams, hidden]``
+        / ``[streams, batch, seq, hidden]``)."""
+        wire = to_wire_form(hidden_states, self.streams, self.stream_axis)
         if self.carried:
             wire = torch.cat([wire, *self._carried_inputs(wire, args, kwargs)], dim=-1)
+        if self.shared_width:  # kv_cache.shared: nothing stored yet; the blocks fill and read it
+            wire = torch.cat([wire, wire.new_zeros(*wire.shape[:-1], self.shared_width)], dim=-1)
         if self.probing:
             out = wire
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
             out = cache.step(wire) if cache is not None else self._forward(wire)
+        if self.shared_width:
+            out = out[..., :-self.shared_width]
         out, carried = split_carried(out, tuple(slot for slot, _ in self.carried))
         self.stacks = {slot.argument: stack_for_layer(carried[slot.argument], slot) for slot, _ in self.carried
                        if slot.every is not None}
-        out = to_layer_form(out, self.streams)
+        out = to_layer_form(out, self.streams, self.stream_axis)
         if not self.returns_tuple:
             return out
         result: list[Any] = [out, *[None] * self.tuple_padding]
@@ -319,7 +329,8 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     stand_in = RemoteLayers(RemoteSequential(config, swarm), plain_attributes(layers[0]), streams_of(config),
-                            carried_arguments(layers[0], config), model_input_capture(model, config))
+                            carried_arguments(layers[0], config), model_input_capture(model, config),
+                            stream_axis_of(config), sum(slot.width for slot in shared_kv_slots(config)))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     untie_layer_list(model, name)  # the model's ties between its layers name layers that are not here

@@ -170,6 +170,22 @@ class FamilySpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _shared_kv_fits(self) -> FamilySpec:
+        shared = self.kv_cache.shared
+        if shared is None:
+            return self
+        if self.block.mask.layer_types_field is None:
+            raise ValueError("kv_cache.shared needs block.mask.layer_types_field (a stored K/V is keyed by the "
+                             "storing layer's type)")
+        if shared.argument not in self.block.call.fresh_arguments:
+            raise ValueError(f"kv_cache.shared.argument {shared.argument!r} is not a block.call.fresh_arguments "
+                             "entry (the container class the block makes for each call)")
+        if self.block.call.cache_argument is None or self.block.layer_stack is not None:
+            raise ValueError("kv_cache.shared cannot be combined with block.call.cache_argument: null or "
+                             "block.layer_stack (a block rerunning or looping its layers keeps no copy to reuse)")
+        return self
+
+    @model_validator(mode="after")
     def _cache_kinds_named(self) -> FamilySpec:
         """Every ``layer_kinds`` (state, kv_cache, rotary, computed arguments) names layer types the mask maps."""
         mask = self.block.mask
@@ -180,6 +196,9 @@ class FamilySpec(StrictModel):
                  ("state.layer_overrides", list(self.state.layer_overrides) or None if self.state else None),
                  ("block.position.rotary", position.rotary_layer_kinds),
                  ("kv_cache.indexer", None if self.kv_cache.indexer_types_field else self.kv_cache.indexer_layer_kinds)]
+        shared = self.kv_cache.shared
+        if shared is not None and isinstance(shared.values_per_token, dict):
+            named.append(("kv_cache.shared.values_per_token", list(shared.values_per_token)))
         named += [(f"block.position.computed_arguments.{name}", argument.layer_kinds)
                   for name, argument in position.computed_arguments.items()]
         for where, kinds in named:
@@ -254,7 +273,7 @@ class FamilySpec(StrictModel):
 
 def _kinds_field(where: str) -> str:
     """The field naming layer types: ``<section>.layer_kinds``, or the overrides mapping itself."""
-    if where.endswith("layer_overrides"):
+    if where.endswith(("layer_overrides", "values_per_token")):
         return where
     return f"{where}_layer_kinds" if where.endswith((".rotary", ".indexer")) else f"{where}.layer_kinds"
 

@@ -9,7 +9,30 @@ from pydantic import Field, model_validator
 
 from distconf.loader.spec_types import Identifier, IntOrFormula, StrictModel
 
-__all__ = ["KVCacheSpec", "KVGeometryOverride"]
+__all__ = ["KVCacheSpec", "KVGeometryOverride", "SharedKVSpec"]
+
+
+class SharedKVSpec(StrictModel):
+    """K/V that later layers reuse from an earlier layer instead of computing their own (Gemma 3n's KV sharing).
+
+    The model hands every layer one container (``argument``, a ``block.call.fresh_arguments`` entry): a layer
+    whose entry in ``modes_field`` is ``store`` puts its keys and values there under its layer type (the value
+    of ``block.mask.layer_types_field``), and a later ``reuse`` layer of that type attends with them. Blocks
+    may sit on different servers, so the wire carries each stored type's keys and values of the step's new
+    tokens (``values_per_token`` each, after the hidden state and its carried values, zeros until stored); a
+    reuse layer's block appends them to its own K/V cache and hands the layer the whole. Every reuse layer so
+    keeps a copy, sized as its K/V geometry says: sessions, beams, rewinds and failover hold as for any K/V.
+    """
+
+    argument: Identifier = Field(description="The layers' keyword of the container (a block.call.fresh_arguments "
+                                             "entry, e.g. shared_kv_states).")
+    modes_field: Identifier = Field(description="Config attribute listing each layer's sharing mode (e.g. "
+                                                "kv_sharing_modes: null, store or reuse per layer).")
+    values_per_token: IntOrFormula | dict[str, IntOrFormula] = Field(
+        description="Key and value entries per token a storing layer hands on (num_kv_heads * (key_head_dim + "
+                    "value_head_dim), e.g. 2 * num_key_value_heads * head_dim), or that per layer type.")
+    store: str = Field(default="store", description="The mode of a layer that stores its K/V for later layers.")
+    reuse: str = Field(default="reuse", description="The mode of a layer that attends with a stored K/V.")
 
 
 class KVGeometryOverride(StrictModel):
@@ -81,6 +104,11 @@ class KVCacheSpec(StrictModel):
         description="Attention sublayers of one block that each keep their own K/V of the geometry above (a "
                     "layer module calling the cache with several layer indices); the block keeps them side by "
                     "side along the head axis, so it caches this many times the values per token.",
+    )
+    shared: SharedKVSpec | None = Field(
+        default=None,
+        description="K/V later layers reuse from an earlier layer (SharedKVSpec), carried on the wire between "
+                    "blocks. Null: every K/V layer computes its own.",
     )
     layer_writes: Literal["kv_heads", "repeat_interleave"] = Field(
         default="kv_heads",

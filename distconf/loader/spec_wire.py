@@ -7,7 +7,8 @@ wire carries ``streams * hidden_size`` values per token. `wire_width_of` is the 
 rule: every consumer that sizes, checks or builds the tensor between blocks reads it there (the
 synthesized config's ``wire_width`` property calls it). A value the model carries from each layer
 to the next besides the hidden states (``hidden_state.carried``, `CarriedStream`) travels on the wire
-after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`). A stack the
+after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`), then the K/V
+later layers reuse (`distconf.loader.kv_sharing`). A stack the
 loop grows from the layers' inputs (``grows``, `GrowingStack`) is carried at its largest, every entry the model
 makes: ``ceil(num_hidden_layers / every)`` entries of ``width`` (`stack_entries`), the ones not made yet zeros.
 """
@@ -20,10 +21,11 @@ from pydantic import Field, model_validator
 
 from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
 __all__ = ["CarriedArgument", "CarriedStream", "GrowingStack", "HiddenStateSpec", "carried_widths", "stack_entries",
-           "wire_width_of", "streams_of", "loops_layers"]
+           "wire_width_of", "streams_of", "stream_axis_of", "loops_layers"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
@@ -103,7 +105,8 @@ class CarriedStream(StrictModel):
 class HiddenStateSpec(StrictModel):
     """The hidden state the model's layers hand each other, when it is not one ``[batch, seq, hidden_size]``.
 
-    With ``streams: N`` every layer takes and returns ``[batch, seq, N, hidden_size]``: the model expands
+    With ``streams: N`` every layer takes and returns ``[batch, seq, N, hidden_size]`` (``[N, batch, seq,
+    hidden_size]`` with ``stream_axis: 0``): the model expands
     its embedding output to N streams before the first layer and collapses them with ``collapse_module``
     after the last one, before the final norm. Blocks exchange the streams flattened (``N * hidden_size``
     values per token); the block reshapes them around its layer, the client's model expands and collapses
@@ -114,6 +117,12 @@ class HiddenStateSpec(StrictModel):
         default=1,
         description="Streams of hidden_size values the hidden state holds between layers (an integer or a "
                     "formula over config fields, e.g. hc_mult).",
+    )
+    stream_axis: Literal[0, 2] = Field(
+        default=2,
+        description="Where the streams sit in the layers' hidden state: 2, [batch, seq, streams, hidden_size] "
+                    "(manifold hyper-connections); 0, [streams, batch, seq, hidden_size] (Gemma 3n's AltUp). "
+                    "The wire holds them flattened either way.",
     )
     collapse_module: str | None = Field(
         default=None,
@@ -132,6 +141,8 @@ class HiddenStateSpec(StrictModel):
             raise ValueError(f"streams must be at least 1, got {self.streams}")
         if self.streams != 1 and self.collapse_module is None:
             raise ValueError("several streams need collapse_module (the module collapsing them after the last layer)")
+        if self.streams == 1 and self.stream_axis != 2:
+            raise ValueError("stream_axis places several streams: it takes streams other than 1")
         if self.streams == 1 and not self.carried:
             raise ValueError("a hidden_state of one stream carrying nothing is the default: remove the section")
         names = [c.argument for c in self.carried]
@@ -180,6 +191,13 @@ def streams_of(config: Any) -> int:
     return _positive(config, spec.family, "hidden_state.streams", hidden_state.streams)
 
 
+def stream_axis_of(config: Any) -> int:
+    """Where the streams sit in the layers' hidden state of ``config``'s family: 2 (``[batch, seq, streams,
+    hidden]``, also for one stream) or 0 (``[streams, batch, seq, hidden]``)."""
+    hidden_state = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
+    return 2 if hidden_state is None else hidden_state.stream_axis
+
+
 def stack_entries(config: Any, index: int) -> tuple[int, int]:
     """``(every, entries)`` of the growing stack ``hidden_state.carried[index]``: the model's whole stack holds
     ``ceil(num_hidden_layers / every)`` entries."""
@@ -210,12 +228,14 @@ def carried_widths(config: Any) -> tuple[int, ...]:
 
 def wire_width_of(config: Any) -> int:
     """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(carried widths)``,
-    plus ``streams * hidden_size`` more for a looped layer stack's input (`loops_layers`).
+    plus the K/V later layers reuse (`distconf.loader.kv_sharing.shared_kv_slots`), plus ``streams *
+    hidden_size`` more for a looped layer stack's input (`loops_layers`).
 
     ``hidden_size`` for a family without a ``hidden_state`` section (and for a plain config).
     """
     hidden = streams_of(config) * int(config.hidden_size)
-    return hidden + sum(carried_widths(config)) + (hidden if loops_layers(config) else 0)
+    shared = sum(slot.width for slot in shared_kv_slots(config))
+    return hidden + sum(carried_widths(config)) + shared + (hidden if loops_layers(config) else 0)
 
 
 def loops_layers(config: Any) -> bool:

@@ -99,6 +99,8 @@ def layer_kinds(config: DistributedConfig, first: int | None = None) -> list[fro
         position = "rotary" if settings.rotary_class else "alibi" if settings.alibi_function else "none"
         labels = {f"mask={settings.mask_kind}", f"position={position}"}
         labels.update(f"{name}={value[i]}" for name, value in lists.items())
+        if settings.sharing.role is not None:  # kv_cache.shared: a storing and a reusing layer are kinds of their own
+            labels.add(f"kv_sharing={settings.sharing.role}")
         labels.update(_structure(config, i))
         kinds.append(frozenset(labels))
     return kinds

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from distconf.blocks.wire import to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.tools.checker.failures import located_failure
+from distconf.tools.checker.wire_records import batch_first, checked_streams, shared_parts, store_shared
 
 if TYPE_CHECKING:
     from distconf.blocks.wire import CarriedSlot, ModelInputCapture
@@ -125,20 +126,33 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     import torch
 
     from distconf.blocks.wire import carried_layout
+    from distconf.loader.kv_sharing import shared_kv_slots
+    from distconf.loader.spec_wire import stream_axis_of
 
     layout = carried_layout(reference.config)
     cls = type(reference.config)
+    axis = stream_axis_of(reference.config)
+    slots = shared_kv_slots(reference.config)
+    stored: dict[str, Any] = {}
     capture = _capture(reference, layout)
     records: dict[int, list[tuple[Any, Any]]] = {i: [] for i in range(reference.layers)}
     hooks = []
     for i in range(reference.layers):
         def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            out = output[0] if isinstance(output, (tuple, list)) else output
+            hidden = batch_first(args[0] if args else kwargs["hidden_states"], axis)
+            out = batch_first(output[0] if isinstance(output, (tuple, list)) else output, axis)
+            if not any(records.values()):  # the streams first: the carried values' checks read the tokens' shape
+                checked_streams(reference, hidden, (BATCH, SEQ_LEN))
             inputs = _carried_inputs(module, args, kwargs, layout)
             computed = _computed_inputs(cls, capture, layout, hidden, inputs, i)
             given = _with_carried(hidden, inputs, layout, cls, computed)
-            records[i].append((given, _with_carried(out, output, layout, cls, computed, inputs, given, i)))
+            made = _with_carried(out, output, layout, cls, computed, inputs, given, i)
+            if slots:  # kv_cache.shared: what the layers stored so far follows, as the wire holds it
+                before = shared_parts(stored, slots, hidden)
+                store_shared(reference, module, args, kwargs, i, stored, hidden.shape[1])
+                given, made = (given[0], [*given[1], *before]), (made[0], [*made[1], *shared_parts(stored, slots,
+                                                                                                  hidden)])
+            records[i].append((given, made))
         hooks.append(reference.layer(i).register_forward_hook(hook, with_kwargs=True))
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, reference.config.vocab_size, (BATCH, SEQ_LEN), generator=generator)
@@ -154,7 +168,7 @@ def record_layer_io(reference: Reference) -> tuple[Any, list[Any]]:
     _check_stack_growth(cls, records, layout)
     records = _unrolled(reference, records)
     first, outputs = _chain(records, reference.blocks)
-    streams = _checked_streams(reference, first[0])
+    streams = checked_streams(reference, first[0], (BATCH, SEQ_LEN))
     ins, outs = [_wire(first, streams)], [_wire(out, streams) for out in outputs]
     if type(reference.config).family_spec.block.layer_stack is not None:  # type: ignore[attr-defined]
         ins, outs = _with_loop_input(reference, ins, outs)
@@ -334,32 +348,6 @@ def _wire(record: tuple[Any, list[Any]], streams: int) -> Any:
     hidden, carried = record
     wire = to_wire_form(hidden, streams)
     return torch.cat([wire, *carried], dim=-1) if carried else wire
-
-
-def _checked_streams(reference: Reference, first: Any) -> int:
-    """The streams the family declares (``hidden_state``), checked against the first layer's input."""
-    from distconf.loader.spec_wire import streams_of
-
-    cls = type(reference.config)
-    declared = streams_of(reference.config)
-    hidden = int(reference.config.hidden_size)
-    seen = int(first.shape[2]) if first.ndim == 4 and first.shape[-1] == hidden else 1
-    if declared != seen:
-        shape = "x".join(map(str, first.shape))
-        if cls.family_spec.hidden_state is None:  # type: ignore[attr-defined]
-            raise located_failure(cls, ("hidden_state",), f"the model's layers take a {shape} hidden state ({seen} "
-                                  "streams of hidden_size): declare hidden_state (streams, collapse_module)")
-        raise located_failure(cls, ("hidden_state", "streams"), f"gives {declared} streams, but the model's layers "
-                              f"take a {shape} hidden state ({seen} streams of hidden_size {hidden})")
-    hidden_state = cls.family_spec.hidden_state  # type: ignore[attr-defined]
-    if hidden_state is not None and hidden_state.collapse_module is not None:
-        try:
-            reference.model.get_submodule(hidden_state.collapse_module)
-        except AttributeError:
-            raise located_failure(cls, ("hidden_state", "collapse_module"),
-                                  f"{type(reference.model).__name__} has no module "
-                                  f"{hidden_state.collapse_module!r}") from None
-    return declared
 
 
 def _chain(records: dict[int, list[tuple[Any, Any]]], layers: int) -> tuple[Any, list[Any]]:

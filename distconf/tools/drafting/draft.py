@@ -42,6 +42,7 @@ from distconf.tools.drafting.sections import (
     draft_position,
     map_layer_kinds,
 )
+from distconf.tools.drafting.shared_kv import draft_shared_kv
 from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.stacks import draft_growing_stacks, stack_places
@@ -172,6 +173,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
         refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
         draft_computed_positions(draft, plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"))
         draft_fresh_arguments(draft, plan.config_class, base_tiny)
+        draft_shared_kv(draft, plan.config_class, base_tiny)
         draft_call_inputs(draft, plan.config_class, base_tiny)
         draft_dict_mask(draft, plan.config_class, base_tiny)
         draft_growing_stacks(draft, plan.config_class, base_tiny, stacks, owner)

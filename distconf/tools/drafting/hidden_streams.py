@@ -1,11 +1,13 @@
 """``hidden_state``: a model whose layers hand each other several streams of hidden_size values.
 
 Manifold hyper-connections expand the embedding output to N streams before the layer loop
-(``[batch, seq, N, hidden_size]``), every layer takes and returns that shape, and a model-level
+(``[batch, seq, N, hidden_size]``; Gemma 3n's AltUp ``[N, batch, seq, hidden_size]``), every layer takes
+and returns that shape, and a model-level
 module collapses the streams after the last layer, before the final norm. The drafter runs the
 tiny model and sees it: the first layer's input has four dimensions, the last one hidden_size;
 the module outside the layer list that takes that shape and gives ``[batch, seq, hidden_size]``
-is the collapse module; the config field giving N is the one whose change changes N.
+is the collapse module (for streams first, the model collapses them in its forward: the module it runs first
+after the last layer, or the list holding it); the config field giving N is the one whose change changes N.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from distconf.tools.drafting.render import FamilyDraft
 __all__ = ["StreamsSeen", "streams_seen", "draft_hidden_state"]
 
 _CANDIDATES = 8  # config fields tried as the stream count (each one tiny run)
+_BATCH, _SEQ = 1, 5  # the tiny run's token ids: the streams' axis is the one that is neither
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class StreamsSeen:
     """Streams of the first layer's input (1: a plain ``[batch, seq, hidden_size]``)."""
     collapse_module: str | None
     """Dotted name in the causal LM of the module outside the layers that collapses the streams (None: none)."""
+    axis: int = 2
+    """Where the streams sit: 2 (``[batch, seq, streams, hidden]``) or 0 (``[streams, batch, seq, hidden]``)."""
 
 
 def streams_seen(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> StreamsSeen | None:
@@ -59,23 +64,43 @@ def streams_seen(config_class: type, tiny: Mapping[str, Any], attn_implementatio
                 calls.append((name, tuple(args[0].shape), tuple(output.shape)))
         return hook
 
-    handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True)]
+    def after_last(module: Any, args: Any, output: Any) -> None:
+        seen.setdefault("after_last", len(calls))
+
+    handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True),
+               layers[-1].register_forward_hook(after_last)]
     handles += [module.register_forward_hook(outside(name)) for name, module in model.named_modules()
                 if name and not (name == prefix or name.startswith(prefix + "."))]
     try:
         with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=False)
+            model(torch.randint(0, 8, (_BATCH, _SEQ)), use_cache=False)
     except Exception:
         return None
     finally:
         for handle in handles:
             handle.remove()
     shape = seen.get("shape")
-    if shape is None or len(shape) != 4 or shape[-1] != hidden:
+    if shape is None or len(shape) != 4 or shape[-1] != hidden or (_BATCH, _SEQ) not in (shape[:2], shape[1:3]):
         return StreamsSeen(1, None)
+    axis = 2 if shape[:2] == (_BATCH, _SEQ) else 0
     collapse = next((name for name, given, made in calls
-                     if given == shape and made == (*shape[:2], shape[-1])), None)
-    return StreamsSeen(int(shape[2]), collapse)
+                     if given == shape and made == (_BATCH, _SEQ, shape[-1])), None)
+    if collapse is None and axis == 0:  # the model collapses them itself, with the modules it runs right after
+        collapse = _module_list_of(model, next((name for name, _, _ in calls[seen.get("after_last", len(calls)):]),
+                                               None))
+    return StreamsSeen(int(shape[axis]), collapse, axis)
+
+
+def _module_list_of(model: Any, name: str | None) -> str | None:
+    """``name``, or the ModuleList holding it (the model indexing a list of modules, one per stream)."""
+    import torch
+
+    if name is None:
+        return None
+    parent, _, _ = name.rpartition(".")
+    if parent and isinstance(model.get_submodule(parent), torch.nn.ModuleList):
+        return parent
+    return name
 
 
 def draft_hidden_state(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
@@ -88,13 +113,17 @@ def draft_hidden_state(draft: FamilyDraft, config_class: type, tiny: Mapping[str
     if field is None or seen.collapse_module is None:
         missing = ("the config field giving the count (no field equal to it changes it)" if field is None
                    else "the module collapsing them after the last layer (none outside the layers takes them)")
-        draft.review.append(f"the layers take {seen.streams} streams of hidden_size values ([batch, seq, "
-                            f"{seen.streams}, hidden_size]), but the drafter did not find {missing}: write "
+        form = (f"[batch, seq, {seen.streams}, hidden_size]" if seen.axis == 2
+                else f"[{seen.streams}, batch, seq, hidden_size]")
+        draft.review.append(f"the layers take {seen.streams} streams of hidden_size values ({form}), but the "
+                            f"drafter did not find {missing}: write "
                             "hidden_state (streams, collapse_module) by hand")
         return
-    draft.hidden_state = {"streams": field, "collapse_module": seen.collapse_module, **draft.hidden_state}
-    draft.facts.append(f"the layers take and return {field} streams of hidden_size values ([batch, seq, {field}, "
-                       f"hidden_size]; {seen.collapse_module} collapses them after the last layer): blocks exchange "
+    axis = {} if seen.axis == 2 else {"stream_axis": seen.axis}
+    draft.hidden_state = {"streams": field, **axis, "collapse_module": seen.collapse_module, **draft.hidden_state}
+    form = f"[batch, seq, {field}, hidden_size]" if seen.axis == 2 else f"[{field}, batch, seq, hidden_size]"
+    draft.facts.append(f"the layers take and return {field} streams of hidden_size values ({form}; "
+                       f"{seen.collapse_module} collapses them after the last layer): blocks exchange "
                        f"them flattened, {field} * hidden_size values per token (hidden_state)")
 
 
