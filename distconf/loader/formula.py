@@ -23,10 +23,11 @@ import ast
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distconf.errors import excerpt
+from distconf.errors import ConfigValueError, excerpt
 from distconf.loader.per_layer import global_read_problem
 
-__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "MAX_FORMULA_DEPTH", "MAX_OPERAND", "evaluate_on"]
+__all__ = ["Formula", "FormulaError", "MAX_FORMULA_LENGTH", "MAX_FORMULA_DEPTH", "MAX_OPERAND", "evaluate_on",
+           "count_on"]
 
 MAX_FORMULA_LENGTH = 500
 MAX_FORMULA_DEPTH = 32
@@ -265,3 +266,20 @@ class Formula:
 def evaluate_on(value: int | Formula, obj: object) -> Any:
     """An integer as it is, or a formula evaluated on ``obj`` (an ``int | Formula`` family field)."""
     return value.evaluate_on(obj) if isinstance(value, Formula) else value
+
+
+def count_on(config: Any, family: str, where: str, value: Any, minimum: int = 1) -> int:
+    """``value`` (an integer or a `Formula`) on ``config`` as an integer of at least ``minimum``; a formula that
+    does not evaluate, or a value that is no such integer, is one `ConfigValueError` naming ``family`` and the
+    field ``where``."""
+    written = value
+    if isinstance(value, Formula):
+        try:
+            value = value.evaluate_on(config)
+        except FormulaError as exc:
+            raise ConfigValueError(f"family {family!r}: {where}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        wanted = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+        raise ConfigValueError(f"family {family!r}: {where} {excerpt(str(written))} gave {excerpt(value)}; "
+                               f"expected {wanted}")
+    return value

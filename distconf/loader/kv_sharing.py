@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from distconf.errors import ConfigValueError
-from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.formula import count_on
 from distconf.loader.layer_kind import layer_type
 from distconf.loader.per_layer import layer_config
 
@@ -89,11 +89,4 @@ def _width(config: Any, key: str) -> int:
         if key not in value:
             raise ConfigValueError(f"family {family!r}: {where} has no entry for the stored type {key!r}")
         value, where = value[key], f"{where}.{key}"
-    if isinstance(value, Formula):
-        try:
-            value = value.evaluate_on(config)
-        except FormulaError as exc:
-            raise ConfigValueError(f"family {family!r}: {where}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigValueError(f"family {family!r}: {where} gave {value!r}; expected a positive integer")
-    return value
+    return count_on(config, family, where, value)

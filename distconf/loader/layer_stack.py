@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.errors import ConfigValueError, excerpt
-from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.formula import count_on
 
 __all__ = ["Loop", "loop_of", "block_count", "model_layer", "pass_entry", "LoopRole", "loop_role"]
 
@@ -48,16 +48,7 @@ class LoopRole:
 
 
 def _value(config: Any, family: str, name: str, value: Any) -> int:
-    written = value
-    if isinstance(value, Formula):
-        try:
-            value = value.evaluate_on(config)
-        except FormulaError as exc:
-            raise ConfigValueError(f"family {family!r}: block.layer_stack.loop.{name}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigValueError(f"family {family!r}: block.layer_stack.loop.{name} {excerpt(str(written))} gave "
-                               f"{excerpt(value)}; expected a non-negative integer")
-    return value
+    return count_on(config, family, f"block.layer_stack.loop.{name}", value, minimum=0)
 
 
 def loop_of(config: Any) -> Loop | None:

@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from distconf.errors import ConfigValueError, excerpt
-from distconf.loader.formula import Formula, FormulaError
+from distconf.loader.formula import count_on
 from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
@@ -168,27 +167,13 @@ class CarriedArgument(StrictModel):
     )
 
 
-def _positive(config: Any, family: str, where: str, value: Any) -> int:
-    """``value`` (an integer or a `Formula`) on ``config`` as a positive integer; ``where`` names the field."""
-    written = value
-    if isinstance(value, Formula):
-        try:
-            value = value.evaluate_on(config)
-        except FormulaError as exc:
-            raise ConfigValueError(f"family {family!r}: {where}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigValueError(f"family {family!r}: {where} {excerpt(str(written))} gave {excerpt(value)}; "
-                               "expected a positive integer")
-    return value
-
-
 def streams_of(config: Any) -> int:
     """Streams of ``hidden_size`` values the hidden state of ``config``'s family holds between layers (1: plain)."""
     spec = getattr(type(config), "family_spec", None)
     hidden_state = getattr(spec, "hidden_state", None)
     if hidden_state is None:
         return 1
-    return _positive(config, spec.family, "hidden_state.streams", hidden_state.streams)
+    return count_on(config, spec.family, "hidden_state.streams", hidden_state.streams)
 
 
 def stream_axis_of(config: Any) -> int:
@@ -204,7 +189,7 @@ def stack_entries(config: Any, index: int) -> tuple[int, int]:
     from distconf.loader.naming import config_num_blocks
 
     spec = type(config).family_spec
-    every = _positive(config, spec.family, f"hidden_state.carried[{index}].grows.every",
+    every = count_on(config, spec.family, f"hidden_state.carried[{index}].grows.every",
                       spec.hidden_state.carried[index].grows.every)
     return every, -(-config_num_blocks(config) // every)
 
@@ -217,7 +202,7 @@ def carried_widths(config: Any) -> tuple[int, ...]:
     carried = hidden_state.carried if hidden_state is not None else ()
     widths = []
     for index, stream in enumerate(carried):
-        width = _positive(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
+        width = count_on(config, spec.family, f"hidden_state.carried[{index}].width", stream.width)
         if stream.grows is not None:
             width *= stack_entries(config, index)[1]
         elif stream.computed_by is not None:
