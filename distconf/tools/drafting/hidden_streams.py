@@ -2,12 +2,12 @@
 
 Manifold hyper-connections expand the embedding output to N streams before the layer loop
 (``[batch, seq, N, hidden_size]``; Gemma 3n's AltUp ``[N, batch, seq, hidden_size]``), every layer takes
-and returns that shape, and a model-level
-module collapses the streams after the last layer, before the final norm. The drafter runs the
-tiny model and sees it: the first layer's input has four dimensions, the last one hidden_size;
-the module outside the layer list that takes that shape and gives ``[batch, seq, hidden_size]``
-is the collapse module (for streams first, the model collapses them in its forward: the module it runs first
-after the last layer, or the list holding it); the config field giving N is the one whose change changes N.
+and returns that shape, and a model-level module collapses the streams after the last layer, before the
+final norm. The drafter runs the tiny model and sees it: the first layer's input has four dimensions, the
+last one hidden_size; the module outside the layer list that takes that shape and gives ``[batch, seq,
+hidden_size]`` is the collapse module (for streams first, the model collapses them in its forward: the
+module it runs first after the last layer, or the list holding it); the config field giving N is the one
+whose change changes N.
 """
 
 from __future__ import annotations
