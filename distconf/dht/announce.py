@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -263,13 +264,18 @@ class BlockAnnouncer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def announce(self, info: ServerInfo | None = None) -> dict[str, bool]:
-        """Announce now (optionally with a new record, e.g. after switching to ONLINE)."""
+    def announce(self, info: ServerInfo | None = None, *, timeout: float | None = 30.0) -> dict[str, bool]:
+        """Announce now (optionally with a new record, e.g. after switching to ONLINE).
+
+        The lock guards the record only, not the DHT call: a refresh stuck on a slow DHT must
+        not hold `stop` past its timeout.
+        """
         with self._lock:
             if info is not None:
                 self.info = info
-            return announce_blocks(self.dht, self.config, self.start_block, self.end_block, self.info,
-                                   self.expiration, repository=self.repository)
+            record = self.info
+        return announce_blocks(self.dht, self.config, self.start_block, self.end_block, record,
+                               self.expiration, repository=self.repository, timeout=timeout)
 
     def start(self) -> None:
         """Announce once (synchronously), then keep refreshing in a daemon thread."""
@@ -282,23 +288,25 @@ class BlockAnnouncer:
             try:
                 self.announce()
             except Exception as e:
-                logger.warning("refreshing DHT records failed: %s", e)
+                if not self._stop.is_set():
+                    logger.warning("refreshing DHT records failed: %s", e)
 
     def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
-        """Stop refreshing; if ``offline``, announce the span as OFFLINE.
+        """Stop refreshing; if ``offline``, announce the span as OFFLINE; return within about ``timeout`` s.
 
-        The OFFLINE records get the full lifetime: hivemind keeps, per subkey, the value
-        that expires last, so a shorter-lived OFFLINE record would not replace the
-        ONLINE one announced before it.
+        The OFFLINE records outlive any refresh still in flight by a second: hivemind keeps,
+        per subkey, the value that expires last, so they must expire after the ONLINE ones.
         """
+        deadline = time.monotonic() + timeout
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()) / 2)  # the rest is the OFFLINE store's
         if offline:
             with self._lock:
                 info = self.info.model_copy(update={"state": ServerState.OFFLINE})
-                try:
-                    announce_blocks(self.dht, self.config, self.start_block, self.end_block, info,
-                                    self.expiration, repository=self.repository, timeout=timeout)
-                except Exception as e:
-                    logger.warning("announcing OFFLINE failed: %s", e)
+            try:
+                announce_blocks(self.dht, self.config, self.start_block, self.end_block, info,
+                                min(self.expiration + 1.0, MAX_EXPIRATION), repository=self.repository,
+                                timeout=max(0.5, deadline - time.monotonic()))
+            except Exception as e:
+                logger.warning("announcing OFFLINE failed: %s", e)

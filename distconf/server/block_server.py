@@ -361,19 +361,28 @@ class BlockServer(SpanMoves):
 
     def stop(self, offline: bool = True, timeout: float = 10.0) -> None:
         """Announce OFFLINE (when announced), stop serving, check the weights (with ``verify_weights``),
-        shut the DHT node down. Idempotent."""
-        t0 = time.monotonic()
-        self._stop_rebalancing(timeout / 2)
+        shut the DHT node down. Idempotent.
+
+        ``timeout`` bounds the network stages together (the OFFLINE store, the handlers, the
+        RPC transport), so a server on a slow DHT still stops in about that time; hashing the
+        weights and the DHT node's own grace period come on top.
+        """
+        deadline = time.monotonic() + timeout
+
+        def left(share: float = 1.0) -> float:
+            return max(0.5, (deadline - time.monotonic()) * share)
+
+        self._stop_rebalancing(left(0.25))
         if self.announcer is not None:
-            self.announcer.stop(offline=offline, timeout=timeout)
+            self.announcer.stop(offline=offline, timeout=left(0.6))
             self.announcer = None
         if self.rpc is not None:
             if self.handler is not None:
                 try:
-                    self.rpc.run(self.handler.stop(), timeout=max(1.0, timeout - (time.monotonic() - t0)))
+                    self.rpc.run(self.handler.stop(), timeout=left(0.5))
                 except Exception as exc:
                     logger.debug("removing handlers failed: %r", exc)
-            self.rpc.shutdown()
+            self.rpc.shutdown(timeout=left(0.5))
             self.rpc = None
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)

@@ -34,6 +34,7 @@ from distconf.tools.demo.tiny_model import (
     memory_for,
 )
 from distconf.tools.demo.tuning import PRE_SEQ_LEN, STEPS, target_token, tune_prompts, weights_report
+from distconf.tools.serving import ServerProcess
 
 __all__ = ["run_swarm_demo"]
 
@@ -141,6 +142,8 @@ def run_swarm_demo(
         out(f"stopped {_stopped(codes, real_codes)} ({'cleanly' if clean else f'exit codes {codes + real_codes}'}) "
             f"and the DHT in {demo.elapsed()} total")
         log.flush()
+        if not clean:
+            _show_unclean(out, log_path, [s for s in demo.servers + real_servers if s.proc.returncode != 0])
         unchanged, checked = weights_report(log_path.read_text(errors="replace"))
         frozen = checked == len(codes) and unchanged == checked
         out(f"server weights unchanged (sha256 at load = at stop): {unchanged} of {checked} servers"
@@ -165,6 +168,18 @@ def _show_log(out: Out, log: IO[str], log_path: Path) -> None:
     log.flush()
     out(f"last lines of the server log ({log_path}):")
     out("\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
+
+
+def _show_unclean(out: Out, shared_log: Path, servers: list[ServerProcess]) -> None:
+    """The last log lines of each server that did not exit 0 (what it was doing when it was killed)."""
+    shared = shared_log.read_text(errors="replace").splitlines()
+    for server in servers:
+        if server.log_path is not None:  # a log of its own
+            where, own = server.log_path, server.log_tail().splitlines()
+        else:  # the tiny servers share one log, each line tagged with the server's name
+            where, own = shared_log, [line for line in shared if line.startswith(f"[{server.name}]")]
+        out(f"last lines of {server.name}'s log ({where}):")
+        out("\n".join(own[-12:]) or "  (none)")
 
 
 def _ask_all_to_stop(servers: list[DemoServer]) -> list[DemoServer]:
@@ -298,7 +313,8 @@ def _one_leaves(demo: _Demo, dht: Any) -> None:
     too = " too" if any(not s.alive for s in demo.servers) else ""
     code = leaving.stop(demo.stop_timeout())
     _, text = format_route(find_servers_by_prefix(dht, demo.prefix, demo.num_blocks, timeout=10))
-    demo.out(f"then {leaving.name} leaves{too} (exit {code}, announced OFFLINE); the client sees:")
+    demo.out(f"then {leaving.name} leaves{too} (exit {code}" + (", announced OFFLINE" if code == 0 else "")
+             + "); the client sees:")
     demo.out(f"  {text}")
 
 
