@@ -113,25 +113,15 @@ def test_prompt_tuning_is_refused_in_one_line(drafted: Path) -> None:
 @pytest.mark.swarm
 def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from client_swarm import close_swarm, make_model_dir, start_servers
-    from span_swarm import assert_generation_equals_local
+    from span_swarm import two_servers_generate_like_local
 
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
     from distconf.loader.search import FAMILIES_PATH_ENV
 
     monkeypatch.setenv(FAMILIES_PATH_ENV, str(drafted.parent))  # the servers find the drafted family too
     per_layer = {"layer_types": ["indexed_attention"] * 4, "indexer_types": ["full", "shared", "full", "shared"],
                  "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}
-    dht = start_local_dht()
-    models: list[Any] = []
-    servers: list[Any] = []
-    try:
-        model_dir, local = make_model_dir(tmp_path / FAMILY, FAMILY, layers=4, **per_layer)
-        servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), tmp_path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
-        models.append(model)
+
+    def two_streams(model: Any) -> None:
         assert model.remote_layers.streams == 2
-        assert_generation_equals_local(model, local, servers, seeds=(1,))
-    finally:
-        close_swarm(models, servers, dht)
+
+    two_servers_generate_like_local(tmp_path, FAMILY, per_layer, two_streams)

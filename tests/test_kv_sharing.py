@@ -138,29 +138,19 @@ def test_a_reusing_block_caches_the_stored_kv(drafted: Path) -> None:
 @pytest.mark.swarm
 def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from client_swarm import close_swarm, make_model_dir, start_servers
-    from span_swarm import assert_generation_equals_local
+    from span_swarm import two_servers_generate_like_local
 
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
     from distconf.loader.search import FAMILIES_PATH_ENV
 
     monkeypatch.setenv(FAMILIES_PATH_ENV, str(drafted.parent))  # the servers find the drafted family too
     per_layer = {"layer_types": ["sliding_attention", "full_attention"] * 2, "intermediate_size": [128] * 4,
                  "activation_sparsity_pattern": [0.0] * 4, "num_kv_shared_layers": 2}
-    dht = start_local_dht()
-    models: list[Any] = []
-    servers: list[Any] = []
-    try:
-        model_dir, local = make_model_dir(tmp_path / FAMILY, FAMILY, layers=4, **per_layer)
-        # layers 0 and 1 store (one server), 2 and 3 reuse (the other): the K/V crosses servers on the wire
-        servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), tmp_path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
-        models.append(model)
+
+    def streams_first(model: Any) -> None:
         assert (model.remote_layers.streams, model.remote_layers.stream_axis) == (4, 0)
-        assert_generation_equals_local(model, local, servers, seeds=(1,))
-    finally:
-        close_swarm(models, servers, dht)
+
+    # layers 0 and 1 store (one server), 2 and 3 reuse (the other): the K/V crosses servers on the wire
+    two_servers_generate_like_local(tmp_path, FAMILY, per_layer, streams_first)
 
 
 def test_gemma4_shares_kv_of_two_geometries(tmp_path: Path) -> None:

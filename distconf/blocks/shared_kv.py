@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from distconf.blocks.wire_tail import split_tail
 from distconf.loader.kv_sharing import SharedSlot
 
 if TYPE_CHECKING:
@@ -24,11 +25,7 @@ def split_shared(wire: torch.Tensor, slots: tuple[SharedSlot, ...]) -> tuple[tor
     """The wire without its shared K/V (its last values per token), and ``{key: part}`` of them."""
     if not slots:
         return wire, {}
-    extra = sum(slot.width for slot in slots)
-    if wire.shape[-1] <= extra:
-        raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold {extra} values of shared K/V "
-                         "and the hidden state")
-    rest, *parts = wire.split([wire.shape[-1] - extra, *(slot.width for slot in slots)], dim=-1)
+    rest, parts = split_tail(wire, [slot.width for slot in slots], "values of shared K/V")
     return rest, {slot.key: part for slot, part in zip(slots, parts, strict=True)}
 
 

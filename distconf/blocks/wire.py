@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from distconf.blocks.stream_form import to_layer_form, to_wire_form
+from distconf.blocks.wire_tail import split_tail
 
 if TYPE_CHECKING:
     import torch
@@ -133,11 +134,7 @@ def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
     wire: every layer's part of a ``computed_by`` value; token ids as ``[batch, seq]`` int64)."""
     if not layout:
         return wire, {}
-    extra = sum(slot.width for slot in layout)
-    if wire.shape[-1] <= extra:
-        raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold {extra} carried values and "
-                         "the hidden state")
-    hidden, *parts = wire.split([wire.shape[-1] - extra, *(slot.width for slot in layout)], dim=-1)
+    hidden, parts = split_tail(wire, [slot.width for slot in layout], "carried values")
     return hidden, {slot.argument: token_ids_of(part) if slot.token_ids else part
                     for slot, part in zip(layout, parts, strict=True)}
 
