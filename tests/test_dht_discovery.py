@@ -169,6 +169,30 @@ def test_offline_supersedes_a_long_lived_online_record(swarm):
         node.shutdown()
 
 
+async def _stall(_dht, _node, seconds: float) -> bool:
+    time.sleep(seconds)  # blocks the node's event loop: every DHT call waits, as on an overloaded node
+    return True
+
+
+def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog):
+    """A refresh waiting on a stalled DHT once held the announcer's lock, so `stop` waited it out (30 s)."""
+    cfg = model("stuck-refresh-test", 2)
+    node = start_local_dht(visible_maddrs(swarm.boot))
+    try:
+        announcer = BlockAnnouncer(node, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0),
+                                   update_period=0.2, expiration=60.0)
+        announcer.start()
+        stall = node.run_coroutine(partial(_stall, seconds=20.0), return_future=True)
+        time.sleep(1.0)  # a refresh has started and waits on the stalled node
+        with caplog.at_level(logging.WARNING, logger="distconf.dht.announce"):
+            announcer.stop(offline=True, timeout=2.0)
+        assert not stall.done(), "stop waited for the stalled node"
+        assert "announcing OFFLINE failed" in caplog.text  # said, not hidden
+        assert stall.result(timeout=30)
+    finally:
+        node.shutdown()
+
+
 def test_announcer_refreshes_and_goes_offline(swarm):
     cfg = model("announcer-test", 3)
     node = start_local_dht(visible_maddrs(swarm.boot))
