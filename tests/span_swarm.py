@@ -71,31 +71,6 @@ def assert_generation_equals_local(model: Any, local: Any, servers: list[Any], s
     assert {p: cache_left(model, p) for p in full} == full
 
 
-def two_servers_generate_like_local(tmp_path: Path, family: str, per_layer: dict[str, Any],
-                                    check_model: Any = None) -> None:
-    """A 4-layer ``family`` model (``per_layer`` config fields) served as blocks 0..1 and 2..3 by two
-    ``distconf serve`` processes generates as the local model does (`assert_generation_equals_local`);
-    ``check_model(model)`` runs on the client model first. The caller puts the family on the search path."""
-    from client_swarm import close_swarm
-
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    dht = start_local_dht()
-    models: list[Any] = []
-    servers: list[Any] = []
-    try:
-        model_dir, local = make_model_dir(tmp_path / family, family, layers=4, **per_layer)
-        servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), tmp_path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
-        models.append(model)
-        if check_model is not None:
-            check_model(model)
-        assert_generation_equals_local(model, local, servers, seeds=(1,))
-    finally:
-        close_swarm(models, servers, dht)
-
-
 def assert_failover_keeps_the_tokens(swarm: SpanSwarm) -> None:
     """The server of the last span is killed 5 tokens into a generation: the client replays the history
     to a replacement (rebuilding its state and K/V) and the tokens equal the local model's."""
