@@ -89,64 +89,18 @@ def test_check_fails_at_a_wrong_method(drafted: Path, tmp_path: Path, fresh_cach
     assert any(message in x and "hidden_state.carried.0.computed_by" in x for x in out.splitlines()), out
 
 
-class _LocalRemote(torch.nn.Module):
-    """Stands for `RemoteSequential`: runs the blocks in process (forward, and sessions keeping their caches)."""
-
-    def __init__(self, blocks: list[Any]) -> None:
-        super().__init__()
-        self.blocks = blocks
-        self.inputs: list[torch.Tensor] = []
-
-    def forward(self, hidden: torch.Tensor, prompts: Any = None) -> torch.Tensor:
-        self.inputs.append(hidden)
-        for block in self.blocks:
-            hidden = block(hidden)[0]
-        return hidden
-
-    def inference_session(self, max_length: int) -> Any:
-        remote = self
-
-        class _Session:
-            position = 0
-            caches: list[Any] = [None] * len(remote.blocks)
-
-            def step(self, hidden: torch.Tensor, hypo_ids: Any = None, prompts: Any = None) -> torch.Tensor:
-                assert hypo_ids is None
-                remote.inputs.append(hidden)
-                for i, block in enumerate(remote.blocks):
-                    hidden, self.caches[i] = block(hidden, layer_past=self.caches[i], use_cache=True)
-                self.position += hidden.shape[1]
-                return hidden
-
-            def rewind(self, position: int) -> None:
-                assert position == self.position
-
-            def close(self) -> None:
-                pass
-
-        return _Session()
-
-
 def test_the_client_model_computes_the_per_layer_inputs(drafted: Path, tmp_path: Path, fresh_cache: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from types import SimpleNamespace
-
     from client_swarm import make_model_dir
+    from local_remote import local_client_model
 
-    from distconf.blocks.checkpoint import Checkpoint
-    from distconf.blocks.weights import load_block
-    from distconf.client.model import build_model
     from distconf.loader.auto import AutoDistributedConfig
     from distconf.loader.search import FAMILIES_PATH_ENV
 
     monkeypatch.setenv(FAMILIES_PATH_ENV, str(drafted.parent))
     model_dir, local = make_model_dir(tmp_path / FAMILY, FAMILY, layers=3, noise=0.05)
     config = AutoDistributedConfig.from_pretrained(str(model_dir))
-    swarm = SimpleNamespace(num_blocks=3, dht_prefix=config.dht_prefix)  # no swarm: the blocks run here
-    with Checkpoint(model_dir) as checkpoint:
-        model = build_model(config, checkpoint, swarm, torch.float32)  # type: ignore[arg-type]
-    remote = _LocalRemote([load_block(model_dir, config, i, dtype=torch.float32) for i in range(3)])
-    model.remote_layers.remote = remote
+    model, remote = local_client_model(model_dir)  # no swarm: the blocks run here
     ids = torch.tensor([[5, 9, 2, 7, 1]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, local(ids).logits, atol=1e-4)
