@@ -526,6 +526,17 @@ def _bad_sessions() -> dict[str, tuple[list[Any], str]]:
 
 
 async def _expect_stream_error(swarm: Swarm, messages: list[Any], timeout: float = 20.0) -> str:
+    """Send ``messages`` on a new inference stream; the server's error text ("EOF without an error" if it ended
+    the stream without one, "no error" if it answered them all).
+
+    An end without an error is tried once more: under heavy load the server's error reply was seen lost once
+    (1 of 16 cases of a CI run at load 5 on 2 cores), the stream ending as it was sent; a server that never says
+    why still fails the test."""
+    text = await _stream_error_once(swarm, messages, timeout)
+    return await _stream_error_once(swarm, messages, timeout) if text == "EOF without an error" else text
+
+
+async def _stream_error_once(swarm: Swarm, messages: list[Any], timeout: float) -> str:
     from hivemind.p2p import P2PHandlerError
 
     from distconf.rpc import InferenceStream
