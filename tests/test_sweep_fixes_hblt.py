@@ -93,3 +93,29 @@ def test_chunked_run_follows_the_sequence_the_stack_sees() -> None:
     assert chunk_sizes(10) == [4, 2, 1, 2, 1]
     assert chunk_sizes(5) == [4, 1]
     assert chunk_sizes(3) == [3]
+
+
+def test_blt_client_generates_without_a_cache_and_says_why_not_with_one(tmp_path: Path, fresh_cache,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client runs BLT's local encoder and decoder around the served global stack: exact on a forward and
+    on generation without a cache; with one, the model-level layers ask for K/V the client does not keep."""
+    import torch
+    from client_swarm import make_model_dir, prompts
+    from local_remote import local_client_model
+
+    from distconf.loader.search import FAMILIES_PATH_ENV
+
+    code, _ = draft_and_check("blt", tmp_path)
+    assert code == 0
+    monkeypatch.setenv(FAMILIES_PATH_ENV, str(tmp_path / "out"))
+    model_dir, local = make_model_dir(tmp_path / "blt", "blt", layers=2, noise=0.05)
+    model, remote = local_client_model(model_dir)
+    ids = prompts(2, 5, vocab=local.config.vocab_size, seed=1)
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, local(ids).logits, atol=1e-5)
+        assert (model.generate(ids, use_cache=False, **greedy).tolist()
+                == local.generate(ids, use_cache=False, **greedy).tolist())
+        with pytest.raises(NotImplementedError, match=r"outside the served blocks.*use_cache=False"):
+            model.generate(ids, **greedy)
+    assert remote.inputs  # the global stack ran as blocks

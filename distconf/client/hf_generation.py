@@ -87,8 +87,11 @@ class PositionLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Never called: the blocks run on servers."""
-        raise RuntimeError("a RemoteCache holds no local keys and values; blocks run on the servers")
+        """Never called by a served block's layer (those run on servers); a model-level layer is refused."""
+        raise NotImplementedError(
+            "an attention layer outside the served blocks (a model-level encoder or decoder of this family) asked "
+            "the session's cache for its keys and values; the client keeps none locally, so this family generates "
+            "through the swarm only without a cache: pass use_cache=False to generate")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for a mask over the cached tokens plus the query."""
