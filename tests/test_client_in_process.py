@@ -38,3 +38,18 @@ def test_client_model_equals_transformers(family: str, tmp_path: Path) -> None:
         assert torch.allclose(model(ids).logits, local(ids).logits, atol=ATOL)
         assert model.generate(ids, **greedy).tolist() == local.generate(ids, **greedy).tolist()
     assert remote.inputs and remote.inputs[0].shape[:2] == ids.shape  # the blocks ran: the client did not
+
+
+def test_the_base_model_is_found_without_base_model_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 4's causal LM says its base model is ``language_model`` but holds it as ``model``: a family file
+    without ``base_model_prefix`` (as `distconf new` drafts it) takes the base model from the layers' prefix."""
+    from distconf.loader.search import FAMILIES_PATH_ENV
+
+    builtin = Path(__file__).resolve().parents[1] / "families" / "llama4_text.yaml"
+    text = builtin.read_text(encoding="utf-8")
+    assert "base_model_prefix: model" in text
+    (tmp_path / "families").mkdir()
+    (tmp_path / "families" / "llama4_text.yaml").write_text(text.replace("base_model_prefix: model", ""),
+                                                            encoding="utf-8")
+    monkeypatch.setenv(FAMILIES_PATH_ENV, str(tmp_path / "families"))  # the user's file shadows the built-in
+    test_client_model_equals_transformers("llama4_text", tmp_path)

@@ -183,10 +183,10 @@ def layer_output_is_tuple(base: torch.nn.Module, stand_in: _ProbedStandIn, hidde
             try:
                 with torch.no_grad():
                     out = base(input_ids=ids, use_cache=False)
+                hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             except Exception as exc:
                 logger.debug("layer output probe (tuple=%s) failed: %r", returns_tuple, exc)
                 continue
-            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             if tuple(hidden.shape) == (2, 3, hidden_size):
                 _loop_reads_tuple[type(base)] = (returns_tuple, padding)
                 return returns_tuple

@@ -61,6 +61,7 @@ from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.naming import config_num_blocks
 from distconf.loader.once import OncePerKey
+from distconf.loader.spec import FamilySpec
 from distconf.loader.spec_wire import stream_axis_of, streams_of
 from distconf.sources import ModelSource, ModelSourceError
 
@@ -315,6 +316,16 @@ def _open_checkpoint(source: ClientSource) -> Checkpoint:
         raise ModelSourceError(source.name, f"its weights cannot be read: {exc}") from None
 
 
+def base_model_name(spec: FamilySpec) -> str:
+    """The module of the causal LM that runs the layer loop: ``block.base_model_prefix``, else the first part
+    of ``block.prefix`` (transformers' causal LMs hold their base model as one attribute, e.g. ``model``,
+    ``transformer``, whatever their class's ``base_model_prefix`` says); "" when the layers sit at the top."""
+    if spec.block.base_model_prefix:
+        return str(spec.block.base_model_prefix)
+    head, dot, _ = spec.block.prefix.partition(".")
+    return head if dot else ""
+
+
 def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmClient, dtype: torch.dtype) -> Any:
     """The distributed model of ``config``: non-block modules loaded from ``checkpoint``, layer list replaced."""
     if type(config).family_spec.block.layer_stack is not None:
@@ -350,8 +361,8 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
         setattr(model, PROMPTS_ATTRIBUTE, prompts)  # trainable, float32
         load_prompts(prompts, checkpoint, PROMPTS_ATTRIBUTE)
     stand_in.use_prompts(prompts)
-    base = model.get_submodule(type(config).family_spec.block.base_model_prefix or "")
-    layer_output_is_tuple(base, stand_in, config.hidden_size)
+    layer_output_is_tuple(model.get_submodule(base_model_name(type(config).family_spec)), stand_in,
+                          config.hidden_size)
     return model
 
 
