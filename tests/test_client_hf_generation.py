@@ -80,7 +80,7 @@ def test_position_layers_answer_transformers_cache_questions() -> None:
     assert [layer.get_seq_length() for layer in cache.layers] == [5] * 3
     assert cache.layers[1].get_mask_sizes(2) == (7, 0) and cache.layers[2].get_max_length() == 16
     assert cache.get_query_offset(1) == 5  # transformers' own method, through our get_seq_length
-    with pytest.raises(RuntimeError, match="no local keys"):
+    with pytest.raises(NotImplementedError, match="the client keeps none locally"):
         cache.layers[0].update(torch.zeros(1), torch.zeros(1))
 
 
