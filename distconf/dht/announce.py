@@ -264,7 +264,7 @@ class BlockAnnouncer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def announce(self, info: ServerInfo | None = None, *, timeout: float | None = 30.0) -> dict[str, bool]:
+    def announce(self, info: ServerInfo | None = None) -> dict[str, bool]:
         """Announce now (optionally with a new record, e.g. after switching to ONLINE).
 
         The lock guards the record only, not the DHT call: a refresh stuck on a slow DHT must
@@ -275,7 +275,7 @@ class BlockAnnouncer:
                 self.info = info
             record = self.info
         return announce_blocks(self.dht, self.config, self.start_block, self.end_block, record,
-                               self.expiration, repository=self.repository, timeout=timeout)
+                               self.expiration, repository=self.repository)
 
     def start(self) -> None:
         """Announce once (synchronously), then keep refreshing in a daemon thread."""

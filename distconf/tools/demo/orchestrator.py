@@ -285,7 +285,7 @@ def _generate(demo: _Demo, model: Any, vocab_size: int) -> bool:
         victim = by_peer[result.stopped]
         code = codes[victim.peer_id]
         demo.out(f"  after {STOP_AFTER} tokens:    stopped {victim.label()}: exit {code}"
-                 + (", announced OFFLINE" if code == 0 else ""))
+                 + _offline_if_clean(code))
         new = [by_peer[hop[0]].label() if hop[0] in by_peer else demo.name(hop[0])
                for hop in result.route_after if hop not in result.route_before]
         demo.out(f"  failover:          the client banned {victim.name} and replayed the session to "
@@ -313,9 +313,13 @@ def _one_leaves(demo: _Demo, dht: Any) -> None:
     too = " too" if any(not s.alive for s in demo.servers) else ""
     code = leaving.stop(demo.stop_timeout())
     _, text = format_route(find_servers_by_prefix(dht, demo.prefix, demo.num_blocks, timeout=10))
-    demo.out(f"then {leaving.name} leaves{too} (exit {code}" + (", announced OFFLINE" if code == 0 else "")
-             + "); the client sees:")
+    demo.out(f"then {leaving.name} leaves{too} (exit {code}{_offline_if_clean(code)}); the client sees:")
     demo.out(f"  {text}")
+
+
+def _offline_if_clean(code: int) -> str:
+    """A stopped server's exit said as the demo prints it: a server announces OFFLINE only on a clean exit."""
+    return ", announced OFFLINE" if code == 0 else ""
 
 
 def _ids(tokens: list[int]) -> str:
