@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +90,17 @@ def differs(inputs: torch.Tensor, honest: torch.Tensor, other: torch.Tensor) -> 
     return update_difference(inputs, honest, other) > 1e-3
 
 
-async def session_outputs(h: Harness, peer: str, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The replies of one inference session on ``peer`` to ``steps`` (one message each)."""
+async def session_outputs(h: Harness, peer: str, steps: list[torch.Tensor],
+                          opened: Callable[[], Awaitable[None]] | None = None) -> list[torch.Tensor]:
+    """The replies of one inference session on ``peer`` to ``steps`` (one message each); ``opened``
+    is awaited once the stream is open, before the first step."""
     from distconf.rpc import InferenceStream, deserialize_tensors, inference_step_request
 
     stream = await InferenceStream.open(h.loop.p2p, peer, timeout=10)
     outputs = []
     try:
+        if opened is not None:
+            await opened()
         for i, hidden in enumerate(steps):
             meta: dict[str, Any] = {"step_id": str(uuid.uuid4())}
             if i == 0:
@@ -164,17 +169,43 @@ def batched_rows(h: Harness, name: str) -> int:
 
 
 def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
-    """Four sessions at once on each server: their steps are batched (step_together) and still lie."""
+    """Four sessions at once on each server: their steps are batched (step_together) and still lie.
+
+    Steps overlap by timing, and a tiny model computes a step faster than a loaded machine
+    delivers the next session's message: so each round starts with a forward that keeps the
+    server's one compute thread busy while the four sessions' prefills arrive and queue.
+    """
+    from distconf.rpc import call_forward, call_info
+
     sessions = [session_steps(harness, seed=10 + s, decode=9) for s in range(4)]
     before = {name: batched_rows(harness, name) for name in harness.servers}
 
-    async def all_sessions(peer: str) -> list[list[torch.Tensor]]:
-        return list(await asyncio.gather(*(session_outputs(harness, peer, steps) for steps in sessions)))
+    async def all_sessions(peer: str, busy: torch.Tensor) -> list[list[torch.Tensor]]:
+        opened, go = asyncio.Barrier(len(sessions) + 1), asyncio.Event()
+
+        async def when_busy() -> None:
+            await opened.wait()
+            await go.wait()
+
+        runs = asyncio.gather(*(session_outputs(harness, peer, steps, when_busy) for steps in sessions))
+        await asyncio.wait_for(opened.wait(), timeout=30)  # every stream is open
+        started = time.monotonic()
+        forward = asyncio.ensure_future(call_forward(harness.loop.p2p, peer, harness.uid, busy, timeout=60))
+        await asyncio.sleep(0.05)  # the forward reaches the server first
+        go.set()
+        outputs = await runs
+        await forward
+        print(f"the busy forward took {time.monotonic() - started:.2f} s")
+        return list(outputs)
 
     got = {}
     for name in harness.servers:
-        for _ in range(3):  # on a loaded machine the four sessions' steps may not overlap in one round
-            got[name] = harness.run(all_sessions(harness.peer(name)), timeout=120)
+        limit = int(harness.run(call_info(harness.loop.p2p, harness.peer(name), timeout=10))["max_forward_tokens"])
+        busy = harness.hidden(1, limit, seed=99)
+        for _ in range(3):
+            started = time.monotonic()
+            got[name] = harness.run(all_sessions(harness.peer(name), busy), timeout=120)
+            print(f"{name}: round {time.monotonic() - started:.2f} s, {batched_rows(harness, name)} rows batched")
             if batched_rows(harness, name) > before[name]:
                 break
         assert batched_rows(harness, name) > before[name], f"{name}: no batch formed in 3 rounds"
