@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +88,18 @@ def write_family(tmp_path: Path, source: str, name: str, edit: Any) -> Path:
     path = tmp_path / f"{name}.yaml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+@functools.cache
+def falcon_caches_expanded_heads() -> bool:
+    """Whether the installed transformers' Falcon (``new_decoder_architecture``, 8 query heads on 2 KV heads) caches
+    every KV head once per query head (transformers <= 5.24) rather than its 2 KV heads (5.25 on): probed, not
+    read from a version number. Its family file's ``kv_cache.layer_writes: repeat_interleave`` is right for both."""
+    from transformers import DynamicCache
+
+    _, hf_config, _ = family_config("falcon", 0)
+    model = hf_model(hf_config)
+    cache = DynamicCache(config=hf_config)
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long), past_key_values=cache, use_cache=True)
+    return int(cache.layers[0].keys.shape[1]) == hf_config.num_attention_heads

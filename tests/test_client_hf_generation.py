@@ -32,17 +32,17 @@ def test_supported_range_is_pyprojects() -> None:
     assert requirement is not None and requirement.group(1) == SUPPORTED_TRANSFORMERS
 
 
-@pytest.mark.parametrize("version", ["4.57.1", "5.19.9", "6.0.0", "6.0.0.dev0", "not-a-version"])
+@pytest.mark.parametrize("version", ["4.57.1", "5.19.9", "5.26.0", "5.26.0.dev0", "6.0.0", "not-a-version"])
 def test_version_check_refuses_out_of_range(version: str) -> None:
     from distconf.client.hf_generation import UnsupportedTransformersError, check_transformers_version
 
     with pytest.raises(UnsupportedTransformersError) as info:
         check_transformers_version(version)
     message = str(info.value)
-    assert version in message and ">=5.20,<6" in message and "tested with 5.24" in message
+    assert version in message and ">=5.20,<5.26" in message and "tested with 5.24 and 5.25" in message
 
 
-@pytest.mark.parametrize("version", ["5.20.0", "5.24.0", "5.99.1", "5.25.0.dev0"])
+@pytest.mark.parametrize("version", ["5.20.0", "5.24.0", "5.25.0", "5.25.9", "5.25.0.dev0"])
 def test_version_check_accepts_the_range(version: str) -> None:
     from distconf.client.hf_generation import check_transformers_version
 

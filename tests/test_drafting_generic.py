@@ -134,13 +134,20 @@ def test_draft_copies_only_fields_the_class_reads() -> None:
 
 def test_draft_learns_kv_heads_from_the_caches_of_every_variant() -> None:
     """Falcon-7B caches one KV head (multi-query) although its KV-heads field says all heads; Falcon-40B (a
-    shipped preset of the same model_type, with other layers) writes each of its KV heads once per query head.
+    shipped preset of the same model_type, with other layers) writes each of its KV heads once per query head
+    (transformers <= 5.24; 5.25 caches its KV heads and its config says how many, ``num_key_value_heads``).
     The draft gets a variant for 40B and one kv_groups formula right for both, found from their caches."""
+    from blockhelpers import falcon_caches_expanded_heads
+
     draft = draft_family("drafted", _preset("tiiuae--falcon-7b"))
     assert draft.tiny_config["variants"] == [{}, {"new_decoder_architecture": True, "num_kv_heads": 2}]
-    assert draft.kv_groups == ("num_attention_heads // num_kv_heads if new_decoder_architecture "
-                               "else num_attention_heads")
-    assert draft.kv_cache == {"layer_writes": "repeat_interleave"}
+    if falcon_caches_expanded_heads():
+        assert draft.kv_groups == ("num_attention_heads // num_kv_heads if new_decoder_architecture "
+                                   "else num_attention_heads")
+        assert draft.kv_cache == {"layer_writes": "repeat_interleave"}
+    else:
+        assert draft.kv_groups == "num_attention_heads // num_key_value_heads"
+        assert not draft.kv_cache
     assert draft.review == []
 
 

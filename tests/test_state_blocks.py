@@ -107,6 +107,43 @@ def test_state_cache_before_the_first_step_reports_none() -> None:
     assert window.shape == (1, 3, 4) and cache.present[0].shape == (1, 3, 4)
 
 
+# Methods of transformers' Cache its models call (not their layers), or K/V calls (`BlockKVCache` answers those
+# for a hybrid layer); every other public method is a call a layer may make on the cache it is given.
+MODEL_LEVEL_CALLS = {
+    "activate_past_recording", "batch_repeat_interleave", "batch_select_indices", "batch_size", "crop",
+    "early_initialization", "get_max_length", "has_previous_state", "is_compileable", "is_croppable", "is_dummy",
+    "is_initialized", "is_linear", "is_sliding", "offload", "prefetch", "reorder_cache", "reset",
+    "update_indexer",  # sparse-attention indexers: `distconf.blocks.sublayer_cache`
+}
+KV_CALLS = {"update", "get_mask_sizes", "get_query_offset"}
+
+
+def test_state_caches_answer_every_layer_call_of_the_installed_transformers() -> None:
+    """A transformers minor may add calls its recurrent layers make on their cache (5.25 added
+    ``get_recurrent_states_to_keep`` and ``increase_count``): any the block caches do not answer is named here."""
+    import transformers
+    from transformers.cache_utils import Cache
+
+    from distconf.blocks.hybrid_cache import BlockHybridCache
+
+    layer_calls = {m for m in dir(Cache) if not m.startswith("_")} - MODEL_LEVEL_CALLS
+    for cls, calls in ((BlockStateCache, layer_calls - KV_CALLS), (BlockHybridCache, layer_calls)):
+        missing = sorted(m for m in calls if not hasattr(cls, m))
+        assert not missing, f"{cls.__name__} does not answer {missing} (transformers {transformers.__version__})"
+
+
+def test_state_cache_keeps_no_history_and_takes_the_last_of_a_list() -> None:
+    """transformers >= 5.25: no intermediate states are asked for, a token count is not kept, and a list of
+    recurrent states (history then last) keeps the last."""
+    cache = BlockStateCache((torch.zeros(1, 3, 4), torch.zeros(1, 2)))
+    assert cache.get_recurrent_states_to_keep(0) == 0
+    cache.increase_count(0, 0)
+    assert torch.equal(cache.present[0], torch.zeros(1, 3, 4))
+    first, last = torch.ones(1, 2), torch.full((1, 2), 2.0)
+    assert torch.equal(cache.update_recurrent_state([first, last], 0), last)
+    assert torch.equal(cache.get_recurrent_state(0), last)
+
+
 def test_preset_sizes_a_session_per_sequence() -> None:
     cls = load_family(FAMILY)
     config = cls.from_json_file(str(preset_path("mistralai/Mamba-Codestral-7B-v0.1")))

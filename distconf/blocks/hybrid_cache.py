@@ -43,6 +43,14 @@ class BlockHybridCache:
         """See `BlockStateCache.is_recording_past`."""
         return self.state.is_recording_past(layer_idx)
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """See `BlockStateCache.get_recurrent_states_to_keep`."""
+        return self.state.get_recurrent_states_to_keep(layer_idx)
+
+    def increase_count(self, layer_idx: int | None = None, state_idx: int = 0) -> None:
+        """See `BlockStateCache.increase_count`."""
+        self.state.increase_count(layer_idx, state_idx)
+
     def get_conv_state(self, layer_idx: int | None = None, state_idx: int = 0) -> Any:
         """See `BlockStateCache.get_conv_state`."""
         return self.state.get_conv_state(layer_idx, state_idx)

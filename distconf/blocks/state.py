@@ -179,6 +179,14 @@ class BlockStateCache:
         """The state is never kept per token (a rewind is refused, not replayed from a recorded past)."""
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """No intermediate recurrent states are kept (the past is not recorded; transformers >= 5.25 asks)."""
+        return 0
+
+    def increase_count(self, layer_idx: int | None = None, state_idx: int = 0) -> None:
+        """A token was convolved in place (transformers >= 5.25 counts tokens per linear layer; the block's
+        positions come from the session, so there is nothing to count here)."""
+
     def get_conv_state(self, layer_idx: int | None = None, state_idx: int = 0) -> Any:
         """The convolution state ``state_idx`` of earlier tokens, or None before the first step."""
         return self.convs[self._slot(self.convs, "conv", state_idx)] if self.has_previous_state else None
@@ -209,7 +217,10 @@ class BlockStateCache:
 
     def update_recurrent_state(self, recurrent_states: Any, layer_idx: int | None = None, state_idx: int = 0,
                                **kwargs: Any) -> Any:
-        """Keep the new recurrent state ``state_idx``."""
+        """Keep the new recurrent state ``state_idx`` (given a list of the last states, as transformers >= 5.25
+        may give one: its last)."""
+        if isinstance(recurrent_states, (list, tuple)):
+            recurrent_states = recurrent_states[-1]
         self.recurrents[self._slot(self.recurrents, "recurrent", state_idx)] = recurrent_states
         return recurrent_states
 

@@ -32,9 +32,10 @@ __all__ = ["SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "PositionLayer", "Re
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_TRANSFORMERS = ">=5.20,<6"
-"""The transformers versions this module was written for (pyproject's requirement)."""
-TESTED_TRANSFORMERS = "5.24"
+SUPPORTED_TRANSFORMERS = ">=5.20,<5.26"
+"""The transformers versions this module was written for (pyproject's requirement, capped at the newest minor
+tested)."""
+TESTED_TRANSFORMERS = "5.24 and 5.25"
 """The transformers version the client's tests ran on."""
 
 
