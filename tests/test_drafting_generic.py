@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from blockhelpers import falcon_caches_expanded_heads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,8 +138,6 @@ def test_draft_learns_kv_heads_from_the_caches_of_every_variant() -> None:
     shipped preset of the same model_type, with other layers) writes each of its KV heads once per query head
     (transformers <= 5.24; 5.25 caches its KV heads and its config says how many, ``num_key_value_heads``).
     The draft gets a variant for 40B and one kv_groups formula right for both, found from their caches."""
-    from blockhelpers import falcon_caches_expanded_heads
-
     draft = draft_family("drafted", _preset("tiiuae--falcon-7b"))
     assert draft.tiny_config["variants"] == [{}, {"new_decoder_architecture": True, "num_kv_heads": 2}]
     if falcon_caches_expanded_heads():
