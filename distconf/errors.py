@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError", "ModelSourceError", "excerpt"]
+__all__ = ["Problem", "FamilyValidationError", "FamilyNotFoundError", "ConfigValueError", "ModelSourceError",
+           "SwarmJoinError", "UnreachableServerError", "excerpt"]
 
 EXCERPT_CHARS = 40
 _MAX_FIELD_PART = 60
@@ -112,3 +113,19 @@ class ModelSourceError(ValueError):
         reason = str(reason)
         self.reason = reason if len(reason) <= _MAX_REASON else reason[: _MAX_REASON - 3] + "..."
         super().__init__(f"{self.source}: cannot be served: {self.reason}")
+
+
+class SwarmJoinError(RuntimeError):
+    """No initial peer of a swarm could be reached: names each address and why (connection refused, ...).
+
+    Every command that joins a swarm reports it in one line and exits with code 2.
+    """
+
+    def __init__(self, peers: object, reason: str) -> None:
+        self.peers = [str(p) for p in peers] if isinstance(peers, (list, tuple)) else [str(peers)]
+        self.reason = _cut(str(reason), _MAX_REASON)
+        super().__init__(f"cannot join the swarm: {self.reason}")
+
+
+class UnreachableServerError(RuntimeError):
+    """Peers cannot reach this server, directly or through a relay: the cause and the fix, in one sentence."""

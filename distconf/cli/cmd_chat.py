@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from distconf.cli.helptext import add_command, positive_int
@@ -12,8 +11,6 @@ from distconf.loader.naming import config_num_blocks
 
 __all__ = ["register", "run", "main"]
 
-CHAT_RETRIES = 3
-"""Retries of a failed step before a reply gives up (unless DISTCONF_MAX_RETRIES says otherwise)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +54,6 @@ def run(args: argparse.Namespace) -> int:
     from distconf.cli.chat_repl import ChatRepl
     from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model, quiet_verification_log
     from distconf.client.textgen import Sampling
-    from distconf.loader.mixins import MAX_RETRIES_ENV
 
     try:
         sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -67,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fields: dict[str, object] = {"show_route": False,  # a log line per reply would break into the conversation
                                  **verify_fields(args)}
-    if not os.environ.get(MAX_RETRIES_ENV):
-        fields["max_retries"] = CHAT_RETRIES
     try:
         model, tokenizer = open_swarm_model(args, need_tokenizer=True, **fields)
     except CommandFailed as exc:

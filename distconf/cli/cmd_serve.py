@@ -113,8 +113,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", "--quant-type", "--quant_type", dest="quant", default=None, choices=QUANT_TYPES,
                    help="weight quantization of the served blocks (default: nf4 on CUDA as Petals, none on CPU); "
                         "announced as the record's quant_type")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     p.add_argument("--public-name", default=None, help="name shown in swarm listings")
     p.add_argument("--attn-cache-tokens", type=int, default=None,
                    help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
@@ -146,6 +144,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--balance_quality; 0 never moves; a span given with --blocks never moves)")
     p.add_argument("--mean-balance-check-period", type=float, default=60.0, metavar="S",
                    help="mean seconds between balance checks (each wait is random in 0..2S, as Petals)")
+    net = p.add_argument_group(
+        "network (Petals' flags; see docs/networking.md)",
+        "By default a server listens on 127.0.0.1 only, unless --initial-peers (or the flags below) point at a "
+        "network: then on every interface, announcing this machine's addresses but never loopback. At start it "
+        "asks peers to dial it back (Petals' reachability check); if they cannot (NAT, a firewall), it serves "
+        "through a libp2p relay (an initial peer), announces using_relay and a throughput x 0.2, or, when no "
+        "relay carries a session, exits with code 2 saying why.")
+    net.add_argument("--host", default=None, metavar="IP",
+                     help="one address to listen on (default: 127.0.0.1, or every interface when the swarm is on "
+                          "a network)")
+    net.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    net.add_argument("--host-maddrs", "--host_maddrs", dest="host_maddrs", nargs="+", metavar="MULTIADDR",
+                     default=None, help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 /ip6/::/tcp/31337")
+    net.add_argument("--announce-maddrs", "--announce_maddrs", dest="announce_maddrs", nargs="+",
+                     metavar="MULTIADDR", default=None,
+                     help="multiaddrs other peers dial, announced instead of this machine's addresses")
+    net.add_argument("--public-ip", "--public_ip", dest="public_ip", default=None, metavar="IP",
+                     help="this machine's public address (a port forwarded to it: give --port too); announced "
+                          "as /ip4/IP/tcp/PORT")
+    net.add_argument("--identity-path", "--identity_path", dest="identity_path", default=None, metavar="PATH",
+                     help="private key file that keeps this server's peer id across restarts (made on first start, "
+                          "mode 0600; a key others can read is refused)")
+    net.add_argument("--no-relay", "--no_relay", dest="use_relay", action="store_false",
+                     help="never use libp2p circuit relays (to be reached, or to reach others)")
+    net.add_argument("--no-auto-relay", "--no_auto_relay", dest="use_auto_relay", action="store_false",
+                     help="do not serve through a relay when peers cannot dial this server (it then exits)")
+    net.add_argument("--skip-reachability-check", "--skip_reachability_check", dest="reachability_check",
+                     action="store_false",
+                     help="do not ask peers to dial this server back at start (assume it is reachable)")
     batching = p.add_argument_group("batching (inference steps of several sessions computed together)")
     batching.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=positive_int,
                           default=16, metavar="N", help="rows (sequences) of one batched step (default 16)")
@@ -171,6 +198,10 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         model_dir=args.model_dir, dht_prefix=args.dht_prefix, initial_peers=peers, new_swarm=args.new_swarm,
         blocks=args.blocks, num_blocks=args.num_blocks, memory=args.memory, dtype=args.dtype, device=args.device,
         quant=args.quant, host=args.host, port=args.port,
+        host_maddrs=tuple(args.host_maddrs) if args.host_maddrs else None,
+        announce_maddrs=tuple(args.announce_maddrs) if args.announce_maddrs else None, public_ip=args.public_ip,
+        identity_path=args.identity_path, use_relay=args.use_relay, use_auto_relay=args.use_auto_relay,
+        reachability_check=args.reachability_check,
         public_name=args.public_name, update_period=args.update_period, request_timeout=args.request_timeout,
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
@@ -193,10 +224,20 @@ def _open(args: argparse.Namespace) -> Any:
 
             parse_memory(args.memory)
         resolve_device(args.device)
+        from distconf.dht.addresses import plan_addresses
+
+        plan_addresses(_options(args, []).network, args.initial_peers or [])  # clashing network flags
         return open_source(args.model_dir, dht_prefix=args.dht_prefix)
     except (ModelSourceError, ValueError) as exc:
         print(f"distconf serve: {exc}", file=sys.stderr)
         return None
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    from distconf.dht.identity import IdentityError
+    from distconf.errors import SwarmJoinError, UnreachableServerError
+
+    return SwarmJoinError, UnreachableServerError, IdentityError
 
 
 STOP_TIMEOUT = 5.0
@@ -215,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from distconf.server.block_server import BlockServer
 
+    network_errors = _network_errors()  # what joining may end with: one line, exit 2
     source = _open(args)
     if source is None:
         return 2
@@ -222,7 +264,11 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     server = BlockServer(_options(args, peers), stop_event=stop, source=source)
     try:
-        server.join()
+        try:
+            server.join()
+        except network_errors as exc:
+            print(f"distconf serve: {exc}", file=sys.stderr)
+            return 2
         if args.new_swarm:  # printed before loading: other servers and clients may join at once
             print(f"new swarm: --initial-peers {' '.join(server.maddrs)}", flush=True)
         server.serve()

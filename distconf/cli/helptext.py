@@ -65,9 +65,14 @@ def initial_peers(args: argparse.Namespace, command: str) -> list[str] | None:
 def join_swarm(peers: list[str], command: str) -> Any:
     """A client-mode DHT node joined through ``peers``; None (after saying why on stderr) if it cannot join."""
     from distconf.dht import start_local_dht
+    from distconf.errors import SwarmJoinError
 
     try:
         return start_local_dht(peers, client_mode=True)
-    except Exception as exc:  # hivemind raises several types for unreachable/invalid peers
-        print(f"distconf {command}: cannot join the swarm through {peers}: {exc}", file=sys.stderr)
+    except SwarmJoinError as exc:
+        print(f"distconf {command}: {exc}", file=sys.stderr)
+        return None
+    except Exception as exc:  # hivemind raises several types for invalid peers
+        print(f"distconf {command}: cannot join the swarm through {' '.join(peers)}: {' '.join(str(exc).split())}",
+              file=sys.stderr)
         return None

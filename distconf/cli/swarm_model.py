@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from distconf.loader.naming import config_num_blocks
@@ -22,6 +23,11 @@ __all__ = ["CommandFailed", "REPORT_FLUSH_SECONDS", "open_swarm_model", "check_r
 
 REPORT_FLUSH_SECONDS = 5.0
 """Longest wait, when a command ends, for the report of a server caught just before to be stored."""
+
+
+CLI_RETRIES = 3
+"""Retries of a failed request a command makes before it gives up with one error (the library's default is to keep
+trying; ``DISTCONF_MAX_RETRIES`` or a command's own flag say otherwise)."""
 
 
 class CommandFailed(Exception):
@@ -56,10 +62,16 @@ def open_swarm_model(args: argparse.Namespace, *, need_tokenizer: bool, **fields
     if need_tokenizer and tokenizer is None:
         raise CommandFailed(f"{args.model} has no tokenizer", 2)
     from distconf.client import AutoDistributedModelForCausalLM
+    from distconf.errors import SwarmJoinError
+    from distconf.loader.mixins import MAX_RETRIES_ENV
 
+    if "max_retries" not in fields and not os.environ.get(MAX_RETRIES_ENV):
+        fields["max_retries"] = CLI_RETRIES
     try:
         model = AutoDistributedModelForCausalLM.from_pretrained(source, initial_peers=peers, **fields)
     except ModelSourceError as exc:
+        raise CommandFailed(str(exc), 2) from None
+    except SwarmJoinError as exc:
         raise CommandFailed(str(exc), 2) from None
     except (OSError, ValueError, TimeoutError) as exc:
         raise CommandFailed(f"cannot join the swarm through {' '.join(peers)}: {exc}") from None

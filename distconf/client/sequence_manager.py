@@ -49,6 +49,7 @@ class SequenceManager:
         self.state: SwarmState | None = None
         self.last_update = -math.inf
         self.bans: dict[str, float] = {}
+        self.ban_reasons: dict[str, str] = {}  # why each peer was banned last (named when no route is left)
         self.moved: dict[str, float] = {}
         self.pings: dict[str, float] = {}
         self.rpc_infos: dict[str, dict[str, Any]] = {}
@@ -118,9 +119,19 @@ class SequenceManager:
             short = {s.peer_id for s in state.spans if s.info.cache_tokens_left is not None
                      and s.info.cache_tokens_left < cache_tokens_needed * 2 * s.length}
         refused = self.commitments.left_out(self, state.spans) if self.commitments is not None else set()
-        return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | self.banned() | refused,
-                          allowed_peers=self.allowed, start=start, end=end,
-                          avoid_if_possible=[unreachable_peers(self.pings), short])
+        banned = self.banned()
+        try:
+            return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | banned | refused,
+                              allowed_peers=self.allowed, start=start, end=end,
+                              avoid_if_possible=[unreachable_peers(self.pings), short])
+        except NoRouteError as exc:
+            failed = [f"{s.peer_id} (blocks {s.start}..{s.end - 1}) failed: {self.ban_reasons[s.peer_id]}"
+                      for s in state.spans if s.peer_id in banned and s.peer_id in self.ban_reasons
+                      and s.start <= exc.block < s.end]
+            if not failed:
+                raise
+            raise NoRouteError(f"{exc}; left out for {self.config.ban_timeout:g} s: {'; '.join(failed)}",
+                               exc.block, exc.dht_prefix) from None
 
     def chain_uid(self, span: RemoteSpan) -> str:
         """Uids of the blocks of ``span`` joined into one chain string."""
@@ -145,6 +156,8 @@ class SequenceManager:
                 logger.debug("%s no longer serves the blocks asked for: re-reading the swarm", peer_id)
                 return
             self.bans[peer_id] = now + float(self.config.ban_timeout)
+            if error is not None:
+                self.ban_reasons[peer_id] = _short_reason(error)
         logger.debug("banned %s for %s s after: %r", peer_id, self.config.ban_timeout, error)
 
     def ban(self, peer_id: str, until: float) -> None:
@@ -226,3 +239,20 @@ class SequenceManager:
     def request_metadata(self) -> dict[str, Any]:
         """Metadata every request carries: ``active_adapter`` and ``points``."""
         return {KEY_ACTIVE_ADAPTER: self.config.active_adapter or "", KEY_POINTS: 0}
+
+
+_DIAL_ERRORS = {
+    "routing: not found": "no address of it is known in the swarm (routing: not found)",
+    "all dials failed": "it cannot be dialled (all dials failed)",
+    "NO_RESERVATION": "its relay holds no reservation for it (NO_RESERVATION)",
+}
+"""What the p2p daemon's dial errors mean, in a few words; the daemon's own text follows in the reason."""
+
+
+def _short_reason(error: BaseException, limit: int = 300) -> str:
+    """An error on one line, cut to ``limit`` characters (a daemon's dial errors list every address tried)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    meaning = next((m for key, m in _DIAL_ERRORS.items() if key in text), None)
+    if meaning is not None and meaning not in text:
+        text = f"{meaning}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,6 +12,7 @@ owned by their peer (see the Security section of the README and each module's do
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from distconf.dht.announce import BlockAnnouncer, announce_blocks, default_expiration
@@ -69,6 +70,7 @@ __all__ = [
     "make_route",
     "parse_block_uid",
     "ping_peers",
+    "raise_join_error",
     "read_model_listing",
     "route_summary",
     "start_local_dht",
@@ -133,13 +135,34 @@ def start_local_dht(
     except TimeoutError as exc:  # concurrent.futures.TimeoutError is TimeoutError on 3.11+
         dht.kill_now()
         raise TimeoutError(f"DHT node not ready after {startup_timeout} s") from exc
-    except BaseException:
+    except BaseException as exc:
         dht.kill_now()
+        raise_join_error(exc, initial_peers, kwargs.get("identity_path"))
         raise
     finally:
         if cleanup is not None:
             cleanup()
     return dht
+
+
+def raise_join_error(exc: BaseException, initial_peers: Sequence[str], identity_path: str | None = None) -> None:
+    """Raise the one-line error a user should see for ``exc``, a daemon that failed to join; else return.
+
+    `distconf.errors.SwarmJoinError` (naming each initial peer and why it could not be reached) when no
+    bootstrap peer answered; `distconf.dht.identity.IdentityError` when the identity is taken by a peer
+    that is online.
+    """
+    from distconf.dht.bootstrap import BOOTSTRAP_FAILURE, explain_unreachable
+    from distconf.errors import SwarmJoinError
+
+    text = str(exc)
+    if BOOTSTRAP_FAILURE in text:
+        raise SwarmJoinError(list(initial_peers), explain_unreachable(list(initial_peers))) from None
+    if identity_path is not None and "is already taken by another peer" in text:
+        from distconf.dht.identity import IdentityError
+
+        raise IdentityError(f"{identity_path}: this identity's peer is online in the swarm already (another "
+                            "server started with the same --identity-path?)") from None
 
 
 async def _guard_node(_dht: DHT, node: Any) -> bool:
@@ -159,6 +182,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def visible_maddrs(dht: DHT) -> list[str]:
-    """The DHT's full multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/PEER``) as strings."""
-    return [str(m) for m in dht.get_visible_maddrs()]
+def visible_maddrs(dht: DHT, latest: bool = False) -> list[str]:
+    """The DHT's full multiaddrs (``/ip4/127.0.0.1/tcp/PORT/p2p/PEER``) as strings.
+
+    ``latest``: ask the daemon again (circuit addresses appear once a relay has reserved a slot).
+    """
+    return [str(m) for m in dht.get_visible_maddrs(latest=latest)]

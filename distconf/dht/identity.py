@@ -1,4 +1,9 @@
-"""RSA peer identities, so that a node's records can be owned by its peer id.
+"""Peer identities: a server's stable one (``--identity-path``), and RSA ones that own signed records.
+
+`load_identity` is what ``distconf serve --identity-path PATH`` uses (Petals' flag): the private key
+is created on first start, readable by its owner only (mode 0600), and its peer id is the server's on
+every later start, so clients' bans and the swarm page follow the server across restarts. A key file
+that others may read is refused (as ssh refuses such keys): whoever reads it can be this server.
 
 hivemind's ``RSASignatureValidator`` signs with an RSA key. A libp2p peer id made from
 an RSA key is the sha2-256 hash of that key (hivemind's ``P2P.generate_identity`` makes
@@ -14,7 +19,56 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["rsa_identity"]
+__all__ = ["IdentityError", "load_identity", "rsa_identity"]
+
+
+class IdentityError(ValueError):
+    """An identity file cannot be used: it is readable by others, unreadable, or not a libp2p private key."""
+
+
+def load_identity(path: str) -> str:
+    """The peer id (base58) of the libp2p private key at ``path``, creating the key (mode 0600) if missing.
+
+    Raises `IdentityError` naming the file and why when it is readable by group or others, cannot be
+    read or written, or does not hold a libp2p private key.
+    """
+    import stat
+
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise IdentityError(f"{path}: {exc.strerror}") from None
+    if info is None:
+        data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.SerializeToString())
+        except OSError as exc:
+            raise IdentityError(f"{path}: cannot create the identity key: {exc.strerror}") from None
+    elif not stat.S_ISREG(info.st_mode):
+        raise IdentityError(f"{path}: not a regular file")
+    elif info.st_mode & 0o077:
+        raise IdentityError(f"{path}: permissions {stat.S_IMODE(info.st_mode):04o} are too open: a private key "
+                            f"must be readable by its owner only (chmod 600 {path})")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+        key = crypto_pb2.PrivateKey.FromString(raw)
+        if not key.data:
+            raise ValueError("empty key")
+        return PeerID.from_identity(raw).to_base58()
+    except OSError as exc:
+        raise IdentityError(f"{path}: {exc.strerror}") from None
+    except Exception:  # protobuf and key parsing raise several types
+        raise IdentityError(f"{path}: not a libp2p private key (make a new one by giving a path that does "
+                            "not exist yet)") from None
 
 
 def rsa_identity(path: str | None = None) -> tuple[Any, str, Callable[[], None] | None]:

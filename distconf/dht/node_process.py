@@ -40,6 +40,7 @@ from typing import Any
 
 from hivemind import DHT
 
+from distconf.dht.hivemind_p2p_compat import static_relays
 from distconf.dht.hivemind_rpc_compat import guard_msgpack_depth, isolate_p2p_daemon
 
 __all__ = ["KILL_TIMEOUT", "WILL_TIMEOUT", "NodeProcess", "set_last_will", "shutdown_all"]
@@ -80,6 +81,7 @@ class NodeProcess(DHT):
                          daemon=True).start()
         isolate_p2p_daemon()
         guard_msgpack_depth()
+        static_relays()  # a relayed server's daemon reserves its relay at once (see the compat module)
         super().run()
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ A server placed by the swarm (no ``blocks``) checks every ``mean_balance_check_p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -24,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, visible_maddrs
+from distconf.dht.addresses import NetworkOptions
 from distconf.dht.announce import hub_repository  # re-exported: distconf.server.hub_repository
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.layer_stack import model_layer
@@ -37,6 +39,8 @@ __all__ = ["BlockServer", "ServeOptions", "hub_repository"]
 logger = logging.getLogger(__name__)
 
 VERSION = "distconf"
+RELAY_PENALTY = 0.2
+"""A relayed server announces its throughput times this (Petals' ``relay_penalty``): routes prefer direct ones."""
 
 
 @dataclass
@@ -60,8 +64,15 @@ class ServeOptions:
     dtype: str = "auto"
     device: str = "auto"
     quant: str | None = None
-    host: str = "127.0.0.1"
+    host: str | None = None  # one listen address; None: see distconf.dht.addresses (loopback unless networked)
     port: int = 0
+    host_maddrs: tuple[str, ...] | None = None  # Petals' --host_maddrs
+    announce_maddrs: tuple[str, ...] | None = None  # Petals' --announce_maddrs
+    public_ip: str | None = None  # Petals' --public_ip (needs port)
+    identity_path: str | None = None  # Petals' --identity_path: a stable peer id (the key is made on first start)
+    use_relay: bool = True  # Petals' --no_relay turns it off
+    use_auto_relay: bool = True  # Petals' --no_auto_relay turns it off
+    reachability_check: bool = True  # Petals' --skip_reachability_check turns it off
     public_name: str | None = None
     update_period: float | None = None
     request_timeout: float = 180.0
@@ -82,6 +93,14 @@ class ServeOptions:
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
     max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: `default_forward_tokens`)
     max_peer_cache_share: float = 0.5  # fraction of the cache budget one peer's sessions may hold together
+
+    @property
+    def network(self) -> NetworkOptions:
+        """The network flags, as `distconf.dht.addresses` and the reachability check take them."""
+        return NetworkOptions(host=self.host, port=self.port, host_maddrs=self.host_maddrs,
+                              announce_maddrs=self.announce_maddrs, public_ip=self.public_ip,
+                              identity_path=self.identity_path, use_relay=self.use_relay,
+                              use_auto_relay=self.use_auto_relay, reachability_check=self.reachability_check)
 
 
 class _LiveAnnouncer(BlockAnnouncer):
@@ -133,6 +152,9 @@ class BlockServer(SpanMoves):
         self.weights_form: str | None = None  # dtype (+ quantization) of the served weights
         self._rebalancer: threading.Thread | None = None
         self._rebalance_stop = threading.Event()
+        self.using_relay = False  # reached through a libp2p circuit relay (peers cannot dial it directly)
+        self.relay: str | None = None  # the relay that carried the relayed-path check
+        self._reachability: Any = None  # answers Petals' rpc_check for servers that join later
 
     # ------------------------------------------------------------------ properties
 
@@ -144,7 +166,7 @@ class BlockServer(SpanMoves):
     @property
     def maddrs(self) -> list[str]:
         """Full multiaddrs other peers use to join through this server's DHT node."""
-        return visible_maddrs(self.dht)
+        return visible_maddrs(self.dht, latest=self.using_relay)
 
     def cache_tokens_left(self) -> int:
         """The DHT record's ``cache_tokens_left``: Petals 2.x units (2 x free bytes // KV bytes per token)."""
@@ -200,9 +222,15 @@ class BlockServer(SpanMoves):
         from distconf.server.integrity import weights_form
 
         self.weights_form = weights_form(self.dtype_name, self.quant, self.device.type)
-        self.dht = start_local_dht([] if o.new_swarm else o.initial_peers,
-                                   host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"],
-                                   num_workers=max(1, config_num_blocks(self.config)))
+        self._start_node([] if o.new_swarm else list(o.initial_peers))
+
+    def _start_node(self, peers: list[str]) -> None:
+        """Start the DHT node where peers can reach it, directly or relayed (`distconf.server.network`)."""
+        from distconf.server.network import start_network
+
+        node = start_network(self.options.network, peers, num_workers=max(1, config_num_blocks(self.config)))
+        self.dht, self.rpc, self.using_relay, self.relay = node.dht, node.rpc, node.using_relay, node.relay
+        self._reachability = node.reachability
 
     def _serve(self) -> None:
         from distconf.blocks.quant import petals_quant_type
@@ -232,7 +260,7 @@ class BlockServer(SpanMoves):
         self.budget_bytes = span.plan.cache_bytes_per_block * span.num_blocks
         info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=o.public_name, version=VERSION,
                           torch_dtype=dtype_name, quant_type=petals_quant_type(self.quant),
-                          start_block=span.start, end_block=span.end)
+                          start_block=span.start, end_block=span.end, using_relay=self.using_relay)
         self.announcer = _LiveAnnouncer(self.dht, config, span.start, span.end, info, update_period=o.update_period,
                                         repository=o.repository or hub_repository(o.model_dir),
                                         tokens_left=self.cache_tokens_left)
@@ -248,6 +276,7 @@ class BlockServer(SpanMoves):
         from distconf.server.integrity import weights_digest
         from distconf.server.loading import measure_throughput
 
+
         o, config = self.options, self.config
         modules = self._load_span(span.start, span.end)
         self.modules = modules
@@ -261,17 +290,21 @@ class BlockServer(SpanMoves):
         self.block_sha256 = self._block_digests(span.start, modules)
         speed = measure_throughput(modules, config.wire_width, self.dtype)
         self.throughput, self.forward_rps = speed.throughput, speed.forward_rps
+        if self.using_relay:
+            self.throughput *= RELAY_PENALTY
         self.executor = ThreadPoolExecutor(o.compute_threads or 1, thread_name_prefix="distconf-compute")
         self.handler = self._make_handler(span.start, modules)
-        self.rpc = RpcLoop(self.dht)
+        if self.rpc is None:
+            self.rpc = RpcLoop(self.dht)
         self.rpc.run(self.handler.start(self.rpc.p2p), timeout=30)
         assert self.announcer is not None
         self.announcer.announce(self.announcer.info.model_copy(update={
-            "state": ServerState.ONLINE, "throughput": speed.throughput, "inference_rps": speed.inference_rps,
+            "state": ServerState.ONLINE, "throughput": self.throughput, "inference_rps": speed.inference_rps,
             "forward_rps": speed.forward_rps}))
         logger.info("ONLINE: blocks %d..%d, peer %s; measured per block: %.0f tokens/s in inference steps, "
-                    "%.0f in forward passes; announced throughput %.1f", span.start, span.end - 1, self.peer_id,
-                    speed.inference_rps, speed.forward_rps, speed.throughput)
+                    "%.0f in forward passes; announced throughput %.1f%s", span.start, span.end - 1, self.peer_id,
+                    speed.inference_rps, speed.forward_rps, self.throughput,
+                    f" (x{RELAY_PENALTY:g}: reached through a relay)" if self.using_relay else "")
 
     def _block_digests(self, start: int, modules: list[Any], known: dict[int, str] | None = None
                        ) -> list[str] | None:
@@ -328,7 +361,7 @@ class BlockServer(SpanMoves):
             dht_prefix=config.dht_prefix, hidden_size=config.wire_width, dtype=self.dtype,
             inference_max_length=o.inference_max_length or default_max_length(config),
             request_timeout=o.request_timeout, session_timeout=o.session_timeout, step_timeout=o.step_timeout,
-            version=VERSION, dht_client_mode=bool(getattr(self.dht, "client_mode", False)),
+            version=VERSION, dht_client_mode=self.using_relay,
             weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
             weights_form=self.weights_form, max_peer_cache_share=o.max_peer_cache_share,
             max_forward_tokens=o.max_forward_tokens or default_forward_tokens(
@@ -377,6 +410,10 @@ class BlockServer(SpanMoves):
             self.announcer.stop(offline=offline, timeout=left(0.6))
             self.announcer = None
         if self.rpc is not None:
+            if self._reachability is not None:
+                with contextlib.suppress(Exception):
+                    self.rpc.run(self._reachability.stop(), timeout=left(0.25))
+                self._reachability = None
             if self.handler is not None:
                 try:
                     self.rpc.run(self.handler.stop(), timeout=left(0.5))
@@ -397,3 +434,4 @@ class BlockServer(SpanMoves):
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+

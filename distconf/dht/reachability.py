@@ -1,0 +1,360 @@
+"""Can other peers dial this server? Petals' reachability protocol, the check at start, relays that carry sessions.
+
+**Petals' protocol** (src/petals/server/reachability.py): a peer asks others to dial it back through
+``ReachabilityProtocol.rpc_check`` (a hivemind protobuf handler taking ``dht_pb2.PingRequest``, answering
+``dht_pb2.PingResponse.available``). `ReachabilityService` answers it on every directly reachable
+server: a short-lived *probe* daemon (no listen address, no relays: only a direct dial can succeed)
+asks the asking peer's own ``rpc_check`` whether it is itself, and the asker says yes. It checks only
+the peer that asks (Petals' peers always ask about themselves), one at a time, so nobody can make a
+server dial third parties. It also answers ``DistconfReachability.rpc_observed``: the address the
+asker's connection comes from (its NAT's public address), in ``PingResponse.peer.node_id``.
+
+**The check at start** (`check_direct_reachability`): a temporary daemon listening where the server
+will, announcing what it will, joins through the initial peers and asks up to 5 of them; reachable
+when at least half of those that answered could dial it (Petals' rule; ``None`` when none answered,
+which a server takes as reachable, as Petals does).
+
+**Relays that carry sessions.** hivemind's p2p daemon serves circuit relays with go-libp2p's default
+limits (128 KiB and 2 minutes per relayed connection: a session's prompt does not fit) until its own
+AutoNAT finds it publicly reachable, and only then with p2pd's own limits (4 GiB, 30 minutes); a
+reservation taken before that is lost at the switch. AutoNAT asks only peers that announce a public
+address, which a relay in a small swarm (one public server, the rest behind NAT) never meets. So a
+server behind NAT first lets its relays confirm themselves (`confirm_relays`: a short-lived *beacon*
+daemon announcing the public address the relay sees it at, whose AutoNAT service dials the relay
+back), then reserves a slot, and checks the relayed path end to end (`check_relayed_path`: a probe
+of its own pulls `RELAY_TEST_BYTES` through the relay). See ``docs/networking.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MAX_PEERS", "PROBE_OPTIONS", "RELAY_TEST_BYTES", "RPC_CHECK", "RPC_OBSERVED", "Reachability",
+           "ReachabilityService", "RelayPath", "check_direct_reachability", "check_relayed_path",
+           "confirm_relays"]
+
+logger = logging.getLogger(__name__)
+
+RPC_CHECK = "ReachabilityProtocol.rpc_check"
+"""The handler name of Petals' reachability check (hivemind's ``ServicerBase`` naming: class.method)."""
+RPC_OBSERVED = "DistconfReachability.rpc_observed"
+"""distconf's addition: the address the asking peer is seen at (its NAT's public address)."""
+RELAY_FILL = "DistconfReachability.rpc_fill"
+"""The handler a server offers while checking its relayed path: streams the bytes asked for."""
+MAX_PEERS = 5
+MAX_WAITING = 8
+"""Checks a server queues while it dials another asker back; more get an error (counted as no answer)."""
+THRESHOLD = 0.5
+WAIT_TIMEOUT = 5.0
+"""Seconds a probe may take to dial a peer (Petals' ``wait_timeout``); a check of another peer gets twice."""
+RELAY_TEST_BYTES = 256 << 10
+"""Bytes pulled through a relay to accept it: twice what a limited hivemind relay lets through."""
+RESERVATION_WAIT = 10.0
+"""Seconds the relayed-path check waits for the reservation (a circuit address of its own)."""
+BEACON_SECONDS = 3.0
+"""Seconds a beacon stays up for the relays' AutoNAT to ask it to dial them back."""
+_CHUNK = 32 << 10
+PROBE_OPTIONS: dict[str, Any] = {"dht_mode": "client", "use_relay": False, "auto_nat": False, "nat_port_map": False,
+                                 "no_listen": True, "startup_timeout": 30}
+"""A probe daemon: dials out only, directly (Petals' ``STRIPPED_PROBE_ARGS``)."""
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What the check at start found.
+
+    ``reachable`` (None: nobody answered); ``relays``: the initial peers that answered (they accepted a
+    connection from here, so they can relay); ``observed``: the address a relay sees this machine at
+    (a distconf relay says; None otherwise).
+    """
+
+    reachable: bool | None
+    answered: int = 0
+    dialled: int = 0
+    relays: tuple[str, ...] = ()
+    observed: str | None = None
+
+
+@dataclass
+class RelayPath:
+    """What the relayed-path check found: the relay that carried the test, or why none did."""
+
+    relay: str | None = None
+    problems: dict[str, str] = field(default_factory=dict)
+    """The last problem seen with each relay tried."""
+    limited: bool = False
+    """Whether a relay cut the test short (a relay still on go-libp2p's default limits)."""
+
+
+def _ping_types() -> tuple[Any, Any, Any]:
+    from hivemind.proto import dht_pb2
+
+    return dht_pb2.PingRequest, dht_pb2.PingResponse, dht_pb2.NodeInfo
+
+
+async def _ask(p2p: Any, remote: Any, check_peer: Any, timeout: float) -> bool | None:
+    """Ask ``remote`` whether it can dial ``check_peer``: True, False, or None (no answer)."""
+    request_type, response_type, node_info = _ping_types()
+    request = request_type(peer=node_info(node_id=check_peer.to_bytes()))
+    try:
+        response = await asyncio.wait_for(p2p.call_protobuf_handler(remote, RPC_CHECK, request, response_type),
+                                          timeout)
+        return bool(response.available)
+    except Exception as exc:  # any failure is "no answer", as Petals counts it
+        logger.debug("reachability: %s did not check %s: %r", remote, check_peer, exc)
+        return None
+
+
+async def _observed(p2p: Any, remote: Any, timeout: float) -> str | None:
+    """The address ``remote`` sees this daemon's connection come from (None if it does not say)."""
+    request_type, response_type, _ = _ping_types()
+    try:
+        response = await asyncio.wait_for(
+            p2p.call_protobuf_handler(remote, RPC_OBSERVED, request_type(), response_type), timeout)
+        text = response.peer.node_id.decode("ascii")
+        return text if text.startswith("/ip") and len(text) < 200 else None
+    except Exception:  # a Petals peer has no such handler
+        return None
+
+
+class ReachabilityService:
+    """Answers ``rpc_check`` and ``rpc_observed`` on a directly reachable server (see the module docstring)."""
+
+    def __init__(self, p2p: Any, *, wait_timeout: float = WAIT_TIMEOUT) -> None:
+        self.p2p, self.wait_timeout = p2p, wait_timeout
+        self._busy = asyncio.Lock()  # one probe at a time; others wait their turn (at most MAX_WAITING)
+        self._waiting = 0
+        self._recent: dict[Any, tuple[float, bool]] = {}
+
+    async def start(self) -> None:
+        """Register the handlers on ``p2p``."""
+        request_type, _, _ = _ping_types()
+        await self.p2p.add_protobuf_handler(RPC_CHECK, self.rpc_check, request_type)
+        await self.p2p.add_protobuf_handler(RPC_OBSERVED, self.rpc_observed, request_type)
+
+    async def stop(self) -> None:
+        """Remove the handlers."""
+        for name in (RPC_CHECK, RPC_OBSERVED):
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_protobuf_handler(name)
+
+    async def rpc_check(self, request: Any, context: Any) -> Any:
+        """Dial the asking peer back with a probe: ``available`` is whether that worked."""
+        from hivemind.p2p import PeerID
+
+        _, response_type, _ = _ping_types()
+        try:
+            check_peer = PeerID(request.peer.node_id)
+        except Exception:
+            return response_type(available=False)
+        if check_peer == context.local_id:
+            return response_type(available=True)
+        if check_peer != context.remote_id:
+            return response_type(available=False)  # a peer may only ask about itself
+        return response_type(available=await self._dial_back(check_peer))
+
+    async def rpc_observed(self, _request: Any, context: Any) -> Any:
+        """The address the asking peer's connection comes from, as a multiaddr (empty if unknown)."""
+        _, response_type, node_info = _ping_types()
+        seen = ""
+        for info in await self.p2p.list_peers():
+            if info.peer_id == context.remote_id:
+                seen = next((str(a) for a in info.addrs if "/p2p-circuit" not in str(a)), "")
+                break
+        return response_type(peer=node_info(node_id=seen.encode()), available=bool(seen))
+
+    async def _dial_back(self, peer: Any) -> bool:
+        now = time.monotonic()
+        cached = self._recent.get(peer)
+        if cached is not None and now - cached[0] < 30:
+            return cached[1]
+        if self._waiting >= MAX_WAITING:
+            raise RuntimeError("busy: too many reachability checks at once")  # the asker counts no answer
+        self._waiting += 1
+        try:
+            await self._busy.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            from hivemind.p2p import P2P
+
+            maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
+            probe = await P2P.create(maddrs, **PROBE_OPTIONS)
+            try:
+                available = await _ask(probe, peer, peer, self.wait_timeout) is True
+            finally:
+                await probe.shutdown()
+        finally:
+            self._busy.release()
+        self._recent[peer] = (time.monotonic(), available)
+        logger.info("reachability: dialled peer %s back: %s", peer, "reachable" if available else "not reachable")
+        return available
+
+
+async def check_direct_reachability(initial_peers: Sequence[str], listen: Sequence[str],
+                                    announce: Sequence[str] | None, *, startup_timeout: float = 60.0,
+                                    max_peers: int = MAX_PEERS) -> Reachability:
+    """Ask up to ``max_peers`` initial peers to dial back a temporary daemon listening on ``listen``.
+
+    The temporary daemon runs AutoNAT's service: relays that have not confirmed their own reachability
+    yet may ask it to dial them back.
+    """
+    from hivemind.p2p import P2P, PeerID
+
+    request_type, response_type, _ = _ping_types()
+    target = await P2P.create(list(initial_peers), host_maddrs=list(listen), announce_maddrs=announce,
+                              dht_mode="client", use_relay=False, auto_nat=True, nat_port_map=False,
+                              startup_timeout=startup_timeout)
+
+    async def itself(request: Any, context: Any) -> Any:
+        return response_type(available=PeerID(request.peer.node_id) == context.local_id)
+
+    try:
+        await target.add_protobuf_handler(RPC_CHECK, itself, request_type)
+        by_id = {_peer_id(m): m for m in initial_peers if _peer_id(m)}
+        asked = [PeerID.from_base58(p) for p in by_id][:max_peers]
+        answers = await asyncio.gather(*(_ask(target, peer, target.peer_id, 2 * WAIT_TIMEOUT) for peer in asked))
+        observed = None
+        if any(a is False for a in answers):
+            seen = await asyncio.gather(*(_observed(target, p, WAIT_TIMEOUT) for p, a in zip(asked, answers)
+                                          if a is not None))
+            observed = next((s for s in seen if s), None)
+    finally:
+        await target.shutdown()
+    answered = [a for a in answers if a is not None]
+    relays = tuple(by_id[str(peer)] for peer, a in zip(asked, answers) if a is not None)
+    dialled = sum(answered)
+    reachable = dialled / len(answered) >= THRESHOLD if answered else None
+    logger.debug("reachability: %d of %d peers answered, %d dialled back; seen at %s", len(answered), len(asked),
+                 dialled, observed)
+    return Reachability(reachable, len(answered), dialled, relays, observed)
+
+
+async def confirm_relays(relays: Sequence[str], observed: str, *, seconds: float = BEACON_SECONDS) -> None:
+    """Let ``relays`` confirm their public reachability with AutoNAT (see the module docstring).
+
+    A beacon daemon announcing ``observed`` (this machine's public address as a relay saw it; it is
+    not dialled, AutoNAT only needs a peer that has one) connects to the relays and runs AutoNAT's
+    service for ``seconds``: a relay whose reachability is unknown asks it to dial the relay back, and
+    it does, through this machine's NAT, so the relay switches to its full relay service.
+    """
+    from hivemind.p2p import P2P
+
+    parts = observed.strip("/").split("/")
+    if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
+        return
+    wildcard = "0.0.0.0" if parts[0] == "ip4" else "::"
+    beacon = await P2P.create(list(relays), host_maddrs=[f"/{parts[0]}/{wildcard}/tcp/0"],
+                              announce_maddrs=[f"/{parts[0]}/{parts[1]}/tcp/{parts[3]}"], dht_mode="client",
+                              use_relay=False, auto_nat=True, nat_port_map=False, startup_timeout=30)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        await beacon.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def _fill_handler(p2p: Any) -> AsyncIterator[None]:
+    """While open, ``p2p`` streams up to `RELAY_TEST_BYTES` to whoever asks `RELAY_FILL`."""
+    request_type, response_type, node_info = _ping_types()
+
+    async def fill(request: Any, _context: Any) -> AsyncIterator[Any]:
+        left = min(int.from_bytes(request.peer.node_id[:4] or b"\0", "big"), RELAY_TEST_BYTES)
+        while left > 0:
+            chunk = min(left, _CHUNK)
+            left -= chunk
+            yield response_type(peer=node_info(node_id=b"\0" * chunk))
+
+    await p2p.add_protobuf_handler(RELAY_FILL, fill, request_type, stream_output=True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            await p2p.remove_protobuf_handler(RELAY_FILL, stream_output=True)
+
+
+async def _pull_through(server: Any, relay: str, size: int, timeout: float) -> tuple[int, str | None]:
+    """Dial ``server`` through ``relay`` from a new probe and pull ``size`` bytes: ``(bytes, error or None)``."""
+    from hivemind.p2p import P2P
+
+    from distconf.dht.hivemind_p2p_compat import connect_peer
+
+    request_type, response_type, node_info = _ping_types()
+    received = 0
+    probe = await P2P.create(**{**PROBE_OPTIONS, "use_relay": True})
+    try:
+        await asyncio.wait_for(connect_peer(probe, server, [f"{relay}/p2p-circuit/p2p/{server}"]), timeout)
+        request = request_type(peer=node_info(node_id=size.to_bytes(4, "big")))
+
+        async def pull() -> None:
+            nonlocal received
+            async for message in await probe.iterate_protobuf_handler(server, RELAY_FILL, request, response_type):
+                received += len(message.peer.node_id)
+
+        await asyncio.wait_for(pull(), timeout)
+        return received, None
+    except Exception as exc:
+        return received, _one_line(str(exc)) or type(exc).__name__
+    finally:
+        await probe.shutdown()
+
+
+async def check_relayed_path(p2p: Any, relays: Sequence[str], *, size: int = RELAY_TEST_BYTES,
+                             timeout: float = 20.0) -> RelayPath:
+    """Pull ``size`` bytes from ``p2p`` through each of ``relays`` until one carries them all (see the module).
+
+    Waits first (up to `RESERVATION_WAIT`) for a circuit address of ``p2p`` (the sign of a reservation
+    with a relay whose address is public), then tries every relay, again every 2 s until ``timeout``
+    unless a relay cut the test short (``limited``: its reservation will not carry a session). Each
+    attempt dials from a new probe daemon: one daemon's failed dial would hold back its next ones.
+    """
+    from distconf.dht.hivemind_p2p_compat import daemon_peer_ids_as_multihash
+
+    daemon_peer_ids_as_multihash()
+    result = RelayPath()
+    deadline = time.monotonic() + timeout
+    async with _fill_handler(p2p):
+        await _wait_for_circuit(p2p, min(RESERVATION_WAIT, timeout))
+        while time.monotonic() < deadline and not result.limited:
+            for relay in relays:
+                got, error = await _pull_through(p2p.peer_id, relay, size,
+                                                 max(1.0, min(15.0, deadline - time.monotonic())))
+                if got >= size:
+                    result.relay = relay
+                    return result
+                if got:
+                    result.limited = True
+                    result.problems[relay] = (f"it cut the relayed connection after {got // 1024} KiB (go-libp2p's "
+                                              "default relay limits: the relay has not confirmed that it is "
+                                              "publicly reachable)")
+                else:
+                    result.problems[relay] = error or "no bytes came through"
+            await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    return result
+
+
+async def _wait_for_circuit(p2p: Any, timeout: float) -> bool:
+    """Wait until ``p2p`` announces a ``/p2p-circuit`` address (a relay reserved a slot for it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any("/p2p-circuit" in str(m) for m in await p2p.get_visible_maddrs(latest=True)):
+            return True
+        await asyncio.sleep(0.25)
+    return False
+
+
+def _one_line(text: str) -> str:
+    """The text on one line (the daemon lists each failed address on a line of its own)."""
+    return " ".join(line.strip() for line in text.strip().splitlines())
+
+
+def _peer_id(maddr: str) -> str:
+    """The ``/p2p/ID`` at the end of a multiaddr ('' if none)."""
+    parts = maddr.rstrip("/").split("/")
+    return parts[-1] if len(parts) >= 2 and parts[-2] in ("p2p", "ipfs") else ""
