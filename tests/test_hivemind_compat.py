@@ -453,3 +453,46 @@ def test_coalesced_writes_send_hiveminds_bytes_in_one_write(restore):
 
     first, error = asyncio.run(round_trip())
     assert first == messages[0] and error.message == "refused"
+
+
+# ----------------------------------------------------------------------------- 14-16. p2p daemon across networks
+def test_static_relays_turn_relay_discovery_off_only_with_trusted_relays_and_autorelay(restore):
+    from hivemind.p2p import P2P
+
+    from distconf.dht import hivemind_p2p_compat as p2p_compat
+
+    restore(P2P, "_make_process_args")
+    before = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/X")
+    assert not any(arg.startswith("-relayDiscovery") for arg in before)  # hivemind leaves it on: a 3-minute boot
+    p2p_compat.static_relays()
+    p2p_compat.static_relays()  # idempotent
+    assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1")
+    assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=True))
+    assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", trustedRelays="x"))
+
+
+def test_p2p_ids_are_encoded_as_the_daemon_reads_them(monkeypatch):
+    from hivemind.utils.multiaddr import Multiaddr
+    from hivemind.utils.multiaddr.codecs import cid as cid_codec
+
+    from distconf.dht import hivemind_p2p_compat as p2p_compat
+
+    monkeypatch.setattr(cid_codec, "to_bytes", cid_codec.to_bytes)  # undone after the test
+    ed25519 = "12D3KooWBJQigz5bFaVCo4C8vdftjUhgfYtGiHTCXorg63Y9KYFL"
+    rsa = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
+    text = f"/ip6/2001:db8::2/tcp/31337/p2p/{ed25519}/p2p-circuit/p2p/{rsa}"
+    hiveminds = Multiaddr(text).to_bytes()
+    p2p_compat.daemon_peer_ids_as_multihash()
+    ours = Multiaddr(text).to_bytes()
+    # go-multiaddr: /p2p/ is 0xa5 0x03, a varint length, the peer id's multihash (identity 0x00 or sha2-256 0x12 0x20)
+    ed_hash, rsa_hash = base58.b58decode(ed25519), base58.b58decode(rsa)
+    assert bytes([0xA5, 0x03, len(ed_hash)]) + ed_hash in ours
+    assert bytes([0xA5, 0x03, len(rsa_hash)]) + rsa_hash in ours
+    assert bytes([0xA5, 0x03, len(ed_hash) + 2, 0x01, 0x72]) + ed_hash in hiveminds  # CIDv1: the daemon refuses it
+    assert str(Multiaddr(ours)) == text  # the text form is unchanged
+
+
+def test_connect_and_disconnect_reach_the_daemon_client():
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
+
+    assert callable(Client.connect) and callable(Client.disconnect)  # what connect_peer and disconnect_peer call

@@ -2,7 +2,8 @@
 
 Hosts are Linux network namespaces (`distconf.tools.netlab`) on an emulated internet with 10 ms one-way
 delay per link: servers ``a`` (blocks 0:15, the swarm's first peer and the relay), ``b`` and ``d``
-(15:30, public), a client host ``c``, a host ``e`` for restarts, and a home network behind a NAT router with hosts ``n`` and ``m``.
+(15:30, public), a client host ``c``, a host ``e`` for restarts, and a home network behind a NAT router
+with hosts ``n`` and ``m``.
 Skipped with the reason where the machine cannot host the lab (not root, no ``ip``/``nft``).
 """
 

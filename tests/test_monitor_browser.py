@@ -153,10 +153,10 @@ def small_swarm():
         client = start_local_dht(peers, client_mode=True)
         nodes += [a, b, client]
         cfg = model(PREFIX, 12)
-        for dht, span, rps, name in ((a, (0, 8), 12.5, HOSTILE_NAME), (b, (6, 12), 7.0, "beta")):
+        for dht, span, rps, name, relayed in ((a, (0, 8), 12.5, HOSTILE_NAME, False), (b, (6, 12), 7.0, "beta", True)):
             announcer = BlockAnnouncer(dht, cfg, *span, ServerInfo(
                 state=ServerState.ONLINE, throughput=rps, public_name=name, cache_tokens_left=65536,
-                torch_dtype="bfloat16", version="2.3.0"), update_period=30.0)
+                torch_dtype="bfloat16", version="2.3.0", using_relay=relayed), update_period=30.0)
             announcer.start()
             announcers.append(announcer)
         running = start_monitor(client)[1]
@@ -189,6 +189,9 @@ def test_page_shows_the_swarm_and_updates_when_a_server_leaves(browser, small_sw
     assert browser.evaluate("document.querySelectorAll('section.model tbody tr').length") == 2
     # a hostile public name is shown as text: no element is made of it, nothing runs
     assert browser.evaluate("document.querySelector('section.model tbody td.name').textContent") == HOSTILE_NAME
+    # how peers reach each server: directly, or through a relay (Petals' using_relay)
+    reached = "[...document.querySelectorAll('section.model tbody td.reached')].map(td => td.textContent)"
+    assert sorted(browser.evaluate(reached)) == ["direct", "relay"]
     assert browser.evaluate("document.querySelectorAll('main img').length") == 0
     assert browser.evaluate("document.title") == "distconf swarm monitor"
     assert "full route" in browser.evaluate("document.querySelector('.route').textContent")

@@ -44,7 +44,7 @@ def test_round_trip_is_twice_the_one_way_delay_asked_within_10_percent(lab, host
 
 
 def test_a_link_set_by_name_differs_from_the_default_and_each_direction_counts(lab, hosts):
-    a, b, home, n = hosts
+    a, b, *_ = hosts
     lab.default_link(delay_ms=1)
     lab.link(a, b, delay_ms=20, both_ways=False)  # a -> b only
     median, _, _ = lab.round_trip_ms(a, b, count=10)

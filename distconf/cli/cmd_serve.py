@@ -19,6 +19,10 @@ __all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record
 
 logger = logging.getLogger(__name__)
 
+COMPRESSION_NAMES = ("NONE", "FLOAT16", "MEANSTD_16BIT", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
+"""``--compression`` choices: hivemind's ``CompressionType`` names (`distconf.rpc.protocol.COMPRESSIONS`, which a
+test compares; written here so that ``--help`` does not import hivemind)."""
+
 READY_TAG = "DISTCONF_READY"
 """First word of the machine-readable line a server prints to stdout once it is ONLINE (a JSON object follows)."""
 
@@ -173,6 +177,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     net.add_argument("--skip-reachability-check", "--skip_reachability_check", dest="reachability_check",
                      action="store_false",
                      help="do not ask peers to dial this server back at start (assume it is reachable)")
+    net.add_argument("--compression", default="NONE", type=str.upper, metavar="NAME",
+                     help=f"hivemind's compression of the hidden states this server sends, asked of the clients and "
+                          f"servers that send to it (Petals' --compression): {', '.join(COMPRESSION_NAMES)} (default "
+                          "NONE: exact). FLOAT16 halves the bytes of fp32 hidden states, the 8-bit ones quarter them, "
+                          "with small changes to the output")
     batching = p.add_argument_group("batching (inference steps of several sessions computed together)")
     batching.add_argument("--max-batch-size", "--max_batch_size", dest="max_batch_size", type=positive_int,
                           default=16, metavar="N", help="rows (sequences) of one batched step (default 16)")
@@ -201,7 +210,7 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         host_maddrs=tuple(args.host_maddrs) if args.host_maddrs else None,
         announce_maddrs=tuple(args.announce_maddrs) if args.announce_maddrs else None, public_ip=args.public_ip,
         identity_path=args.identity_path, use_relay=args.use_relay, use_auto_relay=args.use_auto_relay,
-        reachability_check=args.reachability_check,
+        reachability_check=args.reachability_check, compression=args.compression,
         public_name=args.public_name, update_period=args.update_period, request_timeout=args.request_timeout,
         session_timeout=args.session_timeout, step_timeout=args.step_timeout,
         max_alloc_timeout=args.max_alloc_timeout, inference_max_length=args.inference_max_length,
@@ -227,6 +236,9 @@ def _open(args: argparse.Namespace) -> Any:
         from distconf.dht.addresses import plan_addresses
 
         plan_addresses(_options(args, []).network, args.initial_peers or [])  # clashing network flags
+        from distconf.rpc.protocol import compression_code
+
+        compression_code(args.compression)
         return open_source(args.model_dir, dht_prefix=args.dht_prefix)
     except (ModelSourceError, ValueError) as exc:
         print(f"distconf serve: {exc}", file=sys.stderr)

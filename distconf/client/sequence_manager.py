@@ -236,6 +236,19 @@ class SequenceManager:
                 dtype = getattr(torch, name.removeprefix("torch."), None)
         return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
+    def server_compression(self, span: RemoteSpan) -> int:
+        """The hivemind compression the server asks for the hidden states it receives (0, NONE, when it says none).
+
+        Read from its ``rpc_info`` schema, as Petals 2.x clients read it (the server's ``--compression``).
+        """
+        from distconf.rpc.protocol import COMPRESSIONS
+
+        try:
+            code = int(self.rpc_info(span)["inference_schema"][0][0].compression)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            return 0
+        return code if code in COMPRESSIONS.values() else 0
+
     def request_metadata(self) -> dict[str, Any]:
         """Metadata every request carries: ``active_adapter`` and ``points``."""
         return {KEY_ACTIVE_ADAPTER: self.config.active_adapter or "", KEY_POINTS: 0}

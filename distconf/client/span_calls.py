@@ -59,7 +59,8 @@ def forward_span(manager: Any, span: RemoteSpan, x: torch.Tensor, prompts: torch
     for rows in row_pieces(manager, span, x.shape):
         coro = call_forward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), x[rows],
                             span_prompts(_rows(prompts, rows), span), timeout=timeout,
-                            dtype=manager.server_dtype(span), metadata=manager.request_metadata())
+                            dtype=manager.server_dtype(span), metadata=manager.request_metadata(),
+                            compression=manager.server_compression(span))
         out = manager.swarm.run(coro, timeout=wait)
         outputs.append(checked_tensor(out, x[rows].shape, f"server …{span.peer_id[-6:]}", "hidden states"))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).to(x.dtype)
@@ -75,7 +76,8 @@ def backward_span(manager: Any, span: RemoteSpan, inputs: torch.Tensor, grad: to
     for rows in pieces:
         coro = call_backward(manager.swarm.p2p, span.peer_id, manager.chain_uid(span), inputs[rows], grad[rows],
                              span_prompts(_rows(prompts, rows), span), timeout=timeout,
-                             dtype=manager.server_dtype(span), metadata=manager.request_metadata())
+                             dtype=manager.server_dtype(span), metadata=manager.request_metadata(),
+                             compression=manager.server_compression(span))
         replies.append(manager.swarm.run(coro, timeout=wait))
     if len(replies) == 1:
         return replies[0]

@@ -51,6 +51,7 @@ class SpanSession:
         self.pending_start: int | None = None
         self.closed = False
         self.wire_dtype: torch.dtype | None = None
+        self.compression = 0  # the hivemind compression the server asks for (its rpc_info schema)
         self.check: SpanCheck | None = None  # with spot checks: what a check compares (not for shadows)
         self.push_from = ""  # the only peer the server may take pushes from for this session ("": none)
         self._stream: InferenceStream | None = None
@@ -156,12 +157,13 @@ class SpanSession:
         metadata = self._step_metadata(step_id, next_servers)
         if self.wire_dtype is None:
             self.wire_dtype = self.manager.server_dtype(self.span) or self.dtype
+            self.compression = self.manager.server_compression(self.span)
         first = position + n_new - sent.shape[1]  # absolute position of sent[:, 0]
         span_prompts = None
         if prompts is not None and first < prompts.shape[2]:
             span_prompts = prompts[self.span.start:self.span.end]
         request = inference_step_request(self.uid, sent, span_prompts, hypo_ids=step_hypo, metadata=metadata,
-                                         dtype=self.wire_dtype)
+                                         dtype=self.wire_dtype, compression=self.compression)
 
         def commit(response: Any) -> torch.Tensor:
             output = checked_reply(response.tensors, sent.shape, f"server …{self.peer_id[-6:]}")

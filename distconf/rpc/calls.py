@@ -66,10 +66,10 @@ async def call_info(p2p: P2P, peer: PeerID | str, uid: str = "", *, timeout: flo
 
 
 async def _call_tensors(p2p: P2P, peer: PeerID | str, name: str, uid: str, tensors: Sequence[torch.Tensor],
-                        metadata: dict[str, Any] | None, timeout: float, dtype: torch.dtype | None
-                        ) -> list[torch.Tensor]:
+                        metadata: dict[str, Any] | None, timeout: float, dtype: torch.dtype | None,
+                        compression: int = 0) -> list[torch.Tensor]:
     stub = get_stub(p2p, peer)
-    serialized = serialize_tensors(tensors, dtype)
+    serialized = serialize_tensors(tensors, dtype, compression)
     if serialized_size(serialized) <= MAX_UNARY_PAYLOAD_SIZE:
         response = await getattr(stub, name)(make_request(uid, serialized, metadata), timeout=timeout)
         return deserialize_tensors(response.tensors)
@@ -84,15 +84,16 @@ async def _call_tensors(p2p: P2P, peer: PeerID | str, name: str, uid: str, tenso
 
 async def call_forward(p2p: P2P, peer: PeerID | str, uid: str, hidden_states: torch.Tensor,
                        prompts: torch.Tensor | None = None, *, timeout: float, dtype: torch.dtype | None = None,
-                       metadata: dict[str, Any] | None = None) -> torch.Tensor:
+                       metadata: dict[str, Any] | None = None, compression: int = 0) -> torch.Tensor:
     """``rpc_forward`` (or ``rpc_forward_stream`` above the unary payload limit) over chain ``uid``.
 
-    ``prompts``: deep prompts ``[num_blocks, batch, pre_seq_len, hidden]`` or None.
+    ``prompts``: deep prompts ``[num_blocks, batch, pre_seq_len, hidden]`` or None; ``compression``: the
+    hivemind compression of what is sent (the server's, from its ``rpc_info``).
     Returns the last block's hidden states (`ProtocolError` if the reply holds none).
     """
     flat, structure = pack_args_kwargs(hidden_states, DUMMY if prompts is None else prompts)
     meta = {**(metadata or {}), KEY_ARGS_STRUCTURE: structure}
-    outputs = await _call_tensors(p2p, peer, "rpc_forward", uid, flat, meta, timeout, dtype)
+    outputs = await _call_tensors(p2p, peer, "rpc_forward", uid, flat, meta, timeout, dtype, compression)
     if not outputs:
         raise ProtocolError(f"rpc_forward of {uid!r}: the reply holds no tensors")
     return outputs[0]
@@ -100,11 +101,11 @@ async def call_forward(p2p: P2P, peer: PeerID | str, uid: str, hidden_states: to
 
 async def call_backward(p2p: P2P, peer: PeerID | str, uid: str, inputs: torch.Tensor, grad_outputs: torch.Tensor,
                         prompts: torch.Tensor | None = None, *, timeout: float, dtype: torch.dtype | None = None,
-                        metadata: dict[str, Any] | None = None) -> list[torch.Tensor]:
+                        metadata: dict[str, Any] | None = None, compression: int = 0) -> list[torch.Tensor]:
     """``rpc_backward`` (stream form when large): ``[grad_inputs]`` or ``[grad_inputs, grad_prompts]``."""
     flat, structure = pack_args_kwargs(inputs, grad_outputs, DUMMY if prompts is None else prompts)
     meta = {**(metadata or {}), KEY_ARGS_STRUCTURE: structure}
-    return await _call_tensors(p2p, peer, "rpc_backward", uid, flat, meta, timeout, dtype)
+    return await _call_tensors(p2p, peer, "rpc_backward", uid, flat, meta, timeout, dtype, compression)
 
 
 async def call_push(p2p: P2P, peer: PeerID | str, request: runtime_pb2.ExpertRequest, *, timeout: float) -> None:
@@ -118,7 +119,7 @@ _STEP_STRUCTURE = pack_args_kwargs(torch.empty(0), torch.empty(0), torch.empty(0
 
 def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch.Tensor | None = None,
                            hypo_ids: torch.Tensor | None = None, metadata: dict[str, Any] | None = None, *,
-                           dtype: torch.dtype | None = None) -> runtime_pb2.ExpertRequest:
+                           dtype: torch.dtype | None = None, compression: int = 0) -> runtime_pb2.ExpertRequest:
     """One ``rpc_inference`` step message: tensors ``(hidden, prompts or DUMMY, hypo_ids or DUMMY_INT64)``."""
     flat = [hidden_states, DUMMY if prompts is None else prompts, DUMMY_INT64 if hypo_ids is None else hypo_ids]
     if len({id(t) for t in flat}) == len(flat):  # the usual case: the structure is always the same
@@ -126,7 +127,7 @@ def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch
     else:
         flat, structure = pack_args_kwargs(*flat)
     meta = {**(metadata or {}), KEY_ARGS_STRUCTURE: structure}
-    return make_request(uid, serialize_tensors(flat, dtype), meta)
+    return make_request(uid, serialize_tensors(flat, dtype, compression), meta)
 
 
 class ReplyTooLarge(ConnectionError):

@@ -39,7 +39,8 @@ __all__ = [
     "KEY_STEP_ID", "MAX_UNARY_PAYLOAD_SIZE", "NOT_SERVED", "ProtocolError", "chain_uid", "deserialize_tensors",
     "dumps_metadata",
     "is_dummy", "loads_metadata", "make_request", "pack_args_kwargs", "parse_chain", "read_request",
-    "serialize_tensors", "serialized_size", "split_chain", "stream_parts", "unpack_args_kwargs",
+    "serialize_tensors", "serialized_size", "COMPRESSIONS", "compression_code", "split_chain", "stream_parts",
+    "unpack_args_kwargs",
 ]
 
 DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE = p2p_message_limits()
@@ -260,6 +261,19 @@ def _deserialize_one(t: runtime_pb2.Tensor) -> torch.Tensor:
         return deserialize_torch_tensor(t)  # hivemind's path (and its errors) for everything else
     tensor = torch.frombuffer(bytearray(buffer), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
     return tensor.reshape(shape).requires_grad_(t.requires_grad)
+
+
+COMPRESSIONS: dict[str, int] = dict(runtime_pb2.CompressionType.items())
+"""hivemind's tensor compressions by name (Petals' ``--compression``): NONE, MEANSTD_16BIT, FLOAT16, QUANTILE_8BIT,
+UNIFORM_8BIT, BLOCKWISE_8BIT."""
+
+
+def compression_code(name: str) -> int:
+    """The ``runtime_pb2.CompressionType`` of ``name`` (any case); `ValueError` naming the choices."""
+    code = COMPRESSIONS.get(name.upper())
+    if code is None:
+        raise ValueError(f"unknown compression {name!r}: one of {', '.join(COMPRESSIONS)}")
+    return code
 
 
 def serialize_tensors(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None,

@@ -73,6 +73,7 @@ class ServeOptions:
     use_relay: bool = True  # Petals' --no_relay turns it off
     use_auto_relay: bool = True  # Petals' --no_auto_relay turns it off
     reachability_check: bool = True  # Petals' --skip_reachability_check turns it off
+    compression: str = "NONE"  # Petals' --compression: hivemind's compression of the hidden states on the wire
     public_name: str | None = None
     update_period: float | None = None
     request_timeout: float = 180.0
@@ -345,6 +346,7 @@ class BlockServer(SpanMoves):
         from distconf.blocks.sizing import kv_cache_bytes_per_token, state_bytes_per_sequence
         from distconf.loader.naming import block_uids
         from distconf.planning import autograd_reserve_bytes, batch_activation_bytes, default_max_length
+        from distconf.rpc.protocol import compression_code
         from distconf.server.compute import ServedBlock
         from distconf.server.handler import BlockHandler, HandlerSettings
         from distconf.server.memory import CacheBudget
@@ -364,6 +366,7 @@ class BlockServer(SpanMoves):
             version=VERSION, dht_client_mode=self.using_relay,
             weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
             weights_form=self.weights_form, max_peer_cache_share=o.max_peer_cache_share,
+            compression=compression_code(o.compression),
             max_forward_tokens=o.max_forward_tokens or default_forward_tokens(
                 default_max_length(config), self.forward_rps, o.request_timeout, len(modules)))
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,

@@ -106,13 +106,14 @@ class BlockHandler(BlockServicer):
 
     def serialize_output(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
         """A reply tensor in the server's dtype."""
-        return serialize_tensors([tensor], self.settings.dtype)[0]
+        return serialize_tensors([tensor], self.settings.dtype, self.settings.compression)[0]
 
     # ------------------------------------------------------------------ rpc_info
 
     def block_info(self, block: ServedBlock) -> dict[str, Any]:
         """Schemas of a block (Petals 2.x's ``get_info`` keys)."""
-        descr = BatchTensorDescriptor(1, 2048, self.settings.hidden_size, dtype=self.settings.dtype)
+        descr = BatchTensorDescriptor(1, 2048, self.settings.hidden_size, dtype=self.settings.dtype,
+                                      compression=self.settings.compression)
         args_schema = (descr,)
         return {
             "forward_schema": (args_schema, {}), "args_schema": args_schema, "kwargs_schema": {},
@@ -267,7 +268,8 @@ class BlockHandler(BlockServicer):
                 tensors = self._decode(request.uid, request.tensors, "rpc_backward")
                 grads = await self._backward(request.uid, tensors, metadata)
                 self.stats["backward"] += 1
-                return runtime_pb2.ExpertResponse(tensors=serialize_tensors(grads, self.settings.dtype))
+                return runtime_pb2.ExpertResponse(
+                    tensors=serialize_tensors(grads, self.settings.dtype, self.settings.compression))
 
     async def rpc_backward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -276,7 +278,7 @@ class BlockHandler(BlockServicer):
             uid, tensors, metadata = await self._gather(requests, "rpc_backward_stream")
             grads = await self._backward(uid, tensors, metadata)
             self.stats["backward"] += 1
-        for tensor in serialize_tensors(grads, self.settings.dtype):
+        for tensor in serialize_tensors(grads, self.settings.dtype, self.settings.compression):
             for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE):
                 yield runtime_pb2.ExpertResponse(tensors=[part])
 

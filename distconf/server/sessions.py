@@ -273,7 +273,7 @@ class Sessions:
                     output = await self._run_step(cache, step)
                     processed.add(step.step_id)
                     self.stats["pushed_steps" if step.pushed else "steps"] += 1
-                    serialized = serialize_tensors([output], s.dtype)[0]
+                    serialized = serialize_tensors([output], s.dtype, s.compression)[0]
                     # no push with deep prompts (as Petals 2.x): this message carries this server's prompts only
                     if step.next_servers and all(p is None for p in step.prompts_per_block):
                         self._background(self._push(step, request, serialized))

@@ -67,7 +67,7 @@
   }
 
   function serverTable(model) {
-    const head = ["peer", "name", "blocks", "state", "rps", "cache left", "dtype / quant", "version", "pings"];
+    const head = ["peer", "name", "blocks", "state", "reached", "rps", "cache left", "dtype / quant", "version", "pings"];
     const numeric = new Set(["rps", "cache left"]);
     const narrowHidden = new Set(["dtype / quant", "version", "pings"]);
     const cls = (h) => [numeric.has(h) ? "num" : "", narrowHidden.has(h) ? "hide-narrow" : ""].join(" ").trim();
@@ -76,6 +76,8 @@
       el("td", { class: "name", text: s.public_name || "\u2013", title: s.public_name || "" }),
       el("td", { text: s.end - s.start === 1 ? `${s.start}` : `${s.start}..${s.end - 1}` }),
       el("td", { class: `state-${s.state}`, text: s.state }),
+      el("td", { class: "reached", text: s.using_relay === true ? "relay" : s.using_relay === false ? "direct" : "\u2013",
+                 title: s.using_relay ? "peers reach it through a libp2p relay (its rps counts x0.2)" : "" }),
       el("td", { class: "num", text: fmt(s.throughput) }),
       el("td", { class: "num", text: fmt(s.cache_tokens_left, 0) }),
       el("td", { class: "hide-narrow", text: [s.torch_dtype, s.quant_type].filter(Boolean).join(" / ") || "\u2013" }),
