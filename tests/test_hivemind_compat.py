@@ -496,3 +496,25 @@ def test_connect_and_disconnect_reach_the_daemon_client():
     from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
 
     assert callable(Client.connect) and callable(Client.disconnect)  # what connect_peer and disconnect_peer call
+
+
+def test_every_compression_round_trips_with_8bit_headers_fixed(monkeypatch):
+    import numpy
+    import torch
+    from hivemind.compression import quantization
+
+    from distconf.dht import hivemind_p2p_compat as p2p_compat
+    from distconf.rpc.protocol import COMPRESSIONS, deserialize_tensors, serialize_tensors
+
+    monkeypatch.setattr(quantization, "np", numpy)  # hivemind's own, undone after the test
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4):
+        with pytest.raises(Exception, match="only 0-dimensional arrays"):
+            deserialize_tensors(serialize_tensors([x], compression=COMPRESSIONS["UNIFORM_8BIT"]))
+    p2p_compat.scalar_headers_for_numpy()
+    p2p_compat.scalar_headers_for_numpy()  # idempotent
+    for name, code in COMPRESSIONS.items():
+        restored, empty = deserialize_tensors(serialize_tensors([x, torch.empty(0)], compression=code))
+        assert restored.shape == x.shape and empty.numel() == 0, name
+        bound = {"NONE": 0.0, "FLOAT16": 1e-2, "MEANSTD_16BIT": 1e-2, "BLOCKWISE_8BIT": 0.1}.get(name, 2.0)
+        assert (restored - x).abs().max().item() <= bound, name

@@ -52,11 +52,13 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     lab = open_lab()
     with lab:
         swarm = Swarm(lab, tmp_path_factory.mktemp("lab"), server_env(request.config))
-        a = swarm.serve(swarm.a, "a", "--new-swarm", "--host-maddrs", swarm.a.maddr(31337), "--blocks", "0:15")
+        # the README's recipe: the first server with --public-ip and --port, the others with --initial-peers
+        a = swarm.serve(swarm.a, "a", "--new-swarm", "--public-ip", swarm.a.address, "--port", "31337",
+                        "--blocks", "0:15")
         swarm.boot = lab_address(ready(a))
         b = swarm.serve(swarm.b, "b", "--initial-peers", swarm.boot, "--blocks", "15:30")
-        d = swarm.serve(swarm.d, "d", "--initial-peers", swarm.boot, "--blocks", "15:30", "--public-ip",
-                        swarm.d.address, "--port", "31338")
+        d = swarm.serve(swarm.d, "d", "--initial-peers", swarm.boot, "--blocks", "15:30", "--host-maddrs",
+                        swarm.d.maddr(31338))
         swarm.first = [a, b, d]
         for server in (b, d):
             ready(server)
@@ -78,7 +80,11 @@ def test_servers_on_lab_addresses_announce_only_addresses_others_can_dial(swarm)
         addresses = server.ready["addresses"]
         assert addresses and not any(is_loopback_maddr(m) for m in addresses), addresses
         assert all(f"/{host.address}/" in m for m in addresses), (host.address, addresses)
-    assert swarm.first[2].ready["addresses"][0].startswith(f"/ip6/{swarm.d.address}/tcp/31338/p2p/")  # --public-ip
+    assert swarm.first[0].ready["addresses"] == [f"/ip6/{swarm.a.address}/tcp/31337/p2p/{swarm.first[0].peer_id}"]
+    assert swarm.first[2].ready["addresses"][0].startswith(f"/ip6/{swarm.d.address}/tcp/31338/p2p/")
+    new_swarm_line = next(line for line in swarm.first[0].log_path.read_text().splitlines()
+                          if line.startswith("new swarm:"))
+    assert new_swarm_line == f"new swarm: --initial-peers {swarm.boot}"  # what the README tells to copy
 
 
 def test_greedy_chat_answer_across_three_hosts_equals_the_local_model(swarm, expected):

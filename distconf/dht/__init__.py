@@ -85,7 +85,8 @@ def start_local_dht(
     initial_peers: list[str] | tuple[str, ...] = (), *, startup_timeout: float = 60.0,
     signed_records: bool = False, record_scope: str = "swarm", **kwargs: Any
 ) -> DHT:
-    """Start a ``hivemind.DHT`` listening on 127.0.0.1 only (dialing only ``initial_peers``).
+    """Start a ``hivemind.DHT`` listening on 127.0.0.1 (unless ``host_maddrs`` says otherwise), dialing only
+    ``initial_peers``.
 
     Waits up to ``startup_timeout`` seconds for the node to be ready (then kills it and
     raises `TimeoutError`). ``kwargs`` go to ``hivemind.DHT`` (e.g.

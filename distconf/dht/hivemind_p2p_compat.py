@@ -1,4 +1,4 @@
-"""hivemind's p2p daemon across networks: static relays, circuit addresses, disconnects (items 14 to 16).
+"""hivemind across networks: static relays, circuit addresses, connects, 8-bit compressions (items 14 to 17).
 
 The third part of `distconf.dht.hivemind_compat`'s numbering, checked by the same version rule on
 import. Each item was read against hivemind 1.1.12 and the p2pd it bundles (go-libp2p-daemon
@@ -24,6 +24,13 @@ v0.5.0.hivemind1, go-libp2p v0.32.1); ``tests/test_hivemind_compat.py`` has one 
     ``P2P._client`` (hivemind has no public call): a probe dials a server through a given relay, and a
     server drops its relay so that autorelay takes a new reservation. *If it changes*: the calls raise
     ``AttributeError``, which the callers treat as a failed dial or a failed disconnect.
+17. `scalar_headers_for_numpy` replaces the module global ``np`` of ``hivemind.compression.quantization`` with
+    a view of numpy whose ``frombuffer(..., count=1)`` returns a 0-d array (process-wide). *Why*: the 8-bit
+    compressions (QUANTILE_8BIT, UNIFORM_8BIT, BLOCKWISE_8BIT: Petals' ``--compression``) read their size
+    headers with ``int(np.frombuffer(buffer, count=1, ...))``, which NumPy 2.4 refuses ("only 0-dimensional
+    arrays can be converted to Python scalars"): every such tensor failed to decode. *If hivemind changes
+    it*: the view is not used, or the headers are read another way (the round-trip test of every
+    compression tells).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from typing import Any
 
 from distconf.dht.hivemind_compat import _lock, _mark, _marked, check_hivemind_version
 
-__all__ = ["connect_peer", "daemon_peer_ids_as_multihash", "disconnect_peer", "static_relays"]
+__all__ = ["connect_peer", "daemon_peer_ids_as_multihash", "disconnect_peer", "scalar_headers_for_numpy",
+           "static_relays"]
 
 check_hivemind_version()
 
@@ -92,3 +100,28 @@ async def connect_peer(p2p: Any, peer_id: Any, maddrs: list[str]) -> None:
 async def disconnect_peer(p2p: Any, peer_id: Any) -> None:
     """Close every connection of ``p2p``'s daemon to ``peer_id`` (the daemon's DISCONNECT request)."""
     await p2p._client.disconnect(peer_id)
+
+
+# ----------------------------------------------------------------------------- 17. 8-bit compression headers
+class _NumpyScalarHeaders:
+    """numpy, except that ``frombuffer(..., count=1)`` is a 0-d array (``int()`` of it works on every NumPy)."""
+
+    def __init__(self, numpy: Any) -> None:
+        self._numpy = numpy
+
+    def frombuffer(self, *args: Any, **kwargs: Any) -> Any:
+        array = self._numpy.frombuffer(*args, **kwargs)
+        return array.reshape(()) if kwargs.get("count") == 1 else array
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._numpy, name)
+
+
+def scalar_headers_for_numpy() -> None:
+    """Let hivemind's 8-bit compressions decode their headers on NumPy 2.4 and later. Idempotent."""
+    from hivemind.compression import quantization
+
+    with _lock:
+        if isinstance(quantization.np, _NumpyScalarHeaders):
+            return
+        quantization.np = _NumpyScalarHeaders(quantization.np)

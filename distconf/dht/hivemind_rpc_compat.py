@@ -69,9 +69,12 @@ def registered_ext_types() -> dict[int, Any]:
 
 
 def harden_peer_process() -> None:
-    """Apply the patches of a process that exchanges messages with peers (items 1 and 13). Idempotent."""
+    """Apply the patches of a process that exchanges messages with peers (items 1, 13 and 17). Idempotent."""
+    from distconf.dht.hivemind_p2p_compat import scalar_headers_for_numpy
+
     guard_msgpack_depth()
     coalesce_p2p_writes()
+    scalar_headers_for_numpy()
 
 
 # ----------------------------------------------------------------------------- 1. msgpack depth

@@ -245,6 +245,8 @@ def buffer_problem(tensor: runtime_pb2.Tensor, numel: int) -> str | None:
 
 def _serialize_one(t: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
     name = _PLAIN_DTYPES.get(t.dtype)
+    if compression != _NONE and not t.numel():
+        compression = _NONE  # an empty placeholder (no prompts): hivemind's 8-bit codecs fail on it
     if name is None or (compression != _NONE and t.is_floating_point()):
         kind = compression if t.is_floating_point() else _NONE
         return serialize_torch_tensor(t, kind)
