@@ -111,8 +111,12 @@ def test_a_server_behind_nat_serves_through_a_relay(swarm, expected):
     assert "reached relayed through" in log
 
 
-def test_a_server_behind_nat_without_relays_is_never_announced_and_exits_2(swarm):
-    server = swarm.serve(swarm.m, "m", "--initial-peers", swarm.boot, "--blocks", "15:30", "--no-relay")
+@pytest.mark.parametrize("claim", [(), ("--public-ip", "ROUTER", "--port", "31339")], ids=["lan-address", "no-forward"])
+def test_a_server_behind_nat_without_relays_is_never_announced_and_exits_2(swarm, claim):
+    """Behind NAT with relays off: announcing its LAN address (dials fail at once), or its router's public address
+    with a port nobody forwarded (dials time out): never announced, one line, exit 2."""
+    claim = tuple(swarm.home.address if a == "ROUTER" else a for a in claim)
+    server = swarm.serve(swarm.m, "m", "--initial-peers", swarm.boot, "--blocks", "15:30", "--no-relay", *claim)
     code = server.proc.wait(180)
     server.stop()
     out = server.log_path.read_text()
@@ -139,6 +143,22 @@ def test_identity_path_keeps_the_peer_id_across_restarts(swarm, tmp_path):
     third.stop()
     errors = [line for line in third.log_path.read_text().splitlines() if line.startswith("distconf serve:")]
     assert len(errors) == 1 and "too open" in errors[0], errors
+
+
+def test_a_server_nobody_can_dial_is_one_clear_error_in_bounded_time(swarm):
+    """Told to skip the check and relays, a server behind NAT announces itself and nobody can dial it: a client
+    routed only through it (allowed_servers) bans it at its first failed dial and ends, within its retries,
+    with one error naming it and why."""
+    undialable = swarm.serve(swarm.m, "u", "--initial-peers", swarm.boot, "--blocks", "15:30",
+                             "--skip-reachability-check", "--no-relay")
+    peer = ready(undialable)["peer_id"]
+    start = time.monotonic()
+    result = run_client(swarm.c, swarm.env, peers=[swarm.boot], allowed_servers=[swarm.first[0].peer_id, peer])
+    elapsed = time.monotonic() - start
+    undialable.stop()
+    assert "error" in result and peer in result["error"] and "failed after 4 attempt(s)" in result["error"], result
+    assert "\n" not in result["error"]
+    assert elapsed < 90, elapsed  # model load, 4 attempts and 1 + 2 + 4 s of backoff
 
 
 def test_a_failover_across_hosts_gives_the_same_tokens(swarm, expected):

@@ -1,9 +1,9 @@
-"""Every use of hivemind's internals, in two modules, checked against the hivemind they were written for.
+"""Every use of hivemind's internals, in three modules, checked against the hivemind they were written for.
 
 The rest of distconf uses hivemind's public API only (``hivemind.DHT``, ``hivemind.P2P``,
 ``PeerID``, ``MSGPackSerializer``, record validators). Everything that reaches further
-(underscore names, internal modules, monkey-patches) lives here and in
-`distconf.dht.hivemind_rpc_compat`. It was written against
+(underscore names, internal modules, monkey-patches) lives here, in
+`distconf.dht.hivemind_rpc_compat` and in `distconf.dht.hivemind_p2p_compat`. It was written against
 hivemind 1.1.12 (`TESTED_HIVEMIND`) for the range `SUPPORTED_HIVEMIND`, the pin in
 ``pyproject.toml``: importing this module with any other hivemind installed raises
 `HivemindVersionError`, saying what to install. To widen the range, re-read each item
@@ -11,8 +11,9 @@ below against the new hivemind's source, then run ``tests/test_hivemind_compat.p
 test per item).
 
 The module sits in the dht layer so that dht, rpc, server and client can all use it; it
-imports hivemind only when a function is called. Its items are numbered across both modules
-(this one and `distconf.dht.hivemind_rpc_compat`); both are checked by the one version rule below.
+imports hivemind only when a function is called. Its items are numbered across the three modules
+(this one, `distconf.dht.hivemind_rpc_compat` and `distconf.dht.hivemind_p2p_compat`); all are checked by
+the one version rule below.
 
 Patches (each applies in the process that calls it; we call them in our DHT processes)
 
@@ -75,6 +76,13 @@ Process control and speed (in `distconf.dht.hivemind_rpc_compat`)
 
 Those three are patches of every process that talks to peers (servers, clients, DHT
 nodes); they live there to keep each module one job.
+
+Across networks (in `distconf.dht.hivemind_p2p_compat`)
+
+14. `static_relays`: trusted relays as static relays (no 3-minute boot delay).
+15. `daemon_peer_ids_as_multihash`: ``/p2p/`` in binary multiaddrs as the daemon reads it.
+16. `connect_peer`, `disconnect_peer`: the daemon's CONNECT and DISCONNECT.
+17. `scalar_headers_for_numpy`: hivemind's 8-bit compressions decode on NumPy 2.4.
 """
 
 from __future__ import annotations

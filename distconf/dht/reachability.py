@@ -48,6 +48,10 @@ RPC_OBSERVED = "DistconfReachability.rpc_observed"
 RELAY_FILL = "DistconfReachability.rpc_fill"
 """The handler a server offers while checking its relayed path: streams the bytes asked for."""
 MAX_PEERS = 5
+DIAL_BACK_ATTEMPTS = 2
+"""Probes a server sends to dial an asker back: a second, a second later, when the first found no address."""
+RETRY_WITHIN = 2.0
+"""Seconds within which a failed dial-back counts as "no address yet" and is tried again."""
 MAX_WAITING = 8
 """Checks a server queues while it dials another asker back; more get an error (counted as no answer)."""
 THRESHOLD = 0.5
@@ -185,11 +189,21 @@ class ReachabilityService:
             from hivemind.p2p import P2P
 
             maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
-            probe = await P2P.create(maddrs, **PROBE_OPTIONS)
-            try:
-                available = await _ask(probe, peer, peer, self.wait_timeout) is True
-            finally:
-                await probe.shutdown()
+            available = False
+            for attempt in range(DIAL_BACK_ATTEMPTS):
+                if attempt:
+                    await asyncio.sleep(1.0)
+                started = time.monotonic()
+                probe = await P2P.create(maddrs, **PROBE_OPTIONS)  # a new one: no dial backoff from the last
+                try:
+                    answer = await _ask(probe, peer, peer, self.wait_timeout)
+                finally:
+                    await probe.shutdown()
+                # None at once: no address of the asker yet (they come with its identify); a dial that timed
+                # out is not tried again (the asker waits twice wait_timeout in all, as Petals' peers do)
+                if answer is not None or time.monotonic() - started > RETRY_WITHIN:
+                    available = bool(answer)
+                    break
         finally:
             self._busy.release()
         self._recent[peer] = (time.monotonic(), available)
