@@ -97,7 +97,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "join a swarm, sized by the planner"),
                   ("distconf serve ./SmolLM2-135M-Instruct.Q4_1.gguf --new-swarm --dtype float32",
                    "a GGUF file, converted once into a cache, sized from available memory"),
-                  ("distconf serve ./model --initial-peers ADDR --blocks 4:8 --quant int8", "blocks 4..7, int8")],
+                  ("distconf serve ./model --initial-peers ADDR --blocks 4:8 --quant int8", "blocks 4..7, int8"),
+                  ("distconf serve ./model --new-swarm --public-ip 203.0.113.5 --port 31337",
+                   "first server of a swarm across machines (port 31337 reachable at that address)"),
+                  ("distconf serve ./model --initial-peers ADDR --identity-path server.key",
+                   "join from anywhere (behind NAT: through a relay), same peer id on every start")],
     )
     p.add_argument("model_dir", metavar="MODEL",
                    help="a model folder (safetensors; dht_prefix optional), a .gguf file or a folder holding one, "
