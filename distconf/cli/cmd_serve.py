@@ -164,7 +164,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "a network)")
     net.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
     net.add_argument("--host-maddrs", "--host_maddrs", dest="host_maddrs", nargs="+", metavar="MULTIADDR",
-                     default=None, help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337 /ip6/::/tcp/31337")
+                     default=None,
+                     help="multiaddrs to listen on, e.g. /ip6/::/tcp/31337 (every IPv6 interface, port 31337)")
     net.add_argument("--announce-maddrs", "--announce_maddrs", dest="announce_maddrs", nargs="+",
                      metavar="MULTIADDR", default=None,
                      help="multiaddrs other peers dial, announced instead of this machine's addresses")

@@ -23,7 +23,12 @@ import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AddressPlan", "NetworkOptions", "is_loopback_maddr", "local_addresses", "plan_addresses"]
+__all__ = ["ANY_IPV4", "ANY_IPV6", "AddressPlan", "NetworkOptions", "is_loopback_maddr", "local_addresses",
+           "plan_addresses"]
+
+
+ANY_IPV4, ANY_IPV6 = "0.0.0.0", "::"
+"""The wildcard listen addresses: every interface of this machine."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def plan_addresses(options: NetworkOptions, initial_peers: Sequence[str]) -> Add
     elif options.host is not None:
         listen = [f"/ip{_ip(options.host, '--host').version}/{options.host}/tcp/{options.port}"]
     elif networked:
-        listen = [f"/ip4/0.0.0.0/tcp/{options.port}", f"/ip6/::/tcp/{options.port}"]
+        listen = [f"/ip4/{ANY_IPV4}/tcp/{options.port}", f"/ip6/{ANY_IPV6}/tcp/{options.port}"]
     else:
         listen = [f"/ip4/127.0.0.1/tcp/{options.port}"]
     local_only = all(is_loopback_maddr(m) for m in listen) and not networked
