@@ -101,3 +101,19 @@ def test_a_peer_may_not_make_a_server_dial_someone_else(helper):
         assert run(ask()) is False
     finally:
         other.shutdown()
+
+
+def test_a_petals_peer_without_distconfs_handlers_is_asked_petals_question():
+    """A peer that only answers ReachabilityProtocol.rpc_check (a Petals server) is asked that, and its answer used."""
+
+    async def ask() -> tuple:
+        helper = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            await ReachabilityProtocol().add_p2p_handlers(helper)  # says yes to everything, as a stand-in Petals peer
+            maddr = f"{(await helper.get_visible_maddrs())[0]}"
+            found = await check_direct_reachability([maddr], ["/ip4/127.0.0.1/tcp/0"], None)
+            return found.reachable, found.answered
+        finally:
+            await helper.shutdown()
+
+    assert run(ask()) == (True, 1)

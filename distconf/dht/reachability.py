@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 RPC_CHECK = "ReachabilityProtocol.rpc_check"
 """The handler name of Petals' reachability check (hivemind's ``ServicerBase`` naming: class.method)."""
+RPC_CHECK_AT = "DistconfReachability.rpc_check_at"
+"""distconf's form of the check: the asker names the addresses it announces (``ExpertUID.uid``: a JSON list)."""
+MAX_ADDRESSES = 8
 RPC_OBSERVED = "DistconfReachability.rpc_observed"
 """distconf's addition: the address the asking peer is seen at (its NAT's public address)."""
 RELAY_FILL = "DistconfReachability.rpc_fill"
@@ -56,7 +60,10 @@ MAX_WAITING = 8
 """Checks a server queues while it dials another asker back; more get an error (counted as no answer)."""
 THRESHOLD = 0.5
 WAIT_TIMEOUT = 5.0
-"""Seconds a probe may take to dial a peer (Petals' ``wait_timeout``); a check of another peer gets twice."""
+"""Seconds a probe may take to dial a peer (Petals' ``wait_timeout``); Petals' peers wait twice that for an answer."""
+ASK_TIMEOUT = 30.0
+"""Seconds a server at start waits for each peer's answer: helpers check one asker at a time, and when servers
+start together some wait their turn (an answer that does not come counts as no answer, not as unreachable)."""
 RELAY_TEST_BYTES = 256 << 10
 """Bytes pulled through a relay to accept it: twice what a limited hivemind relay lets through."""
 RESERVATION_WAIT = 10.0
@@ -102,6 +109,23 @@ def _ping_types() -> tuple[Any, Any, Any]:
     return dht_pb2.PingRequest, dht_pb2.PingResponse, dht_pb2.NodeInfo
 
 
+async def _ask_at(p2p: Any, remote: Any, addresses: Sequence[str], timeout: float) -> bool | None:
+    """Ask ``remote`` (a distconf peer) to dial this daemon at ``addresses``; else Petals' check (`_ask`)."""
+    from hivemind.proto import runtime_pb2
+
+    _, response_type, _ = _ping_types()
+    request = runtime_pb2.ExpertUID(uid=json.dumps(list(addresses)[:MAX_ADDRESSES]))
+    try:
+        response = await asyncio.wait_for(p2p.call_protobuf_handler(remote, RPC_CHECK_AT, request, response_type),
+                                          timeout)
+        return bool(response.available)
+    except Exception as exc:
+        if "handler" not in str(exc).lower() and "protocol" not in str(exc).lower():
+            logger.debug("reachability: %s did not check us at %s: %r", remote, addresses, exc)
+            return None
+    return await _ask(p2p, remote, p2p.peer_id, timeout)  # a Petals peer
+
+
 async def _ask(p2p: Any, remote: Any, check_peer: Any, timeout: float) -> bool | None:
     """Ask ``remote`` whether it can dial ``check_peer``: True, False, or None (no answer)."""
     request_type, response_type, node_info = _ping_types()
@@ -138,13 +162,16 @@ class ReachabilityService:
 
     async def start(self) -> None:
         """Register the handlers on ``p2p``."""
+        from hivemind.proto import runtime_pb2
+
         request_type, _, _ = _ping_types()
         await self.p2p.add_protobuf_handler(RPC_CHECK, self.rpc_check, request_type)
+        await self.p2p.add_protobuf_handler(RPC_CHECK_AT, self.rpc_check_at, runtime_pb2.ExpertUID)
         await self.p2p.add_protobuf_handler(RPC_OBSERVED, self.rpc_observed, request_type)
 
     async def stop(self) -> None:
         """Remove the handlers."""
-        for name in (RPC_CHECK, RPC_OBSERVED):
+        for name in (RPC_CHECK, RPC_CHECK_AT, RPC_OBSERVED):
             with contextlib.suppress(Exception):
                 await self.p2p.remove_protobuf_handler(name)
 
@@ -173,7 +200,7 @@ class ReachabilityService:
                 break
         return response_type(peer=node_info(node_id=seen.encode()), available=bool(seen))
 
-    async def _dial_back(self, peer: Any) -> bool:
+    async def _dial_back(self, peer: Any, addresses: list[str] | None = None) -> bool:
         now = time.monotonic()
         cached = self._recent.get(peer)
         if cached is not None and now - cached[0] < 30:
@@ -186,29 +213,59 @@ class ReachabilityService:
         finally:
             self._waiting -= 1
         try:
-            from hivemind.p2p import P2P
-
-            maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
-            available = False
-            for attempt in range(DIAL_BACK_ATTEMPTS):
-                if attempt:
-                    await asyncio.sleep(1.0)
-                started = time.monotonic()
-                probe = await P2P.create(maddrs, **PROBE_OPTIONS)  # a new one: no dial backoff from the last
-                try:
-                    answer = await _ask(probe, peer, peer, self.wait_timeout)
-                finally:
-                    await probe.shutdown()
-                # None at once: no address of the asker yet (they come with its identify); a dial that timed
-                # out is not tried again (the asker waits twice wait_timeout in all, as Petals' peers do)
-                if answer is not None or time.monotonic() - started > RETRY_WITHIN:
-                    available = bool(answer)
-                    break
+            available = await self._probe(peer, addresses)
         finally:
             self._busy.release()
         self._recent[peer] = (time.monotonic(), available)
         logger.info("reachability: dialled peer %s back: %s", peer, "reachable" if available else "not reachable")
         return available
+
+    async def rpc_check_at(self, request: Any, context: Any) -> Any:
+        """distconf's check: dial the asking peer back at the addresses it announces (``request.uid``: JSON)."""
+        _, response_type, _ = _ping_types()
+        try:
+            addresses = json.loads(request.uid)
+            if not (isinstance(addresses, list) and 0 < len(addresses) <= MAX_ADDRESSES
+                    and all(isinstance(a, str) and a.startswith(("/ip4/", "/ip6/", "/dns")) and len(a) < 200
+                            for a in addresses)):
+                raise ValueError("a list of up to 8 multiaddrs")
+        except ValueError:
+            return response_type(available=False)
+        return response_type(available=await self._dial_back(context.remote_id, addresses))
+
+    async def _probe(self, peer: Any, addresses: list[str] | None) -> bool:
+        """Dial ``peer`` from a new probe daemon and ask whether it is itself.
+
+        With ``addresses`` (what the peer says it announces) the probe dials exactly those, so the check
+        is of what other peers will dial. Without (Petals' check) the probe looks the peer up in the
+        swarm's routing, as Petals' probe does; a peer not found there at once (its addresses arrive with
+        its identify) is looked up again a second later.
+        """
+        from hivemind.p2p import P2P
+
+        from distconf.dht.hivemind_p2p_compat import connect_peer
+
+        maddrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
+        probe = await P2P.create(maddrs if addresses is None else [], **PROBE_OPTIONS)
+        try:
+            if addresses is not None:
+                try:
+                    dialled = [_transport_part(a) for a in addresses]
+                    await asyncio.wait_for(connect_peer(probe, peer, dialled), self.wait_timeout)
+                except Exception as exc:
+                    logger.debug("reachability: cannot dial %s at %s: %r", peer, addresses, exc)
+                    return False
+            for attempt in range(DIAL_BACK_ATTEMPTS):
+                if attempt:
+                    await asyncio.sleep(1.0)
+                started = time.monotonic()
+                answer = await _ask(probe, peer, peer, self.wait_timeout)
+                # None at once: no address yet; a dial that timed out is not tried again (the asker waits)
+                if answer is not None or time.monotonic() - started > RETRY_WITHIN or addresses is not None:
+                    return bool(answer)
+            return False
+        finally:
+            await probe.shutdown()
 
 
 async def check_direct_reachability(initial_peers: Sequence[str], listen: Sequence[str],
@@ -233,7 +290,8 @@ async def check_direct_reachability(initial_peers: Sequence[str], listen: Sequen
         await target.add_protobuf_handler(RPC_CHECK, itself, request_type)
         by_id = {_peer_id(m): m for m in initial_peers if _peer_id(m)}
         asked = [PeerID.from_base58(p) for p in by_id][:max_peers]
-        answers = await asyncio.gather(*(_ask(target, peer, target.peer_id, 2 * WAIT_TIMEOUT) for peer in asked))
+        announced = list(announce) if announce else [str(m) for m in await target.get_visible_maddrs()]
+        answers = await asyncio.gather(*(_ask_at(target, peer, announced, ASK_TIMEOUT) for peer in asked))
         observed = None
         if any(a is False for a in answers):
             seen = await asyncio.gather(*(_observed(target, p, WAIT_TIMEOUT) for p, a in zip(asked, answers)
@@ -361,6 +419,12 @@ async def _wait_for_circuit(p2p: Any, timeout: float) -> bool:
             return True
         await asyncio.sleep(0.25)
     return False
+
+
+def _transport_part(maddr: str) -> str:
+    """A multiaddr without its trailing ``/p2p/ID`` (the peer id goes beside it in a CONNECT request)."""
+    head, sep, tail = maddr.rpartition("/p2p/")
+    return head if sep and "/" not in tail else maddr
 
 
 def _one_line(text: str) -> str:
