@@ -52,7 +52,18 @@ def check_lab_support() -> None:
     result = run(["ip", "netns", "add", probe], check=False)
     if result.returncode != 0:
         raise LabUnavailable(f"cannot create a network namespace: {result.stderr.strip()}")
-    delete_namespace(probe)
+    try:
+        steps = (("ip", "-n", probe, "link", "set", "lo", "up"),
+                 ("ip", "-n", probe, "addr", "add", "2001:db8::1/128", "dev", "lo", "nodad"),
+                 ("ip", "netns", "exec", probe, "nft", "add", "table", "ip6", "probe"),
+                 ("ip", "netns", "exec", probe, "nft", "add", "chain", "ip6", "probe", "post",
+                  "{ type nat hook postrouting priority srcnat; }"))
+        for step, what in zip(steps, ("a loopback device", "IPv6", "nftables", "nftables NAT for IPv6")):
+            result = run(step, check=False)
+            if result.returncode != 0:
+                raise LabUnavailable(f"the network lab needs {what} in a namespace: {result.stderr.strip()}")
+    finally:
+        delete_namespace(probe)
 
 
 def lab_namespaces() -> list[str]:
