@@ -109,6 +109,32 @@ def test_remote_cache_maps_reorder_and_crop_to_the_protocol() -> None:
     assert cache.get_seq_length() == 4
 
 
+def test_remote_cache_crop_zero_removes_nothing_as_in_transformers_5() -> None:
+    """transformers 5's assisted generation calls ``crop(-0)`` when every candidate was accepted: nothing to remove
+    (read as "keep 0 tokens", the session started over and the text went wrong)."""
+    from transformers import DynamicCache
+
+    from distconf.client import RemoteCache
+
+    session = _Recorder()
+    cache = RemoteCache(remote=None, max_length=16, num_layers=3)
+    cache.session = session  # type: ignore[assignment]
+    cache.step(torch.zeros(1, 5, 8))
+    cache.crop(0)
+    cache.crop(-0)
+    assert cache.get_seq_length() == 5
+    cache.crop(-3)
+    assert cache.get_seq_length() == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    cache.step(torch.zeros(1, 1, 8))
+    assert session.calls == [("step", None), ("rewind", 0), ("step", None)]
+    local = DynamicCache()  # transformers' own semantics, which the remote cache follows
+    local.update(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2), 0)
+    local.crop(0)
+    assert local.get_seq_length() == 5
+
+
 def test_retry_delays_follow_backoff_fields() -> None:
     from distconf.client import SequenceManager
     from distconf.loader import load_family

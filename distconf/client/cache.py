@@ -86,17 +86,25 @@ class RemoteCache(Cache):
             raise NotImplementedError("a remote session cannot change its batch size after the first step")
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` tokens (or keep ``tokens_to_remove`` if positive)."""
-        keep = tokens_to_remove if tokens_to_remove >= 0 else self.position + tokens_to_remove
+        """Forget the last ``-tokens_to_remove`` tokens (transformers 5's meaning: ``crop(0)`` removes nothing).
+
+        A positive value keeps that many tokens (the meaning transformers 4 gave it, which 5 refuses).
+        Assisted generation crops the candidates the model did not accept, ``crop(-0)`` when it took them
+        all: read as "keep 0" it started the session over, and the text went wrong.
+        """
+        keep = self.position + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
         if not 0 <= keep <= self.position:
             raise ValueError(f"cannot crop a cache of {self.position} tokens to {keep}")
-        if keep != self.position:
-            self.position = keep
-            self._rewind = keep
+        self._move_to(keep)
 
     def reset(self) -> None:
         """Start over from position 0 (the servers rewind on the next step)."""
-        self.crop(0)
+        self._move_to(0)
+
+    def _move_to(self, position: int) -> None:
+        if position != self.position:
+            self.position = position
+            self._rewind = position
 
     # ------------------------------------------------------------------ running steps
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -137,8 +137,13 @@ class RemoteCacheGenerationMixin:
         batch_size, max_cache_length)``.
         """
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            max_cache_length = args[-1] if args else kwargs["max_cache_length"]
-            cache = self.inference_session(int(max_cache_length))
+            max_cache_length = int(args[-1] if args else kwargs["max_cache_length"])
+            mode = args[0] if len(args) >= 3 else kwargs.get("generation_mode")
+            if "assisted" in str(getattr(mode, "value", mode)):
+                # the last check of candidates feeds up to max_length tokens (an assistant model), or the
+                # tokens so far plus prompt_lookup_num_tokens (prompt lookup caps an index, not the length)
+                max_cache_length += 1 + int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0)
+            cache = self.inference_session(max_cache_length)
             self._created_caches.append(cache)
             model_kwargs["cache"] = cache
         return super()._prepare_cache_for_generation(  # type: ignore[misc]
