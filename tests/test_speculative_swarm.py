@@ -51,3 +51,92 @@ def test_prompt_lookup_through_the_swarm_gives_plain_greedy_tokens(swarm, ids):
 def test_a_local_draft_model_through_the_swarm_gives_plain_greedy_tokens(swarm):
     model, local = swarm
     assert generate(model, REPEATING, assistant_model=local) == generate(local, REPEATING)
+
+
+# ----------------------------------------------------------------------------- distconf's own speculative streams
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+
+
+def stream_tokens(model, sampling, speculation=None) -> list[int]:
+    from distconf.client.textgen import stream_text
+
+    return [piece.token_id for piece in stream_text(model, None, PROMPT, sampling, speculation)]
+
+
+@pytest.mark.parametrize("source", ["lookup", "draft"])
+def test_speculative_streams_give_plain_greedy_tokens(swarm, source):
+    from distconf.client.speculative import DraftModel, PromptLookup, Speculation
+    from distconf.client.textgen import Sampling
+
+    model, local = swarm
+    greedy = Sampling(max_tokens=24, temperature=0)
+    speculation = Speculation(PromptLookup() if source == "lookup" else DraftModel(local))
+    assert stream_tokens(model, greedy, speculation) == stream_tokens(model, greedy)
+    assert speculation.controller.rounds > 0 and speculation.controller.accepted > 0
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft that differs from the target (another random model of the same family)."""
+    _, draft = make_model_dir(tmp_path_factory.mktemp("draft") / "llama", "llama", noise=0.05, seed=1)
+    return draft
+
+
+def sampled_pairs(model, draft, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from distconf.client.speculative import DraftModel, Speculation, SpeculationController
+    from distconf.client.textgen import Sampling
+
+    vocab = model.config.vocab_size
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for seed in range(samples):
+        sampling = Sampling(max_tokens=2, temperature=1.0, top_k=4, seed=seed)
+        speculation = Speculation(DraftModel(draft), SpeculationController(max_tokens=2))
+        t1, t2 = stream_tokens(model, sampling, speculation)
+        first[t1] += 1
+        second[t2] += 1
+    return first, second
+
+
+def exact_marginals(local) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-4 sampling distribution of the first token, and of the second (summed over the first)."""
+    def top4(logits: torch.Tensor) -> torch.Tensor:
+        kept = logits.masked_fill(logits < logits.topk(4).values[-1], float("-inf"))
+        return torch.softmax(kept, -1)
+
+    with torch.no_grad():
+        p1 = top4(local(torch.tensor([PROMPT])).logits[0, -1])
+        p2 = torch.zeros_like(p1)
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 += p1[t1] * top4(local(torch.tensor([[*PROMPT, t1]])).logits[0, -1])
+    return p1, p2
+
+
+def chi_square_over(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Chi-square of ``counts`` against ``probs`` over the tokens of nonzero probability (and the degrees of freedom);
+    a count where ``probs`` is 0 makes it infinite."""
+    if float(counts[probs == 0].sum()) > 0:
+        return float("inf"), 0
+    support = probs > 0
+    expected = probs[support] * counts.sum()
+    return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+CRITICAL = {3: 16.27, 7: 24.32, 11: 31.26, 15: 37.70}  # chi-square at p = 0.001 by degrees of freedom
+
+
+@pytest.mark.slow
+def test_speculative_sampling_through_the_swarm_keeps_the_targets_distribution(swarm, other_draft, monkeypatch):
+    """The first two sampled tokens (top-k 4, temperature 1; the draft another random model): their frequencies
+    over 600 seeds match the target's own distributions; a rule keeping every draft token fails the same test."""
+    from distconf.client import textgen
+
+    model, local = swarm
+    p1, p2 = exact_marginals(local)
+    first, second = sampled_pairs(model, other_draft, 600)
+    for counts, probs in ((first, p1), (second, p2)):
+        statistic, dof = chi_square_over(counts, probs)
+        assert statistic < CRITICAL.get(dof, 40.0), (statistic, dof, counts[probs > 0].tolist())
+    monkeypatch.setattr(textgen, "accept", lambda proposal, logits, *_: (len(proposal.tokens), 0, logits[-1]))
+    wrong_first, _ = sampled_pairs(model, other_draft, 200)
+    statistic, dof = chi_square_over(wrong_first, p1)
+    assert statistic > CRITICAL.get(dof, 40.0), (statistic, wrong_first[p1 > 0].tolist())

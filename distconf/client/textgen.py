@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from distconf.client.speculative import Speculation, accept, refusal_for_family
 from distconf.client.verifier import VerificationError, VerificationRollback
 
 __all__ = ["Sampling", "Piece", "TextStream", "IncrementalDecoder", "chat_input_ids", "eos_token_ids",
@@ -170,10 +172,16 @@ class TextStream:
     given out so far.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling) -> None:
+    def __init__(self, model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling,
+                 speculation: Speculation | None = None) -> None:
         if not input_ids:
             raise ValueError("the prompt is empty")
+        if speculation is not None:
+            refusal = refusal_for_family(model.config)
+            if refusal is not None:
+                raise ValueError(refusal)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.speculation = speculation
         self.input_ids = [int(i) for i in input_ids]
         self.prompt_tokens = len(self.input_ids)
         self.completion_tokens = 0
@@ -211,8 +219,9 @@ class TextStream:
         self.close()
 
     # ------------------------------------------------------------------ generation
-    def _logits(self, ids: list[int]) -> torch.Tensor | None:
-        """Next-token logits (float32, ``[vocab]``) after ``ids``; None once closed."""
+    def _logits(self, ids: list[int], last: int = 1) -> torch.Tensor | None:
+        """Logits (float32, ``[last, vocab]``) at the last ``last`` positions after feeding ``ids``; None once
+        closed."""
         with self._lock:
             if self._closed:
                 self._cache.close()
@@ -221,7 +230,13 @@ class TextStream:
                 out = self.model(input_ids=torch.tensor([ids]), cache=self._cache, use_cache=True)
             if self._closed:
                 self._cache.close()
-            return out.logits[0, -1].float()
+            return out.logits[0, -last:].float()
+
+    def _crop(self, tokens: int) -> None:
+        """Forget the last ``tokens`` positions of the session (rejected proposals)."""
+        with self._lock:
+            if not self._closed and tokens:
+                self._cache.crop(-tokens)
 
     def _verify(self) -> bool:
         """Check the whole session now (may raise `VerificationRollback`); False once closed."""
@@ -231,19 +246,55 @@ class TextStream:
             self._cache.verify()
             return True
 
-    def _pick(self, logits: torch.Tensor) -> int:
+    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The probabilities tokens are drawn from (``[vocab]``): temperature, then top-k, then top-p."""
         s = self.sampling
-        if s.temperature == 0:
-            return int(logits.argmax())
         if s.top_k is not None and s.top_k < logits.shape[-1]:
             logits = logits.masked_fill(logits < logits.topk(s.top_k).values[-1], float("-inf"))
         probs = torch.softmax(logits / s.temperature, dim=-1)
         if s.top_p < 1:
             sorted_probs, order = probs.sort(descending=True)
             keep = sorted_probs.cumsum(0) - sorted_probs < s.top_p  # always keeps the most likely token
-            sorted_probs = sorted_probs * keep
-            return int(order[torch.multinomial(sorted_probs, 1, generator=self._generator)])
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+            probs = probs / probs.sum()
+        return probs
+
+    def _pick(self, logits: torch.Tensor) -> int:
+        if self.sampling.temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(self._distribution(logits), 1, generator=self._generator))
+
+    def _advance(self, ids: list[int], fed: int) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
+        """One step: the new tokens (with the logits each was chosen from) and the positions the session now
+        holds; None once closed. Plain: one token. Speculative: the draft's accepted proposals and one more."""
+        spec = self.speculation
+        room = self.sampling.max_tokens - (len(ids) - self.prompt_tokens) - 1  # tokens left after the next one
+        k = min(spec.controller.next_k(), room) if spec is not None else 0
+        distribution = None if self.sampling.temperature == 0 else self._distribution
+        proposal = None
+        if k > 0:
+            assert spec is not None
+            proposal, draft_seconds = spec.timed_proposal(ids, k, distribution, self._generator)
+        decode = len(ids) - fed == 1  # a decode step (not a prefill): its time teaches the controller
+        start = time.perf_counter()
+        if proposal is None or not proposal.tokens:
+            logits = self._logits(ids[fed:])
+            if logits is None:
+                return None
+            if spec is not None and decode:
+                spec.controller.record_step(1, time.perf_counter() - start)
+            return [(self._pick(logits[-1]), logits[-1])], len(ids)
+        width = len(proposal.tokens) + 1
+        logits = self._logits(ids[fed:] + proposal.tokens, last=width)
+        if logits is None:
+            return None
+        if decode:
+            spec.controller.record_step(width, time.perf_counter() - start)
+        n, token, token_logits = accept(proposal, logits, distribution, self._generator)
+        spec.controller.record_round(len(proposal.tokens), n, draft_seconds)
+        self._crop(len(proposal.tokens) - n)
+        new = [(proposal.tokens[i], logits[i]) for i in range(n)] + [(token, token_logits)]
+        return new, len(ids) + n
 
     def _piece(self, text: str, token: int, logits: torch.Tensor) -> Piece:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -271,14 +322,19 @@ class TextStream:
         while True:
             try:
                 if not finished:
-                    logits = self._logits(ids[fed:])
-                    if logits is None:
+                    step = self._advance(ids, fed)
+                    if step is None:
                         return
-                    fed = len(ids)
-                    token = self._pick(logits)
-                    ids.append(token)
-                    ahead.append((token, logits))
-                    finished = token in self._eos or len(ids) - self.prompt_tokens >= self.sampling.max_tokens
+                    new, fed = step
+                    for token, logits in new:
+                        ids.append(token)
+                        ahead.append((token, logits))
+                        finished = token in self._eos or len(ids) - self.prompt_tokens >= self.sampling.max_tokens
+                        if finished:
+                            break
+                    if len(ids) < fed:  # stopped inside the accepted proposals: the session holds no more
+                        self._crop(fed - len(ids))
+                        fed = len(ids)
                 verified = getattr(self._cache, "verified", None)
                 if finished and verified is not None and verified < fed:
                     if not self._verify():
@@ -334,7 +390,8 @@ class TextStream:
             self.close()
 
 
-def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling) -> TextStream:
+def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling,
+                speculation: Speculation | None = None) -> TextStream:
     """Generate from ``input_ids`` through one new inference session of ``model`` (see `TextStream`).
 
     :param model: a distributed causal LM (`distconf.client.AutoDistributedModelForCausalLM`); any
@@ -342,5 +399,7 @@ def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Samp
     :param tokenizer: the model's tokenizer (decodes the pieces); None: pieces have ids and no text.
     :param input_ids: the prompt's token ids (e.g. `chat_input_ids`).
     :param sampling: how tokens are picked and when the stream ends.
+    :param speculation: a draft and its controller (`distconf.client.speculative`): several tokens per step,
+        the same tokens (greedy) or the same distribution (sampling) as without.
     """
-    return TextStream(model, tokenizer, input_ids, sampling)
+    return TextStream(model, tokenizer, input_ids, sampling, speculation)

@@ -1,0 +1,277 @@
+"""Speculative decoding: a draft proposes tokens, the swarm scores them all in one step, the right ones are kept.
+
+A token through the swarm costs a round trip through every server of the route, while the blocks' compute of a
+few more tokens in the same step costs little. A *draft* (`DraftSource`) proposes ``k`` tokens; the target model
+(the swarm) scores ``[last token] + proposals`` in one inference step, which gives its distribution at every
+proposed position; the proposals are kept up to the first one the target rejects, plus one token of the
+target's own (the correction, or after ``k`` accepted ones a bonus); the rejected positions are cropped from
+the session (the servers rewind). Exactness (`accept`):
+
+- **greedy**: a proposal is kept when it is the target's argmax there: the tokens are plain greedy's;
+- **sampling**: speculative sampling (Leviathan et al. 2023; Chen et al. 2023): proposal ``x`` drawn from the
+  draft's ``q`` is kept with probability ``min(1, p(x) / q(x))``, where ``p`` is the target's sampling
+  distribution (temperature, top-k, top-p applied); at the first rejection the token is drawn from
+  ``normalize(max(p - q, 0))``. The output is distributed exactly as sampling from ``p``, whatever the draft.
+  A deterministic draft (prompt lookup) has ``q`` = a point mass.
+
+Draft sources: `PromptLookup` (the longest suffix n-gram found earlier in the context proposes what followed
+it; no model) and `DraftModel` (a local causal LM sharing the target's tokenizer, with its own KV cache kept
+across rounds and cropped to what was accepted). `SpeculationController` picks ``k`` from the acceptance rate
+measured so far and the measured cost of drafting and of a step of each width, and turns speculation off while
+it does not pay (checking again now and then).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["DraftModel", "DraftSource", "Proposal", "PromptLookup", "SpeculationController", "Speculation",
+           "accept", "refusal_for_family"]
+
+logger = logging.getLogger(__name__)
+
+Distribution = Callable[[torch.Tensor], torch.Tensor]
+"""Logits ``[..., vocab]`` -> the sampling probabilities (temperature, top-k, top-p applied); None: greedy."""
+
+
+@dataclass
+class Proposal:
+    """Draft tokens and, for a sampled draft, its probabilities ``q`` at each (``[k, vocab]``; None: point masses)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class DraftSource(Protocol):
+    """Proposes up to ``k`` tokens to follow ``ids`` (fewer, or none, when it has nothing to say)."""
+
+    def propose(self, ids: Sequence[int], k: int, distribution: Distribution | None,
+                generator: torch.Generator | None) -> Proposal:
+        """Up to ``k`` tokens; with ``distribution`` (sampling) drawn from the draft's own, its ``probs`` too."""
+        ...  # pragma: no cover
+
+    def close(self) -> None:
+        """Free what the source holds (a draft model's cache)."""
+        ...  # pragma: no cover
+
+
+class PromptLookup:
+    """Proposes what followed the latest earlier occurrence of the context's last n-gram (n from ``max_ngram``
+    down to ``min_ngram``): repeated names, code and quotes come back for free. transformers'
+    ``prompt_lookup_num_tokens`` proposes the same way."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, ids: Sequence[int], k: int, distribution: Distribution | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """The tokens after the latest earlier match of the longest suffix n-gram (empty if none)."""
+        ids = list(ids)
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == tail:
+                    follow = ids[start + n:start + n + k]
+                    if follow:
+                        return Proposal(follow)
+        return Proposal([])
+
+    def close(self) -> None:
+        """Nothing to free."""
+
+
+class DraftModel:
+    """A local causal LM as the draft, with its own KV cache kept across rounds (cropped to what was accepted).
+
+    ``model`` shares the target's tokenizer (e.g. the same weights quantized: ``distconf.tools.real_model``).
+    """
+
+    def __init__(self, model: Any) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self._cache_class = DynamicCache
+        self.cache = DynamicCache()
+        self.known: list[int] = []  # the tokens the cache holds, in order
+
+    def propose(self, ids: Sequence[int], k: int, distribution: Distribution | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """``k`` tokens: the draft's argmax (greedy), or drawn from its own ``distribution`` (sampling)."""
+        ids = list(ids)
+        same = 0
+        for a, b in zip(self.known, ids):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(ids) - 1)  # the last token is always fed: its logits propose the first token
+        if same < len(self.known):
+            self.cache.crop(same - len(self.known))
+            del self.known[same:]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        feed = ids[same:]
+        with torch.no_grad():
+            for _ in range(k):
+                out = self.model(input_ids=torch.tensor([feed]), past_key_values=self.cache, use_cache=True)
+                self.known.extend(feed)
+                logits = out.logits[0, -1].float()
+                if distribution is None:
+                    token = int(logits.argmax())
+                else:
+                    q = distribution(logits)
+                    token = int(torch.multinomial(q, 1, generator=generator))
+                    probs.append(q)
+                tokens.append(token)
+                feed = [token]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def close(self) -> None:
+        """Drop the draft's cache."""
+        self.cache = self._cache_class()
+        self.known = []
+
+
+def accept(proposal: Proposal, logits: torch.Tensor, distribution: Distribution | None,
+           generator: torch.Generator | None) -> tuple[int, int, torch.Tensor]:
+    """``(n_accepted, next_token, its logits)`` for proposals scored by the target's ``logits`` (``[k + 1, vocab]``:
+    the target's logits after the last accepted token and after each proposal). See the module docstring."""
+    tokens = proposal.tokens
+    for i, token in enumerate(tokens):
+        if distribution is None:
+            choice = int(logits[i].argmax())
+            if choice != token:
+                return i, choice, logits[i]
+            continue
+        p = distribution(logits[i])
+        q_token = 1.0 if proposal.probs is None else float(proposal.probs[i, token])
+        if q_token > 0 and float(torch.rand((), generator=generator)) * q_token < float(p[token]):
+            continue  # kept with probability min(1, p/q)
+        if proposal.probs is None:
+            residual = p.clone()
+            residual[token] = 0
+        else:
+            residual = (p - proposal.probs[i]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q: no mass left to correct with (cannot happen after a rejection)
+            residual = p
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), logits[i]
+    last = logits[len(tokens)]
+    if distribution is None:
+        return len(tokens), int(last.argmax()), last
+    return len(tokens), int(torch.multinomial(distribution(last), 1, generator=generator)), last
+
+
+@dataclass
+class SpeculationController:
+    """Picks how many tokens to propose, from what it measured; proposes none while speculation does not pay.
+
+    Expected tokens of a round of ``k`` proposals at acceptance rate ``a``: ``(1 - a**(k+1)) / (1 - a)``; its
+    cost: ``k`` drafted tokens plus a step of ``k + 1`` positions. The best ``k`` (up to ``max_tokens``) is taken
+    when its tokens per second beat a plain step's by `margin`; otherwise rounds are plain, and every
+    `probe_every` plain steps one speculative round measures again.
+    """
+
+    max_tokens: int = 8
+    margin: float = 1.05
+    probe_every: int = 16
+    acceptance: float = 0.6  # a prior, moved by every round (exponential average)
+    smoothing: float = 0.3
+    draft_seconds: float | None = None  # per drafted token
+    step_seconds: dict[int, float] = field(default_factory=dict)  # by width (positions in the step)
+    _plain_since_probe: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def next_k(self) -> int:
+        """How many tokens to propose now (0: a plain step)."""
+        if self.max_tokens <= 0:
+            return 0
+        plain = self.step_seconds.get(1)
+        if plain is None or self.draft_seconds is None:
+            return min(self.max_tokens, 4)  # measure first
+        best_k, best_rate = 0, 1.0 / plain
+        a = min(self.acceptance, 0.99)
+        for k in range(1, self.max_tokens + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            seconds = k * self.draft_seconds + self._step(k + 1, plain)
+            if tokens / seconds > best_rate * (self.margin if best_k == 0 else 1.0):
+                best_k, best_rate = k, tokens / seconds
+        if best_k == 0:
+            self._plain_since_probe += 1
+            if self._plain_since_probe >= self.probe_every:
+                self._plain_since_probe = 0
+                return 1
+        return best_k
+
+    def _step(self, width: int, plain: float) -> float:
+        if width in self.step_seconds:
+            return self.step_seconds[width]
+        known = sorted(w for w in self.step_seconds if w > 1)
+        if known:  # linear between a plain step and the widest one measured
+            w = known[-1]
+            return plain + (self.step_seconds[w] - plain) * (width - 1) / (w - 1)
+        return plain * (1 + 0.05 * (width - 1))
+
+    def record_step(self, width: int, seconds: float) -> None:
+        """A step of ``width`` positions took ``seconds``."""
+        old = self.step_seconds.get(width)
+        self.step_seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def record_round(self, proposed: int, accepted: int, draft_seconds: float) -> None:
+        """A round proposed ``proposed`` tokens in ``draft_seconds`` and ``accepted`` of them were kept."""
+        if proposed <= 0:
+            return
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        per_token = draft_seconds / proposed
+        self.draft_seconds = per_token if self.draft_seconds is None else (
+            self.draft_seconds + self.smoothing * (per_token - self.draft_seconds))
+        # acceptance per proposal, from the accepted prefix: a run of n then a reject is n / (n + 1) successes
+        rate = accepted / (accepted + (1 if accepted < proposed else 0)) if proposed else 0.0
+        self.acceptance += self.smoothing * (rate - self.acceptance)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean proposals kept per speculative round so far."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Speculation:
+    """What a generation speculates with: a draft source and its controller (see the module docstring)."""
+
+    source: Any
+    controller: SpeculationController = field(default_factory=SpeculationController)
+
+    def timed_proposal(self, ids: Sequence[int], k: int, distribution: Distribution | None,
+                       generator: torch.Generator | None) -> tuple[Proposal, float]:
+        """The source's proposal and the seconds it took."""
+        start = time.perf_counter()
+        proposal = self.source.propose(ids, k, distribution, generator)
+        if len(proposal.tokens) > k:
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        return proposal, time.perf_counter() - start
+
+
+def refusal_for_family(config: Any) -> str | None:
+    """Why speculative decoding cannot run on ``config``'s model (None: it can).
+
+    Rejected proposals are cropped from the servers' caches; a recurrent state holds every earlier token folded
+    together and cannot be cut back.
+    """
+    from distconf.blocks.layer_types import keeps_state_at
+    from distconf.loader.naming import config_num_blocks
+
+    if any(keeps_state_at(config, i) for i in range(config_num_blocks(config))):
+        return (f"speculative decoding rolls rejected tokens back on the servers, but {type(config).__name__}'s "
+                "blocks keep a recurrent state, which cannot be cut back to an earlier position")
+    return None
