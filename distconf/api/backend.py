@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -95,13 +95,15 @@ class Backend:
     :param verification_events: the model's ``verification_events`` (a list the model appends
         to; None: the model does not verify its servers).
     :param verify_fraction: the share of steps the model spot-checks (reported as is).
+    :param speculation: makes the `distconf.client.speculative.Speculation` of each generation (None: none).
     """
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, *, max_concurrent: int = 8,
                  max_waiting: int = 64, created: int = 0, verification_events: Sequence[Any] | None = None,
-                 verify_fraction: float = 0.0) -> None:
+                 verify_fraction: float = 0.0, speculation: Callable[[], Any] | None = None) -> None:
         self.model, self.tokenizer, self.model_id, self.created = model, tokenizer, model_id, created
         self.verification_events, self.verify_fraction = verification_events, float(verify_fraction)
+        self.speculation = speculation
         self.context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.max_concurrent, self.max_waiting = max_concurrent, max_waiting
         self.executor = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="distconf-api-gen")
@@ -164,7 +166,8 @@ class Backend:
                 if generation.cancelled.is_set():
                     break
                 seed = None if sampling.seed is None else sampling.seed + index
-                stream = stream_text(self.model, self.tokenizer, input_ids, replace(sampling, seed=seed))
+                stream = stream_text(self.model, self.tokenizer, input_ids, replace(sampling, seed=seed),
+                                     self.speculation() if self.speculation is not None else None)
                 generation.streams.append(stream)
                 if generation.cancelled.is_set():
                     stream.close()

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.speculation_args import add_speculation_arguments
 from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 
 __all__ = ["API_KEY_ENV", "register", "run"]
@@ -66,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-retries", type=int, default=3,
                    help="retries of a failed swarm request before answering 503 (default 3)")
     add_verify_arguments(p)
+    add_speculation_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -85,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
     except CommandFailed as exc:
         print(f"distconf api: {exc}", file=sys.stderr)
         return exc.code
+    from distconf.cli.swarm_model import open_speculation
+
+    try:
+        speculation = open_speculation(args, model)
+    except CommandFailed as exc:
+        model.shutdown()
+        print(f"distconf api: {exc}", file=sys.stderr)
+        return exc.code
     from distconf.api import Backend, build_app
     from distconf.api.protocol import now
     from distconf.monitor.app import LOOPBACK_HOSTS
@@ -93,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     model_id = args.model_id or model.config.dht_prefix
     backend = Backend(model, tokenizer, model_id, max_concurrent=args.max_concurrent, created=now(),
                       verification_events=model.verification_events,
-                      verify_fraction=model.config.verify_fraction)
+                      verify_fraction=model.config.verify_fraction, speculation=speculation)
     try:
         loopback = is_loopback(args.host)
         if not loopback:

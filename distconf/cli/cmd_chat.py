@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.speculation_args import add_speculation_arguments
 from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 from distconf.loader.naming import config_num_blocks
 
@@ -46,14 +48,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="random seed of every reply's sampling (default: a fresh one)")
     add_verify_arguments(p)
+    add_speculation_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Chat until /exit or end of input; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve."""
     from distconf.cli.chat_repl import ChatRepl
-    from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model, quiet_verification_log
-    from distconf.client.textgen import Sampling
+    from distconf.cli.swarm_model import (
+        CommandFailed,
+        close_swarm_model,
+        open_speculation,
+        open_swarm_model,
+        quiet_verification_log,
+    )
+    from distconf.client.textgen import Sampling, stream_text
 
     try:
         sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -69,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"distconf chat: {exc}", file=sys.stderr)
         return exc.code
     try:
+        try:
+            speculation = open_speculation(args, model)
+        except CommandFailed as exc:
+            print(f"distconf chat: {exc}", file=sys.stderr)
+            return exc.code
         if not getattr(tokenizer, "chat_template", None):
             print(f"distconf chat: {args.model}'s tokenizer has no chat template (not a chat model?); "
                   "use distconf generate for raw prompts", file=sys.stderr)
@@ -78,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
               "/help for commands, Ctrl-C stops a reply, /exit or Ctrl-D leaves", flush=True)
         quiet_verification_log()  # a log line would break into the reply: a notice follows it instead
         events = model.verification_events if model.config.verify_fraction > 0 else None
-        return ChatRepl(model, tokenizer, sampling, system=args.system, events=events).run()
+        def open_stream(model: Any, tokenizer: Any, ids: list[int], sampling: Sampling) -> Any:
+            return stream_text(model, tokenizer, ids, sampling, speculation() if speculation else None)
+
+        return ChatRepl(model, tokenizer, sampling, system=args.system, events=events, open_stream=open_stream).run()
     finally:
         close_swarm_model(model)
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
+from distconf.cli.speculation_args import add_speculation_arguments
 from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
 
 __all__ = ["register", "run", "main", "parse_ids", "empty_answer_notice"]
@@ -57,7 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                   ("distconf generate ./model --initial-peers ADDR --verify-fraction 0.1 'A cat sat'",
                    "spot-check the servers (detections on stderr)"),
                   ("distconf generate ./model --initial-peers ADDR --weights-manifest m.json 'A cat sat'",
-                   "refuse other weights (m.json: distconf manifest ./model -o m.json)")],
+                   "refuse other weights (m.json: distconf manifest ./model -o m.json)"),
+                  ("distconf generate ./model --initial-peers ADDR --draft-model ./model --draft-quant int8 'A cat'",
+                   "speculative: the model quantized locally proposes, the swarm checks (same tokens)")],
     )
     add_swarm_arguments(p, prompt=True)
     p.add_argument("--prompt", dest="prompt_option", default=None, metavar="TEXT",
@@ -76,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-server-to-server", action="store_true", help="never let servers push to each other")
     p.add_argument("--show-route", action="store_true", help="log the route of the session")
     add_verify_arguments(p)
+    add_speculation_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -124,7 +128,13 @@ def empty_answer_notice(stream: Any, chat: bool, has_template: bool) -> str | No
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; exit 2 on bad arguments or an unusable MODEL, 1 if the swarm cannot serve the model."""
-    from distconf.cli.swarm_model import CommandFailed, close_swarm_model, open_swarm_model, quiet_verification_log
+    from distconf.cli.swarm_model import (
+        CommandFailed,
+        close_swarm_model,
+        open_speculation,
+        open_swarm_model,
+        quiet_verification_log,
+    )
 
     fields: dict[str, Any] = {"show_route": bool(args.show_route), **verify_fields(args)}
     if args.no_server_to_server:
@@ -138,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     quiet_verification_log()  # each event is printed after the text instead
     seen = len(model.verification_events)
     try:
-        return _generate(args, model, tokenizer, text)
+        speculation = open_speculation(args, model)
+        return _generate(args, model, tokenizer, text, speculation)
     except CommandFailed as exc:
         print(f"distconf generate: {exc}", file=sys.stderr)
         return exc.code
@@ -148,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         close_swarm_model(model)
 
 
-def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | None) -> int:
+def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | None,
+              speculation: Any = None) -> int:
     from distconf.client.textgen import Sampling, stream_text
 
     ids = _input_ids(args, text, tokenizer)
@@ -160,7 +172,8 @@ def _generate(args: argparse.Namespace, model: Any, tokenizer: Any, text: str | 
         print(f"distconf generate: {exc}", file=sys.stderr)
         return 2
     out = sys.stdout
-    stream = stream_text(model, tokenizer, ids, sampling)
+    spec = speculation() if speculation is not None else None
+    stream = stream_text(model, tokenizer, ids, sampling, spec)
     try:
         for piece in stream:
             out.write(piece.text if tokenizer is not None else f"{piece.token_id} ")

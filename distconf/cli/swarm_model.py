@@ -85,6 +85,18 @@ def open_swarm_model(args: argparse.Namespace, *, need_tokenizer: bool, **fields
     return model, tokenizer
 
 
+def open_speculation(args: argparse.Namespace, model: Any) -> Any:
+    """The speculation factory of ``args`` (`distconf.cli.speculation_args`) for ``model``; `CommandFailed` (code 2)
+    when the draft cannot be used. The caller shuts the model down."""
+    from distconf.cli.speculation_args import speculation_factory
+    from distconf.errors import ModelSourceError
+
+    try:
+        return speculation_factory(args, model.config)
+    except (ModelSourceError, ValueError, OSError) as exc:
+        raise CommandFailed(f"--draft-model / --prompt-lookup: {exc}", 2) from None
+
+
 def publish_reports(model: Any) -> None:
     """Publish a report to the swarm's DHT for every server ``model``'s spot checks catch."""
     from distconf.dht.reports import ReportPublisher

@@ -42,10 +42,15 @@ Distribution = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class Proposal:
-    """Draft tokens and, for a sampled draft, its probabilities ``q`` at each (``[k, vocab]``; None: point masses)."""
+    """Draft tokens and, for a sampled draft, its probabilities ``q`` at each (``[k, vocab]``; None: point masses).
+
+    ``seconds_per_token``: what one more proposed token cost the draft (a draft model's catching up with the
+    context, e.g. a prompt it has not seen, is left out); None: the caller times the whole proposal.
+    """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    seconds_per_token: float | None = None
 
 
 class DraftSource(Protocol):
@@ -118,9 +123,12 @@ class DraftModel:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         feed = ids[same:]
+        started = None
         with torch.no_grad():
-            for _ in range(k):
-                out = self.model(input_ids=torch.tensor([feed]), past_key_values=self.cache, use_cache=True)
+            for i in range(k):
+                if i == 1:
+                    started = time.perf_counter()  # after the catch-up feed: one token per step from here
+                out = self.model(input_ids=torch.tensor([feed]), cache=self.cache, use_cache=True)
                 self.known.extend(feed)
                 logits = out.logits[0, -1].float()
                 if distribution is None:
@@ -131,7 +139,8 @@ class DraftModel:
                     probs.append(q)
                 tokens.append(token)
                 feed = [token]
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        per_token = (time.perf_counter() - started) / (k - 1) if started is not None else None
+        return Proposal(tokens, torch.stack(probs) if probs else None, per_token)
 
     def close(self) -> None:
         """Drop the draft's cache."""
@@ -195,8 +204,10 @@ class SpeculationController:
         if self.max_tokens <= 0:
             return 0
         plain = self.step_seconds.get(1)
-        if plain is None or self.draft_seconds is None:
-            return min(self.max_tokens, 4)  # measure first
+        if plain is None:
+            return 0  # measure a plain step first: what speculation has to beat
+        if self.draft_seconds is None:
+            return min(self.max_tokens, 2)  # then the draft, cheaply (it may be a bad one)
         best_k, best_rate = 0, 1.0 / plain
         a = min(self.acceptance, 0.99)
         for k in range(1, self.max_tokens + 1):
@@ -257,9 +268,13 @@ class Speculation:
         """The source's proposal and the seconds it took."""
         start = time.perf_counter()
         proposal = self.source.propose(ids, k, distribution, generator)
+        seconds = time.perf_counter() - start
         if len(proposal.tokens) > k:
-            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
-        return proposal, time.perf_counter() - start
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k],
+                                proposal.seconds_per_token)
+        if proposal.seconds_per_token is not None:
+            seconds = proposal.seconds_per_token * len(proposal.tokens)
+        return proposal, seconds
 
 
 def refusal_for_family(config: Any) -> str | None:

@@ -1,0 +1,111 @@
+"""Speculative decoding through the swarm: tokens/s plain vs with a draft, across the network lab's delays.
+
+The real model (SmolLM2-135M-Instruct fp32) on two servers on lab hosts (blocks 0:15 and 15:30, `distconf.tools
+.netlab`: root needed), the client on a third; up to 64 greedy tokens for each of four fixed chat prompts
+(`speculative_client.PROMPTS`), through `distconf.client.textgen.stream_text`:
+
+- **plain**: one token per step;
+- **draft**: the same GGUF's weights, layers int8, on the client, as the draft model;
+- **lookup**: prompt lookup (n-gram matches in the context, no model);
+- **wrong**: a draft that is always wrong (the int8 draft's tokens shifted by one): what a bad draft costs
+  once speculation turns itself off.
+
+At 0 ms (the lab's links without delay), 25 and 50 ms one-way delay per link. Prints tokens/s, the ratio to
+plain, the mean proposals kept per speculative round, and whether the tokens equal plain greedy's (they must).
+Aim: draft >= 2x plain at 25 ms; wrong no more than 10 % slower than plain. Prints the machine's load.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+SOURCES = ("none", "draft", "lookup", "wrong")
+TOKENS = 64
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load {one:.2f} / {five:.2f} (1 / 5 min), {os.cpu_count()} cores"
+
+
+class Client:
+    """The persistent client in the client host (`speculative_client.py`)."""
+
+    def __init__(self, host: Any, peer: str, env: dict[str, str]) -> None:
+        self.proc = host.popen([sys.executable, str(REPO / "benchmarks" / "speculative_client.py"), peer],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                               env={**os.environ, **env})
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the benchmark client did not start")
+
+    def run(self, source: str) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"source": source, "tokens": TOKENS}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the benchmark client exited")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delays", type=int, nargs="+", default=[0, 25, 50], metavar="MS")
+    args = parser.parse_args()
+
+    from lab_swarm import lab_address, ready, start_server
+
+    from distconf.tools.netlab import Lab
+    from distconf.tools.serving import stop_all
+
+    print(f"bench_speculative: {load()}")
+    logs = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    cache = os.environ.get("DISTCONF_CACHE") or str(REPO / ".pytest_cache" / "d" / "distconf-real-model")
+    env = {"PYTHONPATH": str(REPO), "DISTCONF_CACHE": cache}
+    with Lab() as lab:
+        a, b, c = lab.host("a"), lab.host("b"), lab.host("c")
+        servers = [start_server(a, logs, "a", env, "--new-swarm", "--host", a.address, "--blocks", "0:15")]
+        boot = lab_address(ready(servers[0]))
+        servers.append(start_server(b, logs, "b", env, "--initial-peers", boot, "--blocks", "15:30"))
+        ready(servers[1])
+        client = Client(c, boot, env)
+        try:
+            print(f"\n{TOKENS} greedy tokens per prompt, 4 chat prompts; client on c, servers a (0:15) and b (15:30)")
+            print(f"{'one-way':>8} {'source':>7} {'tokens/s':>9} {'vs plain':>9} {'kept/round':>11}  tokens")
+            for delay in args.delays:
+                lab.default_link(delay_ms=delay)
+                results = {source: client.run(source) for source in SOURCES}
+                plain = results["none"]
+                plain_rate = sum(map(len, plain["tokens"])) / plain["seconds"]
+                for source, result in results.items():
+                    rate = sum(map(len, result["tokens"])) / result["seconds"]
+                    kept = result["kept"] / result["rounds"] if result["rounds"] else 0.0
+                    same = "same as plain" if result["tokens"] == plain["tokens"] else "DIFFER from plain"
+                    print(f"{delay:>6} ms {source:>7} {rate:9.2f} {rate / plain_rate:8.2f}x {kept:11.2f}  "
+                          f"{same} ({result['rounds']} rounds; step ms by width {result['steps']}, "
+                          f"draft {result['draft_ms']} ms/token)", flush=True)
+        finally:
+            client.close()
+            stop_all(servers)
+    print(f"\nbench_speculative: {load()}; server logs in {logs}")
+
+
+if __name__ == "__main__":
+    main()
