@@ -90,7 +90,9 @@ def sampled_pairs(model, draft, samples: int) -> tuple[torch.Tensor, torch.Tenso
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for seed in range(samples):
         sampling = Sampling(max_tokens=2, temperature=1.0, top_k=4, seed=seed)
-        speculation = Speculation(DraftModel(draft), SpeculationController(max_tokens=2))
+        # measurements that make two proposals worth it from the first step (the prompt's)
+        controller = SpeculationController(max_tokens=2, step_seconds={1: 0.05}, draft_seconds=0.001)
+        speculation = Speculation(DraftModel(draft), controller)
         t1, t2 = stream_tokens(model, sampling, speculation)
         first[t1] += 1
         second[t2] += 1
@@ -140,3 +142,99 @@ def test_speculative_sampling_through_the_swarm_keeps_the_targets_distribution(s
     wrong_first, _ = sampled_pairs(model, other_draft, 200)
     statistic, dof = chi_square_over(wrong_first, p1)
     assert statistic > CRITICAL.get(dof, 40.0), (statistic, wrong_first[p1 > 0].tolist())
+
+
+# ----------------------------------------------------------------------------- speculation with the rest of the swarm
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """A second swarm: two servers of each span (0:2, 2:4): a spare for failover, and an independent checker."""
+    from distconf.client import AutoDistributedModelForCausalLM
+    from distconf.dht import start_local_dht, visible_maddrs
+
+    root = tmp_path_factory.mktemp("speculative-three")
+    dht = start_local_dht()
+    model_dir, local = make_model_dir(root / "llama", "llama", noise=0.05)
+    servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4"), (model_dir, "2:4"), (model_dir, "0:2")],
+                            visible_maddrs(dht), root)
+    models = []
+
+    def model(**kwargs):
+        kwargs.setdefault("max_retries", 3)
+        m = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, **kwargs)
+        models.append(m)
+        return m
+
+    try:
+        yield model, local, servers
+    finally:
+        close_swarm(models, servers, dht)
+
+
+def test_concurrent_speculative_sessions_are_batched_and_exact(three):
+    """Four speculative streams at once (prompt lookup) and one plain one: each gives plain greedy's tokens, and
+    the servers computed rows of several sessions together."""
+    import threading
+
+    from client_swarm import server_info
+
+    from distconf.client.speculative import PromptLookup, Speculation
+    from distconf.client.textgen import Sampling
+
+    make, _, servers = three
+    model = make()
+    greedy = Sampling(max_tokens=20, temperature=0)
+    expected = stream_tokens(model, greedy)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = stream_tokens(model, greedy, Speculation(PromptLookup()) if i < 4 else None)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [results[i] for i in range(5)] == [expected] * 5
+        if server_info(model, servers[0].peer_id)["stats"].get("batched_rows", 0) > 0:
+            break
+    assert server_info(model, servers[0].peer_id)["stats"].get("batched_rows", 0) > 0
+
+
+def test_spot_checks_cover_speculative_steps(three):
+    """With verify_fraction=1 every scored step is checked by another server, and nothing is caught."""
+    from distconf.client.speculative import PromptLookup, Speculation
+    from distconf.client.textgen import Sampling
+
+    make, _, servers = three
+    alive = [s for s in servers if s.alive]
+    model = make(verify_fraction=1.0)
+    greedy = Sampling(max_tokens=16, temperature=0)
+    speculation = Speculation(PromptLookup())
+    assert len([s for s in alive if s.span == (2, 4)]) == 2  # (the failover test, which kills one, runs after)
+    assert len([s for s in alive if s.span == (0, 2)]) == 2
+    assert stream_tokens(model, greedy, speculation) == stream_tokens(make(), greedy)
+    assert speculation.controller.rounds > 0
+    assert model.verification_events == []
+
+
+def test_a_failover_mid_speculation_keeps_the_tokens(three):
+    """The server of the last span is killed five tokens into a speculative stream: the session replays its
+    history (proposals rolled back included) to the spare, and the tokens are plain greedy's."""
+    from distconf.client.speculative import DraftModel, Speculation
+    from distconf.client.textgen import Sampling, stream_text
+
+    make, local, servers = three
+    model = make(ban_timeout=600.0, min_backoff=0.05)
+    greedy = Sampling(max_tokens=24, temperature=0)
+    expected = stream_tokens(model, greedy)
+    by_peer = {s.peer_id: s for s in servers}
+    stream = stream_text(model, None, PROMPT, greedy, Speculation(DraftModel(local)))
+    tokens, killed = [], []
+    for piece in stream:
+        tokens.append(piece.token_id)
+        if len(tokens) >= 5 and not killed:
+            victim = stream._cache.session.sessions[-1].peer_id
+            by_peer[victim].kill()
+            killed.append(victim)
+    assert killed and tokens == expected
