@@ -27,6 +27,8 @@ PROMPTS = (
 class WrongDraft:
     """A draft that is always wrong: the int8 draft's tokens, each shifted by one (a bad draft's cost, no use)."""
 
+    drafts_ahead = True
+
     def __init__(self, inner: Any, vocab: int) -> None:
         self.inner, self.vocab = inner, vocab
 

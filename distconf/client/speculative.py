@@ -52,9 +52,23 @@ class Proposal:
     probs: torch.Tensor | None = None
     seconds_per_token: float | None = None
 
+    def first(self, k: int) -> Proposal:
+        """The first ``k`` proposals."""
+        return Proposal(self.tokens[:k], None if self.probs is None else self.probs[:k], self.seconds_per_token)
+
+    def rest(self) -> Proposal:
+        """All but the first proposal."""
+        return Proposal(self.tokens[1:], None if self.probs is None else self.probs[1:], self.seconds_per_token)
+
 
 class DraftSource(Protocol):
-    """Proposes up to ``k`` tokens to follow ``ids`` (fewer, or none, when it has nothing to say)."""
+    """Proposes up to ``k`` tokens to follow ``ids`` (fewer, or none, when it has nothing to say).
+
+    ``drafts_ahead``: whether drafting costs enough that it pays to draft the next round while the swarm
+    scores this one (a draft model: yes; prompt lookup: no).
+    """
+
+    drafts_ahead: bool
 
     def propose(self, ids: Sequence[int], k: int, distribution: Distribution | None,
                 generator: torch.Generator | None) -> Proposal:
@@ -70,6 +84,8 @@ class PromptLookup:
     """Proposes what followed the latest earlier occurrence of the context's last n-gram (n from ``max_ngram``
     down to ``min_ngram``): repeated names, code and quotes come back for free. transformers'
     ``prompt_lookup_num_tokens`` proposes the same way."""
+
+    drafts_ahead = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -98,6 +114,8 @@ class DraftModel:
 
     ``model`` shares the target's tokenizer (e.g. the same weights quantized: ``distconf.tools.real_model``).
     """
+
+    drafts_ahead = True
 
     def __init__(self, model: Any) -> None:
         from transformers import DynamicCache
@@ -183,11 +201,13 @@ class SpeculationController:
 
     Expected tokens of a round of ``k`` proposals at acceptance rate ``a``: ``(1 - a**(k+1)) / (1 - a)``; its
     cost: ``k`` drafted tokens plus a step of ``k + 1`` positions. The best ``k`` (up to ``max_tokens``) is taken
-    when its tokens per second beat a plain step's by `margin`; otherwise rounds are plain, and every
-    `probe_every` plain steps one speculative round measures again.
+    when its tokens per second beat a plain step's by `margin`; otherwise rounds are plain, and after
+    `probe_every` plain steps one speculative round measures again (a probe that keeps nothing doubles the
+    wait, up to 16 times).
     """
 
     max_tokens: int = 8
+    overlap: bool = False  # the draft drafts the next round while a step is scored: a round costs the longer one
     margin: float = 1.05
     probe_every: int = 16
     acceptance: float = 0.6  # a prior, moved by every round (exponential average)
@@ -195,9 +215,15 @@ class SpeculationController:
     draft_seconds: float | None = None  # per drafted token
     step_seconds: dict[int, float] = field(default_factory=dict)  # by width (positions in the step)
     _plain_since_probe: int = 0
+    _probe_interval: int = 16
+    _probing: bool = False
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+
+    def worth_drafting_ahead(self, k: int) -> bool:
+        """Whether drafting the next round during this one's step is likely to be used (all ``k`` kept)."""
+        return self.overlap and min(self.acceptance, 0.99) ** k >= 0.25
 
     def next_k(self) -> int:
         """How many tokens to propose now (0: a plain step)."""
@@ -212,13 +238,16 @@ class SpeculationController:
         a = min(self.acceptance, 0.99)
         for k in range(1, self.max_tokens + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
-            seconds = k * self.draft_seconds + self._step(k + 1, plain)
+            drafting, step = k * self.draft_seconds, self._step(k + 1, plain)
+            # drafting ahead hides the next round's drafting behind this step when every proposal is kept
+            seconds = drafting + step - (a ** k) * min(drafting, step) if self.overlap else drafting + step
             if tokens / seconds > best_rate * (self.margin if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / seconds
         if best_k == 0:
             self._plain_since_probe += 1
-            if self._plain_since_probe >= self.probe_every:
+            if self._plain_since_probe >= self._probe_interval:
                 self._plain_since_probe = 0
+                self._probing = True
                 return 1
         return best_k
 
@@ -236,19 +265,28 @@ class SpeculationController:
         old = self.step_seconds.get(width)
         self.step_seconds[width] = seconds if old is None else old + self.smoothing * (seconds - old)
 
-    def record_round(self, proposed: int, accepted: int, draft_seconds: float) -> None:
-        """A round proposed ``proposed`` tokens in ``draft_seconds`` and ``accepted`` of them were kept."""
+    def record_round(self, proposed: int, accepted: int, draft_seconds: float | None) -> None:
+        """A round proposed ``proposed`` tokens in ``draft_seconds`` (None: drafted ahead, during the step before)
+        and ``accepted`` of them were kept. A probe that keeps nothing doubles the wait before the next one."""
         if proposed <= 0:
             return
         self.rounds += 1
         self.proposed += proposed
         self.accepted += accepted
-        per_token = draft_seconds / proposed
-        self.draft_seconds = per_token if self.draft_seconds is None else (
-            self.draft_seconds + self.smoothing * (per_token - self.draft_seconds))
+        if self._probing:
+            self._probing = False
+            longer = min(2 * self._probe_interval, 16 * self.probe_every)
+            self._probe_interval = self.probe_every if accepted else longer
+        if draft_seconds is not None:
+            per_token = draft_seconds / proposed
+            self.draft_seconds = per_token if self.draft_seconds is None else (
+                self.draft_seconds + self.smoothing * (per_token - self.draft_seconds))
         # acceptance per proposal, from the accepted prefix: a run of n then a reject is n / (n + 1) successes
         rate = accepted / (accepted + (1 if accepted < proposed else 0)) if proposed else 0.0
         self.acceptance += self.smoothing * (rate - self.acceptance)
+
+    def __post_init__(self) -> None:
+        self._probe_interval = self.probe_every
 
     @property
     def mean_accepted(self) -> float:

@@ -21,12 +21,13 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from distconf.client.speculative import Speculation, accept, refusal_for_family
+from distconf.client.speculative import Proposal, Speculation, accept, refusal_for_family
 from distconf.client.verifier import VerificationError, VerificationRollback
 
 __all__ = ["Sampling", "Piece", "TextStream", "IncrementalDecoder", "chat_input_ids", "eos_token_ids",
@@ -182,6 +183,10 @@ class TextStream:
                 raise ValueError(refusal)
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.speculation = speculation
+        if speculation is not None:
+            speculation.controller.overlap = speculation.source.drafts_ahead
+        self._ahead: tuple[list[int], Proposal] | None = None  # proposals drafted ahead, after which context
+        self._worker: ThreadPoolExecutor | None = None  # scores while a draft model drafts ahead
         self.input_ids = [int(i) for i in input_ids]
         self.prompt_tokens = len(self.input_ids)
         self.completion_tokens = 0
@@ -206,6 +211,8 @@ class TextStream:
     def close(self) -> None:
         """End the inference session now (or right after the step in flight); safe from any thread."""
         self._closed = True
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
         if self._lock.acquire(blocking=False):
             try:
                 self._cache.close()
@@ -266,7 +273,12 @@ class TextStream:
 
     def _advance(self, ids: list[int], fed: int) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
         """One step: the new tokens (with the logits each was chosen from) and the positions the session now
-        holds; None once closed. Plain: one token. Speculative: the draft's accepted proposals and one more."""
+        holds; None once closed. Plain: one token. Speculative: the draft's accepted proposals and one more.
+
+        A draft model drafts ahead while the swarm scores its proposals (`_score`): it guesses the swarm's next
+        token (its own) and proposes the tokens after it; when every proposal is kept and the guess is right,
+        the next round's proposals are ready and their drafting cost nothing.
+        """
         spec = self.speculation
         room = self.sampling.max_tokens - (len(ids) - self.prompt_tokens) - 1  # tokens left after the next one
         k = min(spec.controller.next_k(), room) if spec is not None else 0
@@ -274,7 +286,12 @@ class TextStream:
         proposal = None
         if k > 0:
             assert spec is not None
-            proposal, draft_seconds = spec.timed_proposal(ids, k, distribution, self._generator)
+            draft_seconds: float | None
+            if self._ahead is not None and self._ahead[0] == ids:
+                proposal, draft_seconds = self._ahead[1].first(k), None  # drafted during the last step
+            else:
+                proposal, draft_seconds = spec.timed_proposal(ids, k, distribution, self._generator)
+        self._ahead = None
         decode = len(ids) - fed == 1  # a decode step (not a prefill): its time teaches the controller
         start = time.perf_counter()
         if proposal is None or not proposal.tokens:
@@ -284,17 +301,39 @@ class TextStream:
             if spec is not None and decode:
                 spec.controller.record_step(1, time.perf_counter() - start)
             return [(self._pick(logits[-1]), logits[-1])], len(ids)
+        assert spec is not None
         width = len(proposal.tokens) + 1
-        logits = self._logits(ids[fed:] + proposal.tokens, last=width)
+        logits, seconds, ahead = self._score(ids, fed, proposal, k, distribution)
         if logits is None:
             return None
         if decode:
-            spec.controller.record_step(width, time.perf_counter() - start)
+            spec.controller.record_step(width, seconds)
         n, token, token_logits = accept(proposal, logits, distribution, self._generator)
         spec.controller.record_round(len(proposal.tokens), n, draft_seconds)
         self._crop(len(proposal.tokens) - n)
+        if ahead is not None and n == len(proposal.tokens) and ahead.tokens and ahead.tokens[0] == token:
+            self._ahead = ([*ids, *proposal.tokens, token], ahead.rest())
         new = [(proposal.tokens[i], logits[i]) for i in range(n)] + [(token, token_logits)]
         return new, len(ids) + n
+
+    def _score(self, ids: list[int], fed: int, proposal: Proposal, k: int, distribution: Any
+               ) -> tuple[torch.Tensor | None, float, Proposal | None]:
+        """The swarm's logits of ``proposal``, the seconds that step took and, with a draft model likely to be
+        right, what it drafted meanwhile (its guess of the swarm's next token, then ``k`` more)."""
+        assert self.speculation is not None
+        feed, width = ids[fed:] + proposal.tokens, len(proposal.tokens) + 1
+
+        def scored() -> tuple[torch.Tensor | None, float]:
+            start = time.perf_counter()
+            return self._logits(feed, last=width), time.perf_counter() - start
+
+        if not self.speculation.controller.worth_drafting_ahead(len(proposal.tokens)):
+            return (*scored(), None)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="distconf-speculation")
+        scoring = self._worker.submit(scored)
+        ahead, _ = self.speculation.timed_proposal([*ids, *proposal.tokens], k + 1, distribution, self._generator)
+        return (*scoring.result(), ahead)
 
     def _piece(self, text: str, token: int, logits: torch.Tensor) -> Piece:
         logprobs = torch.log_softmax(logits, dim=-1)
