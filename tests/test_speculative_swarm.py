@@ -238,3 +238,15 @@ def test_a_failover_mid_speculation_keeps_the_tokens(three):
             by_peer[victim].kill()
             killed.append(victim)
     assert killed and tokens == expected
+
+
+def test_several_rows_of_assisted_generation_each_keep_their_own_accepted_length(swarm):
+    """transformers' assisted generation takes one row; the client runs each row on a session of its own, at once."""
+    model, local = swarm
+    ids = torch.cat([REPEATING, torch.tensor([[3, 17, 41, 2, 99, 23, 7, 64, 5, 6, 7, 8]])])
+    expected = torch.cat([torch.tensor([generate(local, ids[i:i + 1])]) for i in range(2)])
+    for kwargs in ({"prompt_lookup_num_tokens": 4}, {"assistant_model": local}):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                 pad_token_id=0, **kwargs)
+        assert out[:, ids.shape[1]:].tolist() == expected.tolist()

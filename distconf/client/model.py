@@ -219,6 +219,10 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
         if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
             raise ValueError("padding is not supported by the Petals 2.x protocol: give prompts of equal length "
                              "(attention_mask must be all ones)")
+        ids = args[0] if args else kwargs.get("input_ids")
+        assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens")
+        if assisted and ids is not None and ids.shape[0] > 1:
+            return self._generate_rows(ids, {k: v for k, v in kwargs.items() if k != "input_ids"})
         verifier = getattr(self.remote, "verifier", None)  # a stand-in for the swarm may have none
         checked = verifier is not None and verifier.enabled and kwargs.get("cache") is None
         restarts = _MAX_RESTARTS if checked else 0
@@ -239,6 +243,31 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
                     cache.close()
                 del self._created_caches[created_before:]
         raise AssertionError("unreachable")
+
+    def _generate_rows(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """Assisted generation of several rows: each row on its own session, all at once (transformers' assisted
+        generation takes one row), so each keeps its own accepted length; the servers batch the sessions.
+        Rows that end early are padded with the pad token (else the first end-of-sequence token)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        row_kwargs = {k: (v[:1] if k == "attention_mask" else v) for k, v in kwargs.items()}
+        new = kwargs.get("max_new_tokens")
+        longest = ids.shape[1] + new if new is not None else int(kwargs.get("max_length")
+                                                                  or self.generation_config.max_length)
+        size = longest + 1 + int(kwargs.get("prompt_lookup_num_tokens") or 0)  # the last check of candidates
+
+        def row(i: int) -> torch.Tensor:
+            with self.inference_session(size) as cache:  # a cache of its own: rows never share the list of created ones
+                return self.generate(ids[i:i + 1], **row_kwargs, cache=cache)
+
+        with ThreadPoolExecutor(ids.shape[0], thread_name_prefix="distconf-assisted-row") as pool:
+            rows = list(pool.map(row, range(ids.shape[0])))
+        pad = row_kwargs.get("pad_token_id", self.generation_config.pad_token_id)
+        if pad is None:
+            eos = self.generation_config.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
+        width = max(r.shape[1] for r in rows)
+        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=int(pad)) for r in rows])
 
     def shutdown(self) -> None:
         """Close the connection to the swarm (the DHT node this model started)."""
