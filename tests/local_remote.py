@@ -32,19 +32,30 @@ class LocalRemote(torch.nn.Module):
         remote = self
 
         class _Session:
-            position = 0
-            caches: list[Any] = [None] * len(remote.blocks)
+            def __init__(self) -> None:
+                self.position = 0
+                self.caches: list[Any] = [None] * len(remote.blocks)
+                self.history: list[torch.Tensor] = []
 
             def step(self, hidden: torch.Tensor, hypo_ids: Any = None, prompts: Any = None) -> torch.Tensor:
                 assert hypo_ids is None
                 remote.inputs.append(hidden)
+                self.history.append(hidden)
                 for i, block in enumerate(remote.blocks):
                     hidden, self.caches[i] = block(hidden, layer_past=self.caches[i], use_cache=True)
                 self.position += hidden.shape[1]
                 return hidden
 
             def rewind(self, position: int) -> None:
-                assert position == self.position
+                """Back to ``position``: the blocks' caches are rebuilt from the inputs kept (a server cuts its
+                K/V instead; the result is the same)."""
+                if position == self.position:
+                    return
+                kept = torch.cat(self.history, dim=1)[:, :position]
+                self.caches = [None] * len(remote.blocks)
+                self.history, self.position = [], 0
+                if position:
+                    self.step(kept)
 
             def close(self) -> None:
                 pass

@@ -25,6 +25,7 @@ from distconf.api.protocol import ApiError, Request
 from distconf.client.sequence_manager import RetriesExhausted
 from distconf.client.textgen import Piece, Sampling, TextStream, chat_input_ids, stream_text
 from distconf.dht import NoRouteError
+from distconf.loader.positions import max_positions
 
 __all__ = ["Backend", "Event", "Generation", "swarm_error"]
 
@@ -104,7 +105,7 @@ class Backend:
         self.model, self.tokenizer, self.model_id, self.created = model, tokenizer, model_id, created
         self.verification_events, self.verify_fraction = verification_events, float(verify_fraction)
         self.speculation = speculation
-        self.context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.context = max_positions(model.config) or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.max_concurrent, self.max_waiting = max_concurrent, max_waiting
         self.executor = ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="distconf-api-gen")
         self._lock = threading.Lock()

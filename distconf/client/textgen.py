@@ -29,6 +29,7 @@ import torch
 
 from distconf.client.speculative import Proposal, Speculation, accept, refusal_for_family
 from distconf.client.verifier import VerificationError, VerificationRollback
+from distconf.loader.positions import max_positions
 
 __all__ = ["Sampling", "Piece", "TextStream", "IncrementalDecoder", "chat_input_ids", "eos_token_ids",
            "stream_text"]
@@ -177,6 +178,10 @@ class TextStream:
                  speculation: Speculation | None = None) -> None:
         if not input_ids:
             raise ValueError("the prompt is empty")
+        limit = max_positions(model.config)
+        if limit is not None and len(input_ids) + sampling.max_tokens > limit:
+            raise ValueError(f"{len(input_ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
+                             f"model's {limit} positions")
         if speculation is not None:
             refusal = refusal_for_family(model.config)
             if refusal is not None:

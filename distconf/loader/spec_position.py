@@ -94,6 +94,13 @@ class PositionSpec(StrictModel):
                     "(the query's index minus the key's, over the cached and new tokens), which the model "
                     "computes once outside the layers. Null: none.",
     )
+    max_positions: FormulaText | None = Field(
+        default=None,
+        description="Formula over config fields: the most positions a session may hold, where the blocks cannot "
+                    "compute past it (e.g. MPT's ALiBi table of max_seq_len entries). Clients never feed past "
+                    "it (speculative drafts stop short of it) and the API counts it as the context length. "
+                    "Null: no limit the blocks enforce.",
+    )
     from_cache_length: bool = Field(
         default=False,
         description="Some layer of the family reads token positions from its cache's length rather than "
