@@ -8,9 +8,12 @@ from distconf.loader.formula import FormulaError
 __all__ = ["max_positions"]
 
 
-def max_positions(config: DistributedConfig) -> int | None:
-    """Positions past which the blocks of ``config``'s family cannot compute (None: no such limit); a formula that
-    cannot be evaluated on this config is an error naming the family file's field."""
+def max_positions(config: DistributedConfig | object) -> int | None:
+    """Positions past which the blocks of ``config``'s family cannot compute (None: no such limit, or a plain
+    transformers config); a formula that cannot be evaluated on this config is an error naming the family file's
+    field."""
+    if not isinstance(config, DistributedConfig):
+        return None
     formula = type(config).family_spec.block.position.max_positions
     if formula is None:
         return None
