@@ -18,7 +18,7 @@ REPEATING = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])  # n-gram match
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
+def swarm_parts(tmp_path_factory):
     from distconf.client import AutoDistributedModelForCausalLM
     from distconf.dht import start_local_dht, visible_maddrs
 
@@ -28,9 +28,14 @@ def swarm(tmp_path_factory):
     servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), root)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
     try:
-        yield model, local
+        yield model, local, model_dir, dht
     finally:
         close_swarm([model], servers, dht)
+
+
+@pytest.fixture(scope="module")
+def swarm(swarm_parts):
+    return swarm_parts[:2]
 
 
 def generate(model, ids, **kwargs) -> list[int]:
@@ -250,3 +255,30 @@ def test_several_rows_of_assisted_generation_each_keep_their_own_accepted_length
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
                                  pad_token_id=0, **kwargs)
         assert out[:, ids.shape[1]:].tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])
+def test_speculation_with_trained_prompts_gives_plain_greedy_tokens(swarm_parts, mode):
+    """A prompt-tuned model (input prompts, or deep prompts the servers add in every block) speculates exactly: the
+    rewinds never reach the prompt positions, and the scored steps carry the prompts as plain steps do."""
+    from distconf.client import AutoDistributedModelForCausalLM
+    from distconf.client.speculative import DraftModel, PromptLookup, Speculation
+    from distconf.client.textgen import Sampling
+
+    model, local, model_dir, dht = swarm_parts
+    tuned = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3, tuning_mode=mode,
+                                                            pre_seq_len=3)
+    try:
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in tuned.prompts.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+        greedy = Sampling(max_tokens=16, temperature=0)
+        plain = stream_tokens(tuned, greedy)
+        assert plain != stream_tokens(model, greedy)  # the prompts change the answer
+        for source in (PromptLookup(), DraftModel(local)):
+            speculation = Speculation(source)
+            assert stream_tokens(tuned, greedy, speculation) == plain, source
+            assert speculation.controller.rounds > 0
+    finally:
+        tuned.shutdown()
