@@ -237,3 +237,45 @@ def test_chat_in_tmux(swarm: Swarm, observer: Any) -> None:
         assert term.pane("pane_dead_status") == "0"
     finally:
         term.kill()
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+REPEAT = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."
+
+
+def test_assisted_generation_on_the_real_model_gives_plain_greedy_tokens(local: tuple[Any, Any], observer: Any) -> None:
+    """transformers' assisted generation through two real servers (the issue's case: prompt lookup returned 48
+    tokens where plain greedy returns 17, and the same model as assistant diverged after the third token)."""
+    import torch
+
+    from distconf.client.textgen import chat_input_ids
+
+    model, tokenizer = local
+    ids = torch.tensor([chat_input_ids(tokenizer, [{"role": "user", "content": REPEAT}])])
+
+    def greedy(target: Any, **kwargs: Any) -> list[int]:
+        with torch.no_grad():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                  pad_token_id=tokenizer.eos_token_id, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    plain = greedy(model)
+    assert tokenizer.eos_token_id in plain  # the answer ends well before max_new_tokens
+    assert greedy(observer) == plain
+    assert greedy(observer, prompt_lookup_num_tokens=8) == plain
+    assert greedy(observer, assistant_model=model) == plain
+
+
+def test_generate_with_a_draft_or_prompt_lookup_prints_plain_greedy_text(swarm: Swarm) -> None:
+    """``distconf generate --prompt-lookup`` and ``--draft-model`` (the same GGUF, int8 on the client) print the
+    text plain greedy generation prints."""
+    base = ("generate", str(rm.gguf_path()), "--initial-peers", *swarm.peers, "--chat", REPEAT,
+            "--max-new-tokens", "40")
+    plain = swarm.cli(*base)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "quick brown fox" in plain.stdout
+    for extra in (("--prompt-lookup", "8"), ("--draft-model", str(rm.gguf_path()), "--draft-quant", "int8")):
+        result = swarm.cli(*base, *extra)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout == plain.stdout, extra
