@@ -10,7 +10,12 @@ all alike; each figure is the median time between decode steps. Prints, per hidd
 - local ms/token (the compute of the same blocks, plus the embeddings and head the client
   runs in both cases): the reference;
 - swarm ms/token with push and without;
-- the per-hop overhead ``(swarm - local) / N`` in ms, against the target (2 ms).
+- the per-hop overhead ``(swarm - local) / N`` in ms, against the target (2 ms);
+- the same without the one-machine penalty: each server's own compute time per step (from its
+  ``rpc_info`` stats) minus the same blocks' compute in this process (timed in the local rounds).
+  On one machine a server's weights are evicted from the CPU caches by the other processes between
+  its steps (measured: a 4096-wide layer takes 1.5 ms back to back and 2.5 ms after 64 MB of other
+  memory traffic), which separate machines do not pay; this column is the step's own overhead.
 
 Every process runs with ``OMP_WAIT_POLICY=PASSIVE`` and one OpenMP thread unless the
 environment says otherwise (spinning OpenMP threads of idle processes would take the cores
@@ -25,10 +30,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import itertools
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +74,7 @@ def uptime() -> str:
 def bench(hidden: int, family: str, overrides: dict[str, Any], root: Path, servers_n: int, new_tokens: int,
           repeats: int) -> dict[str, float]:
     """Median ms per token locally, through the swarm with push and without; per-hop figures."""
-    from client_swarm import start_servers, stop_all
+    from client_swarm import server_info, start_servers, stop_all
 
     from distconf.client import AutoDistributedModelForCausalLM
     from distconf.client.swarm import release_dht
@@ -84,15 +93,43 @@ def bench(hidden: int, family: str, overrides: dict[str, Any], root: Path, serve
                                                                 max_retries=2)
         models = {"local": local, "push": push, "plain": plain}
         per_token_ms(models, ids, 4, 1)  # warm up every path and the servers
-        times = per_token_ms(models, ids, new_tokens, repeats)
+        before = [server_info(plain, s.peer_id)["stats"] for s in servers]
+        with layer_timer(local) as layer_ms:
+            times = per_token_ms(models, ids, new_tokens, repeats)
+        after = [server_info(plain, s.peer_id)["stats"] for s in servers]
         push.shutdown()
         plain.shutdown()
     finally:
         stop_all(servers)
         release_dht(dht)
-    times["hop_push"] = (times["push"] - times["local"]) / servers_n
-    times["hop_plain"] = (times["plain"] - times["local"]) / servers_n
+    times["local_blocks"] = sum(layer_ms)
+    times["server_blocks"] = sum(1000 * (a.get("step_seconds", 0) - b.get("step_seconds", 0))
+                                 / max(1, a.get("batches", 0) - b.get("batches", 0)) for a, b in zip(after, before))
+    penalty = times["server_blocks"] - times["local_blocks"]
+    for name in ("push", "plain"):
+        times[f"hop_{name}"] = (times[name] - times["local"]) / servers_n
+        times[f"own_{name}"] = (times[name] - times["local"] - penalty) / servers_n
     return times
+
+
+@contextlib.contextmanager
+def layer_timer(model: Any) -> Iterator[list[float]]:
+    """Median ms of each decoder layer of a local model per call, filled in when the block ends."""
+    layers = model.model.layers
+    spans: list[list[float]] = [[] for _ in layers]
+    starts: dict[int, float] = {}
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: starts.__setitem__(i, time.perf_counter())))
+        hooks.append(layer.register_forward_hook(
+            lambda _m, _a, _o, i=i: spans[i].append(time.perf_counter() - starts[i])))
+    result: list[float] = []
+    try:
+        yield result
+    finally:
+        for hook in hooks:
+            hook.remove()
+        result.extend(1000 * statistics.median(s) for s in spans if s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {torch.get_num_threads()} thread(s); target "
           f"<= {TARGET_MS:g} ms/hop")
     print(f"{'hidden':>7}{'local ms/tok':>14}{'push ms/tok':>13}{'plain ms/tok':>14}{'ms/hop push':>13}"
-          f"{'ms/hop plain':>14}{'push vs target':>16}")
+          f"{'ms/hop plain':>14}{'blocks here':>13}{'on servers':>12}{'own/hop push':>14}{'own/hop plain':>15}"
+          f"{'own push vs target':>20}")
     for hidden, t in rows.items():
         print(f"{hidden:>7}{t['local']:14.2f}{t['push']:13.2f}{t['plain']:14.2f}{t['hop_push']:13.2f}"
-              f"{t['hop_plain']:14.2f}{t['hop_push'] / TARGET_MS:15.2f}x")
+              f"{t['hop_plain']:14.2f}{t['local_blocks']:13.2f}{t['server_blocks']:12.2f}{t['own_push']:14.2f}"
+              f"{t['own_plain']:15.2f}{t['own_push'] / TARGET_MS:19.2f}x")
+    print("blocks here / on servers: ms per step of the same blocks in this process (back to back) and on the "
+          "servers (their own timing); own/hop: the per-hop overhead without that difference")
     return 0
 
 

@@ -321,13 +321,14 @@ def test_server_to_server_push(swarm: Swarm) -> None:
 
     model = swarm.model(use_server_to_server=True, blocked_servers=[swarm.c])
 
-    def pushes(peer: str) -> int:
-        return int(server_info(model, peer)["stats"].get("pushes_received", 0))
+    def pushes(peer: str, kind: str = "pushes_received") -> int:
+        return int(server_info(model, peer)["stats"].get(kind, 0))
 
-    before = pushes(swarm.b)
+    before, streamed = pushes(swarm.b), pushes(swarm.a, "pushes_streamed")
     assert generate(model, ids, max_new_tokens=12) == expected
     after = pushes(swarm.b)
-    assert after - before >= 11  # every step after the first reached B from A
+    assert after - before >= 11  # every step after the first reached B from A ...
+    assert pushes(swarm.a, "pushes_streamed") - streamed >= 11  # ... on A's push stream to B
 
     off = swarm.model(use_server_to_server=False, blocked_servers=[swarm.c])
     assert generate(off, ids, max_new_tokens=12) == expected
@@ -338,7 +339,7 @@ def test_a_third_peer_cannot_push_into_a_clients_session(swarm: Swarm) -> None:
     """A peer that learns a session id (upstream servers see them in next_servers) pushes a step into it:
     refused, because the client named the previous span's server as the only pusher, and the tokens stay right."""
     from distconf.dht import start_local_dht
-    from distconf.rpc.calls import RpcLoop, call_push
+    from distconf.rpc.calls import PushStream, RpcLoop, call_push
     from distconf.rpc.protocol import KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID, make_request, serialize_tensors
 
     ids = prompts(seed=4)
@@ -355,6 +356,14 @@ def test_a_third_peer_cannot_push_into_a_clients_session(swarm: Swarm) -> None:
                                 {KEY_SESSION_ID: target.session_id, KEY_PUSHED: True, KEY_STEP_ID: "evil"})
             with pytest.raises(P2PHandlerError, match="takes pushes from another peer only"):
                 thief.run(call_push(thief.p2p, target.peer_id, evil, timeout=10), timeout=15)
+            refused = int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0))
+            stream = thief.run(PushStream.open(thief.p2p, target.peer_id, timeout=10), timeout=15)
+            thief.run(stream.send(evil, timeout=10), timeout=15)  # the same push on a push stream
+            deadline = time.monotonic() + 10
+            while int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0)) == refused:
+                assert time.monotonic() < deadline, "the pushed step was not refused"
+                time.sleep(0.05)
+            stream.close()
             assert generate(model, torch.tensor(first), max_new_tokens=4, cache=cache) == expected
     finally:
         thief.shutdown()

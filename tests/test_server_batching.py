@@ -270,3 +270,37 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
             await c.caller.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_lone_decode_step_is_computed_on_the_event_loop_and_a_due_session_still_batches(served, executor) -> None:
+    """A lone session's decode steps skip the thread hand-offs (computed on the loop, exactly); the first step and
+    a prefill go to the compute thread; when a steady mate is due the step goes to the thread to be batched."""
+    async def scenario() -> None:
+        handler = make_handler(served, executor, 8 * SessionCache.nbytes(served, 1, MAX_LENGTH))
+        scheduler = handler.compute
+        lone = Client(handler, served, 3, [20, 1, 1, 1, 1, 20, 1])
+        await lone.run(2)  # the prefill and the first decode step: no lone step timed yet
+        assert scheduler.stats["inline_steps"] == 0
+        await lone.run(3)
+        assert scheduler.stats["inline_steps"] == 3
+        await lone.run(1)  # 20 tokens: a prefill-sized step, on the thread
+        assert scheduler.stats["inline_steps"] == 3
+        await lone.run(1)
+        assert scheduler.stats["inline_steps"] == 4
+
+        mates = [Client(handler, served, seed, [2, 1, 1, 1, 1, 1]) for seed in (11, 12)]
+        for c in mates:
+            await c.run(1)
+        for _ in range(3):  # steady mates, computed in one batch each time
+            await lockstep(scheduler, *mates)
+        inline = scheduler.stats["inline_steps"]
+        reply, expected = mates[0].send_next()  # the other mate is due: this step waits for it on the thread
+        await asyncio.sleep(0)
+        later, expected_later = mates[1].send_next()
+        for r, e in ((reply, expected), (later, expected_later)):
+            assert close(output(await asyncio.wait_for(r, 30)), e)
+        assert scheduler.stats["inline_steps"] == inline
+        for c in (lone, *mates):
+            await c.caller.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))

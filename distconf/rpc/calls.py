@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ from distconf.rpc.protocol import (
 )
 from distconf.rpc.servicer import BlockServicer
 
-__all__ = ["BackgroundLoop", "InferenceStream", "ReplyTooLarge", "RpcLoop", "as_peer_id", "call_backward",
+__all__ = ["BackgroundLoop", "InferenceStream", "PushStream", "ReplyTooLarge", "RpcLoop", "as_peer_id", "call_backward",
            "call_forward", "call_info", "call_push", "inference_step_request", "get_stub"]
 
 T = TypeVar("T")
@@ -239,6 +240,45 @@ class InferenceStream:
             pass
         finally:
             self.closed = True
+            self._writer.close()
+
+
+class PushStream:
+    """The sending end of a server's ``rpc_push_stream`` to the next server: pushes written one after another,
+    no replies (framed as `InferenceStream` frames its steps)."""
+
+    HANDLE_NAME = BlockServicer._get_handle_name(None, "rpc_push_stream")
+    """The p2p handler name of ``rpc_push_stream``."""
+
+    def __init__(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.peer = peer
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer: PeerID | str, *, timeout: float) -> PushStream:
+        """Open a push stream to ``peer`` (an error if it cannot be opened, e.g. a peer without the handler)."""
+        peer_id = as_peer_id(peer)
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer_id, cls.HANDLE_NAME),
+                                                   timeout)
+        return cls(peer_id, reader, writer)
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended (the peer closed it or failed): it takes no more pushes."""
+        return self._writer.is_closing() or self._reader.at_eof()
+
+    async def send(self, request: runtime_pb2.ExpertRequest, *, timeout: float) -> None:
+        """Write one push (``ConnectionError`` if the stream is broken; waits while the peer's buffer is full)."""
+        if self.broken:
+            raise ConnectionError(f"the push stream to {self.peer} is closed")
+        async with asyncio.timeout(timeout):
+            await P2P.send_protobuf(request, self._writer)
+
+    def close(self) -> None:
+        """End the stream (the peer's handler returns)."""
+        if not self._writer.is_closing():
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                self._writer.write(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))  # END_OF_STREAM
             self._writer.close()
 
 

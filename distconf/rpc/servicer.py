@@ -19,8 +19,8 @@ from distconf.rpc.protocol import HANDLER_CLASS_NAME
 __all__ = ["BlockServicer", "RPC_NAMES"]
 
 RPC_NAMES = ("rpc_info", "rpc_forward", "rpc_forward_stream", "rpc_backward", "rpc_backward_stream",
-             "rpc_inference", "rpc_push")
-"""The handlers of a block server."""
+             "rpc_inference", "rpc_push", "rpc_push_stream")
+"""The handlers of a block server (``rpc_push_stream`` is distconf's own: Petals servers take ``rpc_push`` only)."""
 
 
 class BlockServicer(ServicerBase):
@@ -65,4 +65,10 @@ class BlockServicer(ServicerBase):
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Outputs of the previous server of a session's chain, fed into that session as a step."""
+        raise NotImplementedError
+
+    async def rpc_push_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                              ) -> runtime_pb2.ExpertResponse:
+        """``rpc_push`` messages of any sessions on one long-lived stream from the previous server (distconf's
+        extension: a unary push opens a stream per step, which costs more than a small model's step)."""
         raise NotImplementedError

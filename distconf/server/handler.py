@@ -36,7 +36,7 @@ from distconf.rpc.protocol import (
 )
 from distconf.rpc.servicer import BlockServicer
 from distconf.server.compute import ServedBlock, backward_chain, forward_chain
-from distconf.server.logfilter import logged_refusal
+from distconf.server.logfilter import REFUSALS, logged_refusal
 from distconf.server.memory import CacheBudget
 from distconf.server.scheduler import BatchLimits, ComputeScheduler
 from distconf.server.sessions import Sessions
@@ -85,6 +85,8 @@ class BlockHandler(BlockServicer):
 
     async def stop(self) -> None:
         """Unregister the handlers."""
+        if self.sessions.pushes is not None:
+            self.sessions.pushes.close()
         if self.p2p is not None:
             await self.remove_p2p_handlers(self.p2p)
             limit_stream_messages(None)
@@ -294,4 +296,16 @@ class BlockHandler(BlockServicer):
         """Feed a previous server's outputs into one of this server's sessions (ignored if unknown)."""
         with logged_refusal("rpc_push"):
             self.sessions.route_push(request, context)
+        return runtime_pb2.ExpertResponse()
+
+    async def rpc_push_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                              ) -> runtime_pb2.ExpertResponse:
+        """`rpc_push` for each message of a stream; a refused push is logged and the stream goes on (as separate
+        ``rpc_push`` calls would)."""
+        async for request in requests:
+            try:
+                with logged_refusal("rpc_push_stream"):
+                    self.sessions.route_push(request, context)
+            except REFUSALS:
+                pass
         return runtime_pb2.ExpertResponse()

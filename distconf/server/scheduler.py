@@ -21,6 +21,11 @@ steady sessions that are due (`distconf.server.arrivals`): in a pipeline the ste
 group of sessions arrive one message at a time, and a batch started with the first would
 split the group at every hop.
 
+A lone step (nothing queued or running, no steady session due, a few tokens, and the last such step
+computed within ``max_inline_seconds``) is computed on the event loop itself: at batch 1 the two
+thread hand-offs cost more than a small model's step (``benchmarks/bench_hop.py``). The loop
+claims the compute as the thread would, so nothing else computes meanwhile.
+
 Sessions join and leave between batches; a session that stalls is simply not in the next
 batch. A step whose caller went away (its future cancelled) is dropped before it runs. If a
 batch fails, its steps are retried one by one, so an error reaches only the step that causes it.
@@ -70,12 +75,23 @@ class BatchLimits:
     """Seconds the first step of a batch may wait for the steps of steady sessions that are due
     (`distconf.server.arrivals`), so a group of sessions stays one batch from hop to hop; 0: never."""
 
+    max_inline_seconds: float = 0.01
+    """A lone step of at most `INLINE_TOKENS` tokens is computed on the event loop (no thread hand-off) while
+    the last such step took at most this long; 0: always on the compute thread."""
+
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "prefill_chunk", "training_patience"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.max_batch_wait <= 10:
             raise ValueError(f"max_batch_wait must be between 0 and 10 seconds, got {self.max_batch_wait}")
+        if not 0 <= self.max_inline_seconds <= 1:
+            raise ValueError(f"max_inline_seconds must be between 0 and 1 second, got {self.max_inline_seconds}")
+
+
+INLINE_TOKENS = 16
+"""Most new tokens (rows x tokens) of a step computed on the event loop: decode and speculative steps, never a
+prefill."""
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -158,7 +174,8 @@ class _Step(_Work):
 class ComputeScheduler:
     """Runs a server's compute on ``executor`` in priority order (see the module docstring).
 
-    Awaited from the server's event loop; ``stats`` counts ``batches``, ``batched_rows``
+    Awaited from the server's event loop; ``stats`` counts ``batches`` (and their compute in
+    ``step_seconds``), ``inline_steps`` (computed on the event loop), ``batched_rows``
     (rows computed in batches of more than one session), ``max_batch_rows`` and ``training``.
     """
 
@@ -180,6 +197,7 @@ class ComputeScheduler:
         self._pumping = False
         self._order = itertools.count()
         self._batches_since_training = 0
+        self._lone_seconds: float | None = None  # the last lone step of at most INLINE_TOKENS tokens
 
     @property
     def queued_steps(self) -> int:
@@ -225,9 +243,54 @@ class ComputeScheduler:
         if hypo_ids is not None:
             await self.run(cache.reorder, hypo_ids)
         chunk = max(1, min(self.limits.prefill_chunk, self.limits.max_batch_tokens // max(1, hidden.shape[0])))
+        if hidden.shape[1] <= chunk and self._claim_inline(cache, hidden):
+            return self._run_inline(cache, hidden, prompts)
         step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk, arrived=time.monotonic())
         self._submit(step, self._steps)
         return await step.future
+
+    def _claim_inline(self, cache: SessionCache, hidden: torch.Tensor) -> bool:
+        """Whether this step runs on the event loop; if so, the compute is claimed (the thread stays idle)."""
+        limit = self.limits.max_inline_seconds
+        if (limit <= 0 or hidden.numel() // max(1, hidden.shape[-1]) > INLINE_TOKENS
+                or self._lone_seconds is None or self._lone_seconds > limit):
+            return False
+        with self._lock:
+            if self._pumping or self._control or self._training or self._steps:
+                return False
+            now = time.monotonic()
+            chain = tuple(b.uid for b in cache.blocks)
+            if self.limits.max_batch_wait > 0 and self._arrivals.due(now, now + self.limits.max_batch_wait,
+                                                                      (cache,), chain):
+                return False  # a steady session is due: the thread gathers them into one batch
+            if not self._fits(int(hidden.shape[0]), int(hidden.shape[1]), cache.position):
+                return False
+            self._arrivals.arrived(cache, now)
+            self._pumping = True
+            return True
+
+    def _run_inline(self, cache: SessionCache, hidden: torch.Tensor,
+                    prompts: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Compute a claimed lone step here, then hand the compute back (to the thread if work queued meanwhile)."""
+        start = time.perf_counter()
+        try:
+            (output,) = step_together([StepPart(cache, hidden, prompts)])
+        finally:
+            self._lone_seconds = time.perf_counter() - start
+            with self._lock:
+                self.stats["step_seconds"] += self._lone_seconds
+                self.stats["batches"] += 1
+                self.stats["inline_steps"] += 1
+                self._arrivals.computed((cache,), self.stats["batches"])
+                self._pumping = bool(self._control or self._training or self._steps)
+                pump = self._pumping
+            if pump:
+                try:
+                    self.executor.submit(self._drain)
+                except RuntimeError:  # the executor is shut down: the server is stopping
+                    with self._lock:
+                        self._pumping = False
+        return output
 
     # ------------------------------------------------------------------ the compute thread
 
@@ -318,6 +381,7 @@ class ComputeScheduler:
 
     def _run_batch(self, batch: list[_Step]) -> None:
         parts = [s.next_part() for s in batch]
+        start = time.perf_counter()
         try:
             outputs = step_together(parts)
         except Exception as exc:
@@ -329,6 +393,10 @@ class ComputeScheduler:
             for step in batch:
                 self._run_batch([step])
             return
+        seconds = time.perf_counter() - start
+        if len(parts) == 1 and parts[0].hidden.numel() // max(1, parts[0].hidden.shape[-1]) <= INLINE_TOKENS:
+            self._lone_seconds = seconds
+        self.stats["step_seconds"] += seconds
         self.stats["batches"] += 1
         with self._lock:
             self._arrivals.computed((s.cache for s in batch), self.stats["batches"])

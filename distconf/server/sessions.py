@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from distconf.rpc.calls import call_push
 from distconf.rpc.protocol import (
     KEY_ALLOC_TIMEOUT,
     KEY_SESSION_ID,
@@ -56,6 +55,7 @@ from distconf.server.inference import (
     push_request,
 )
 from distconf.server.memory import CacheBudget
+from distconf.server.push_streams import PushStreams
 from distconf.server.scheduler import ComputeScheduler
 from distconf.server.settings import HandlerSettings
 from distconf.server.validation import RequestError, check_prompts, metadata_int, metadata_number, served_chain
@@ -115,6 +115,7 @@ class Sessions:
                  settings: HandlerSettings, stats: Counter[str]) -> None:
         self.blocks, self.budget, self.compute, self.settings, self.stats = blocks, budget, compute, settings, stats
         self.p2p: P2P | None = None
+        self.pushes: PushStreams | None = None  # made with the first push
         self._routes: dict[str, _Route] = {}
         self._held: Counter[str] = Counter()  # cache bytes reserved (or waited for) by each peer's sessions
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -317,8 +318,11 @@ class Sessions:
         _, _, start, end = step.next_servers[0]
         peer, pushed = push_request(step, request, serialized, self.settings.dht_prefix)
         try:
-            assert self.p2p is not None
-            await call_push(self.p2p, peer, pushed, timeout=self.settings.request_timeout)
+            if self.pushes is None:
+                assert self.p2p is not None
+                self.pushes = PushStreams(self.p2p, self.settings.request_timeout)
+            streamed = await self.pushes.push(peer, pushed)
             self.stats["pushes_sent"] += 1
+            self.stats["pushes_streamed"] += int(streamed)
         except Exception as exc:
             logger.debug("push to %s (blocks %d:%d) failed: %r", peer[-6:], start, end, exc)
