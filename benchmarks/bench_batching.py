@@ -19,11 +19,18 @@ which goes first) so that the machine's load slows all alike, it prints side by 
 - whether the targets are met: 8 sessions >= 4x the aggregate tokens/s of 1 session, p50 latency
   at 8 sessions <= 2.5x the 1-session latency (batching on).
 
+The random model runs once per server precision (``--precisions``): float32, bfloat16 (``--dtype
+bfloat16``) and int8 (``--quant int8``). On this CPU a decode step of 8 rows costs 2.4x one row in
+float32, about one row in bfloat16 and 2.1x in int8 (the "local fwd" column), so what batching can
+gain differs by precision.
+
 Then the real model (SmolLM2-135M-Instruct from its GGUF, blocks 0:15 and 15:30) at 1 and 8
 sessions (chat prompts of different questions), batching on vs off, the same way.
 
-Every session's tokens must equal the local model's greedy tokens for its prompt (computed once per
-prompt here): a difference prints MISMATCH and the run exits 1. ``uptime`` is printed at the
+In float32 every session's tokens must equal the local model's greedy tokens for its prompt
+(computed once per prompt here): a difference prints MISMATCH and the run exits 1. In bfloat16 and
+int8 the reference is the local model at that precision, and a batch of several rows may round
+differently from one row, so the share of sessions whose tokens agree is printed instead. ``uptime`` is printed at the
 start and the end. ``--quick``: one round, fewer sessions and tokens (a smoke run); ``--json FILE``
 writes every figure. Thread settings: every process gets ``OMP_WAIT_POLICY=PASSIVE`` and one
 compute thread (the servers choose their own when ``distconf/threads.py`` is in git; a variable set
@@ -58,6 +65,9 @@ from decode_timing import timed_greedy  # noqa: E402
 
 LARGE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
          "num_key_value_heads": 8, "vocab_size": 1000, "max_position_embeddings": 2048}
+PRECISIONS: dict[str, tuple[str, ...]] = {"float32": ("--dtype", "float32"), "bfloat16": ("--dtype", "bfloat16"),
+                                          "int8": ("--dtype", "float32", "--quant", "int8")}
+"""The servers' flags for each precision of the random model."""
 MODES = ("on", "off")
 SERVE_FLAGS = {"on": (), "off": ("--no-batching",)}
 START_DEADLINE = 600.0
@@ -85,12 +95,12 @@ def server_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def start_swarms(source: Path, peers: list[str], spans: tuple[str, str], prefix: str, log_dir: Path,
-                 env: dict[str, str]) -> dict[str, list[Any]]:
+                 env: dict[str, str], precision: tuple[str, ...] = PRECISIONS["float32"]) -> dict[str, list[Any]]:
     """Two servers per mode (one per span), all started at once; ``{mode: servers}`` once all are ready."""
     from distconf.tools.serving import ServerProcess, serve_command, wait_all_ready
 
     swarms = {mode: [ServerProcess(serve_command(source, "--initial-peers", *peers, "--blocks", span,
-                                                 "--host", "127.0.0.1", "--dtype", "float32",
+                                                 "--host", "127.0.0.1", *precision,
                                                  "--balance-quality", "0", "--dht-prefix", f"{prefix}-{mode}",
                                                  *SERVE_FLAGS[mode]),
                                    log_dir / f"{prefix}-{mode}-{i}.log", name=f"{prefix}-{mode}-{i}", env=env)
@@ -156,8 +166,9 @@ def local_forward_ms(model: Any, batch: int, past: int = 24, steps: int = 4) -> 
 
 def measure(name: str, pool: ClientPool, swarms: dict[str, list[Any]], p2p: Any, prompts: list[list[int]],
             refs: list[list[int]], sessions: list[int], rounds: int, new_tokens: int, pad: int,
-            mismatches: list[str]) -> dict[str, dict[int, Cell]]:
-    """Run every (mode, sessions) cell ``rounds`` times, interleaved; check every session's tokens."""
+            mismatches: list[str], agreement: list[bool] | None = None) -> dict[str, dict[int, Cell]]:
+    """Run every (mode, sessions) cell ``rounds`` times, interleaved; check every session's tokens (with
+    ``agreement``: only count which sessions agree with ``refs``)."""
     cells = {mode: {n: Cell(n) for n in sessions} for mode in MODES}
 
     def run(mode: str, n: int, tokens: int) -> tuple[list[dict[str, Any]], list[dict[str, int]], list[dict[str, int]],
@@ -168,7 +179,9 @@ def measure(name: str, pool: ClientPool, swarms: dict[str, list[Any]], p2p: Any,
         results = pool.run(jobs)
         cpu = {k: v - cpu[k] for k, v in cpu_snapshot(swarms[mode], pool).items()}
         for i, result in enumerate(results):
-            if result["tokens"] != refs[i][:tokens]:
+            if agreement is not None:
+                agreement.append(result["tokens"] == refs[i][:tokens])
+            elif result["tokens"] != refs[i][:tokens]:
                 mismatches.append(f"{name} batching {mode}, {n} sessions, session {i}: swarm {result['tokens']} "
                                   f"!= local {refs[i][:tokens]}")
                 print(f"!!! MISMATCH {mismatches[-1]}", flush=True)
@@ -187,7 +200,7 @@ def measure(name: str, pool: ClientPool, swarms: dict[str, list[Any]], p2p: Any,
 def run_model(name: str, title: str, source: Path, client_source: str, spans: tuple[str, str], prompts: list[list[int]],
               refs: list[list[int]], local: Any, sessions: list[int], args: argparse.Namespace, root: Path,
               mismatches: list[str], *, pad: int = 0, env: dict[str, str] | None = None,
-              gguf_cache: Path | None = None, targets: bool = True) -> dict[str, Any]:
+              gguf_cache: Path | None = None, targets: bool = True, precision: str = "float32") -> dict[str, Any]:
     """Serve ``source`` twice (batching on, off), run the cells from ``len(sessions)`` client processes, print."""
     from distconf.client.swarm import SwarmClient, release_dht
     from distconf.dht import start_local_dht, visible_maddrs
@@ -200,15 +213,17 @@ def run_model(name: str, title: str, source: Path, client_source: str, spans: tu
     try:
         peers = visible_maddrs(dht)
         began = time.monotonic()
-        swarms = start_swarms(source, peers, spans, f"bench-batching-{name}", root, server_env(env or {}))
+        swarms = start_swarms(source, peers, spans, f"bench-batching-{name}", root, server_env(env or {}),
+                              PRECISIONS[precision])
         print(f"  {name}: 4 servers ready in {time.monotonic() - began:.0f} s", flush=True)
         p2p = SwarmClient.run(dht.replicate_p2p(), timeout=30.0)
         began = time.monotonic()
         pool = ClientPool(max(sessions), peers, {mode: (client_source, f"bench-batching-{name}-{mode}")
                                                  for mode in MODES}, root, gguf_cache=gguf_cache)
         print(f"  {name}: {max(sessions)} client processes ready in {time.monotonic() - began:.0f} s", flush=True)
+        agreement = None if precision == "float32" else []
         cells = measure(name, pool, swarms, p2p, prompts, refs, sessions, args.rounds, args.new_tokens, pad,
-                        mismatches)
+                        mismatches, agreement)
         final = {mode: server_stats(p2p, pair) for mode, pair in swarms.items()}
     finally:
         if pool is not None:
@@ -216,25 +231,61 @@ def run_model(name: str, title: str, source: Path, client_source: str, spans: tu
         for pair in swarms.values():
             stop_all(pair)
         release_dht(dht)
-    return print_table(title, cells, floors, final, targets=targets)
+    results = print_table(title, cells, floors, final, targets=targets)
+    if agreement is not None:
+        results["agreeing_sessions"] = [sum(agreement), len(agreement)]
+        print(f"sessions whose tokens equal the local {precision} model's: {sum(agreement)}/{len(agreement)} "
+              f"(rows of a batch may round differently from one row at this precision)")
+    return results
 
 
-def random_model_phase(args: argparse.Namespace, root: Path, mismatches: list[str]) -> dict[str, Any]:
-    """The random 1024-hidden model: build, reference tokens, serve, measure."""
+def local_at(model: Any, precision: str) -> Any:
+    """The local reference at a server precision: the blocks in bfloat16, or quantized to int8 as servers do."""
+    import copy
+
+    from distconf.blocks.quant import quantize_block
+
+    if precision == "float32":
+        return model
+    local = copy.deepcopy(model)
+    for layer in local.model.layers:
+        if precision == "bfloat16":
+            layer.to(torch.bfloat16)
+        else:
+            quantize_block(layer, precision)
+    if precision == "bfloat16":  # the servers' outputs arrive in bfloat16 and go on in the client's float32
+        for layer in local.model.layers:
+            layer.register_forward_pre_hook(lambda _m, args, kwargs: ((args[0].to(torch.bfloat16), *args[1:]),
+                                                                      _bf16(kwargs)), with_kwargs=True)
+            layer.register_forward_hook(lambda _m, _a, out: out.float() if torch.is_tensor(out)
+                                        else (out[0].float(), *out[1:]))
+    return local
+
+
+def _bf16(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else
+                tuple(t.to(torch.bfloat16) for t in v) if isinstance(v, tuple) and v and torch.is_tensor(v[0]) else v)
+            for k, v in kwargs.items()}
+
+
+def random_model_phase(args: argparse.Namespace, root: Path, mismatches: list[str],
+                       precision: str = "float32") -> dict[str, Any]:
+    """The random 1024-hidden model served at ``precision``: build, reference tokens, serve, measure."""
     family = plain_family()
     folder, local = make_model(root / "hidden1024", family, LARGE)
     size = sum(p.numel() * p.element_size() for p in local.parameters()) / 1e6
+    local = local_at(local, precision)
     count = max(args.sessions)
     prompts = [torch.randint(0, LARGE["vocab_size"], (8 + (i * 5) % 17,), generator=torch.Generator().manual_seed(i))
                .tolist() for i in range(count)]
     began = time.monotonic()
     refs = [timed_greedy(local, torch.tensor([p]), args.new_tokens, full_length=True)[0] for p in prompts]
     print(f"  hidden1024: local reference tokens of {count} prompts in {time.monotonic() - began:.0f} s", flush=True)
-    title = (f"{family} family, random, hidden 1024, 16 heads, 8 KV heads, 8 layers, vocab 1000, float32 "
-             f"({size:.0f} MB); 2 servers (0:4, 4:8) per mode on loopback; prompts of 8-24 tokens, "
+    title = (f"{family} family, random, hidden 1024, 16 heads, 8 KV heads, 8 layers, vocab 1000 ({size:.0f} MB "
+             f"in float32), servers in {precision}; 2 servers (0:4, 4:8) per mode on loopback; prompts of 8-24 tokens, "
              f"{args.new_tokens} new tokens, greedy; {args.rounds} round(s) interleaved")
-    return run_model("hidden1024", title, folder, str(folder), ("0:4", "4:8"), prompts, refs, local, args.sessions,
-                     args, root, mismatches)
+    return run_model(f"hidden1024-{precision}", title, folder, str(folder), ("0:4", "4:8"), prompts, refs, local,
+                     args.sessions, args, root, mismatches, precision=precision)
 
 
 def real_phase(args: argparse.Namespace, root: Path, mismatches: list[str]) -> dict[str, Any]:
@@ -268,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=None, help="default 1 2 4 8 16 (--quick 1 4)")
     parser.add_argument("--real-sessions", type=int, nargs="+", default=None, help="default 1 8 (--quick 1 4)")
     parser.add_argument("--skip-real", action="store_true", help="only the random 1024-hidden model")
+    parser.add_argument("--precisions", nargs="+", choices=tuple(PRECISIONS), default=list(PRECISIONS),
+                        help="server precisions of the random model (default: all three)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every figure to FILE")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -282,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatches: list[str] = []
     report: dict[str, Any] = {"load_start": start_load, "args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="bench-batching-") as tmp:
-        report["hidden1024"] = random_model_phase(args, Path(tmp), mismatches)
+        for precision in args.precisions:
+            report[f"hidden1024-{precision}"] = random_model_phase(args, Path(tmp), mismatches, precision)
         if not args.skip_real:
             report["smollm2"] = real_phase(args, Path(tmp), mismatches)
     report["load_end"] = uptime()

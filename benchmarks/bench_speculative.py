@@ -10,7 +10,8 @@ The real model (SmolLM2-135M-Instruct fp32) on two servers on lab hosts (blocks 
 - **wrong**: a draft that is always wrong (the int8 draft's tokens shifted by one): what a bad draft costs
   once speculation turns itself off.
 
-At 0 ms (the lab's links without delay), 25 and 50 ms one-way delay per link. Prints tokens/s, the ratio to
+On loopback (servers and client as plain processes on 127.0.0.1, no lab), then at 0 ms (the lab's links without
+delay), 25 and 50 ms one-way delay per link. Prints tokens/s, the ratio to
 plain, the mean proposals kept per speculative round, and whether the tokens equal plain greedy's (they must).
 Aim: draft >= 2x plain at 25 ms; wrong no more than 10 % slower than plain. Prints the machine's load.
 """
@@ -43,12 +44,13 @@ def load() -> str:
 
 
 class Client:
-    """The persistent client in the client host (`speculative_client.py`)."""
+    """The persistent client (`speculative_client.py`) in the client host, or here (``host`` None)."""
 
     def __init__(self, host: Any, peer: str, env: dict[str, str]) -> None:
-        self.proc = host.popen([sys.executable, str(REPO / "benchmarks" / "speculative_client.py"), peer],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                               env={**os.environ, **env})
+        popen = subprocess.Popen if host is None else host.popen
+        self.proc = popen([sys.executable, str(REPO / "benchmarks" / "speculative_client.py"), peer],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                          env={**os.environ, **env})
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the benchmark client did not start")
 
@@ -65,9 +67,50 @@ class Client:
         self.proc.wait(30)
 
 
+def print_rows(client: Client, label: str) -> None:
+    """Every source's row at one network setting."""
+    results = {source: client.run(source) for source in SOURCES}
+    plain = results["none"]
+    plain_rate = sum(map(len, plain["tokens"])) / plain["seconds"]
+    for source, result in results.items():
+        rate = sum(map(len, result["tokens"])) / result["seconds"]
+        kept = result["kept"] / result["rounds"] if result["rounds"] else 0.0
+        same = "same as plain" if result["tokens"] == plain["tokens"] else "DIFFER from plain"
+        print(f"{label:>9} {source:>7} {rate:9.2f} {rate / plain_rate:8.2f}x {kept:11.2f}  "
+              f"{same} ({result['rounds']} rounds; step ms by width {result['steps']}, "
+              f"draft {result['draft_ms']} ms/token)", flush=True)
+
+
+def loopback(logs: Path, env: dict[str, str]) -> None:
+    """The loopback rows: two servers and the client as plain processes on 127.0.0.1."""
+    from lab_swarm import lab_address, ready
+
+    from distconf.tools import real_model as rm
+    from distconf.tools.serving import ServerProcess, serve_command, stop_all
+
+    def serve(name: str, *args: str) -> ServerProcess:
+        command = serve_command(rm.gguf_path(), "--dtype", "float32", "--host", "127.0.0.1", *args)
+        return ServerProcess(command, logs / f"{name}.log", name=name, env=env)
+
+    servers = [serve("loopback-a", "--new-swarm", "--blocks", "0:15")]
+    try:
+        boot = lab_address(ready(servers[0]))
+        servers.append(serve("loopback-b", "--initial-peers", boot, "--blocks", "15:30"))
+        ready(servers[1])
+        client = Client(None, boot, env)
+        try:
+            print_rows(client, "loopback")
+        finally:
+            client.close()
+    finally:
+        stop_all(servers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delays", type=int, nargs="+", default=[0, 25, 50], metavar="MS")
+    parser.add_argument("--delays", type=int, nargs="*", default=[0, 25, 50], metavar="MS",
+                        help="one-way delays per link in the network lab (none: no lab rows)")
+    parser.add_argument("--no-loopback", action="store_true", help="skip the loopback rows")
     args = parser.parse_args()
 
     from lab_swarm import lab_address, ready, start_server
@@ -79,6 +122,13 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     cache = os.environ.get("DISTCONF_CACHE") or str(REPO / ".pytest_cache" / "d" / "distconf-real-model")
     env = {"PYTHONPATH": str(REPO), "DISTCONF_CACHE": cache}
+    print(f"\n{TOKENS} greedy tokens per prompt, 4 chat prompts; servers with blocks 0:15 and 15:30, the client apart")
+    print(f"{'network':>9} {'source':>7} {'tokens/s':>9} {'vs plain':>9} {'kept/round':>11}  tokens")
+    if not args.no_loopback:
+        loopback(logs, env)
+    if not args.delays:
+        print(f"\nbench_speculative: {load()}; server logs in {logs}")
+        return
     with Lab() as lab:
         a, b, c = lab.host("a"), lab.host("b"), lab.host("c")
         servers = [start_server(a, logs, "a", env, "--new-swarm", "--host", a.address, "--blocks", "0:15")]
@@ -87,20 +137,9 @@ def main() -> None:
         ready(servers[1])
         client = Client(c, boot, env)
         try:
-            print(f"\n{TOKENS} greedy tokens per prompt, 4 chat prompts; client on c, servers a (0:15) and b (15:30)")
-            print(f"{'one-way':>8} {'source':>7} {'tokens/s':>9} {'vs plain':>9} {'kept/round':>11}  tokens")
             for delay in args.delays:
                 lab.default_link(delay_ms=delay)
-                results = {source: client.run(source) for source in SOURCES}
-                plain = results["none"]
-                plain_rate = sum(map(len, plain["tokens"])) / plain["seconds"]
-                for source, result in results.items():
-                    rate = sum(map(len, result["tokens"])) / result["seconds"]
-                    kept = result["kept"] / result["rounds"] if result["rounds"] else 0.0
-                    same = "same as plain" if result["tokens"] == plain["tokens"] else "DIFFER from plain"
-                    print(f"{delay:>6} ms {source:>7} {rate:9.2f} {rate / plain_rate:8.2f}x {kept:11.2f}  "
-                          f"{same} ({result['rounds']} rounds; step ms by width {result['steps']}, "
-                          f"draft {result['draft_ms']} ms/token)", flush=True)
+                print_rows(client, f"lab {delay} ms")
         finally:
             client.close()
             stop_all(servers)
