@@ -79,11 +79,17 @@ def test_prompt_lookup_proposes_what_followed_the_longest_earlier_match():
 def test_the_controller_stops_speculating_when_it_does_not_pay_and_probes_again():
     controller = SpeculationController(max_tokens=4, probe_every=5)
     controller.record_step(1, 0.010)
-    controller.record_round(4, 0, draft_seconds=0.040)  # a slow draft that is always wrong
+    controller.record_round(4, 0, draft_seconds=0.004)  # a cheap draft that is always wrong
     for _ in range(6):
-        controller.record_round(1, 0, draft_seconds=0.010)
+        controller.record_round(1, 0, draft_seconds=0.001)
     picks = [controller.next_k() for _ in range(10)]
     assert picks.count(0) >= 8 and 1 in picks  # off, with a probe now and then
+    slow = SpeculationController(max_tokens=4, probe_every=5)
+    slow.record_step(1, 0.010)
+    slow.record_round(2, 0, draft_seconds=0.030)  # a draft token costs more than a step: it can never pay
+    assert [slow.next_k() for _ in range(40)] == [0] * 40  # not even probed
+    slow.record_step(1, 0.200)  # the steps got slower (a far network): worth probing again
+    assert 1 in [slow.next_k() for _ in range(40)]
     fast = SpeculationController(max_tokens=8)
     fast.record_step(1, 0.100)  # a slow network step, a cheap draft that is usually right
     fast.record_step(9, 0.110)

@@ -28,7 +28,7 @@ def swarm_parts(tmp_path_factory):
     servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), root)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
     try:
-        yield model, local, model_dir, dht
+        yield model, local, model_dir, dht, servers
     finally:
         close_swarm([model], servers, dht)
 
@@ -265,7 +265,7 @@ def test_speculation_with_trained_prompts_gives_plain_greedy_tokens(swarm_parts,
     from distconf.client.speculative import DraftModel, PromptLookup, Speculation
     from distconf.client.textgen import Sampling
 
-    model, local, model_dir, dht = swarm_parts
+    model, local, model_dir, dht, _ = swarm_parts
     tuned = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3, tuning_mode=mode,
                                                             pre_seq_len=3)
     try:
@@ -282,3 +282,24 @@ def test_speculation_with_trained_prompts_gives_plain_greedy_tokens(swarm_parts,
             assert speculation.controller.rounds > 0
     finally:
         tuned.shutdown()
+
+
+def test_a_scored_step_is_one_message_per_hop(swarm_parts):
+    """k proposed tokens are scored in one step: each server receives one message per round, not one per token."""
+    from client_swarm import server_info
+
+    from distconf.client.speculative import DraftModel, Speculation
+    from distconf.client.textgen import Sampling
+
+    model, local, _, _, servers = swarm_parts
+
+    def steps() -> list[int]:
+        stats = [server_info(model, s.peer_id)["stats"] for s in servers]
+        return [int(st.get("steps", 0)) + int(st.get("pushed_steps", 0)) for st in stats]
+
+    before = steps()
+    speculation = Speculation(DraftModel(local))  # the same weights: every proposal is kept
+    tokens = stream_tokens(model, Sampling(max_tokens=24, temperature=0), speculation)
+    sent = [after - b for after, b in zip(steps(), before)]
+    assert len(tokens) == 24 and speculation.controller.accepted >= 12
+    assert sent[0] == sent[1] and sent[0] <= 24 - speculation.controller.accepted + 1, (sent, speculation.controller)

@@ -203,7 +203,8 @@ class SpeculationController:
     cost: ``k`` drafted tokens plus a step of ``k + 1`` positions. The best ``k`` (up to ``max_tokens``) is taken
     when its tokens per second beat a plain step's by `margin`; otherwise rounds are plain, and after
     `probe_every` plain steps one speculative round measures again (a probe that keeps nothing doubles the
-    wait, up to 16 times).
+    wait, up to 16 times). A draft too slow to pay even if it were always right is not probed again (until
+    the steps it has to beat get slower).
     """
 
     max_tokens: int = 8
@@ -234,8 +235,21 @@ class SpeculationController:
             return 0  # measure a plain step first: what speculation has to beat
         if self.draft_seconds is None:
             return min(self.max_tokens, 2)  # then the draft, cheaply (it may be a bad one)
+        best_k = self._best(min(self.acceptance, 0.99), plain)
+        if best_k == 0:
+            if self._best(0.99, plain) == 0:
+                return 0  # this draft is too slow to pay even if every proposal were kept: no probes
+            self._plain_since_probe += 1
+            if self._plain_since_probe >= self._probe_interval:
+                self._plain_since_probe = 0
+                self._probing = True
+                return 1
+        return best_k
+
+    def _best(self, a: float, plain: float) -> int:
+        """The ``k`` whose rounds give the most tokens per second at acceptance ``a`` (0: plain steps are faster)."""
+        assert self.draft_seconds is not None
         best_k, best_rate = 0, 1.0 / plain
-        a = min(self.acceptance, 0.99)
         for k in range(1, self.max_tokens + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
             drafting, step = k * self.draft_seconds, self._step(k + 1, plain)
@@ -243,12 +257,6 @@ class SpeculationController:
             seconds = drafting + step - (a ** k) * min(drafting, step) if self.overlap else drafting + step
             if tokens / seconds > best_rate * (self.margin if best_k == 0 else 1.0):
                 best_k, best_rate = k, tokens / seconds
-        if best_k == 0:
-            self._plain_since_probe += 1
-            if self._plain_since_probe >= self._probe_interval:
-                self._plain_since_probe = 0
-                self._probing = True
-                return 1
         return best_k
 
     def _step(self, width: int, plain: float) -> float:
