@@ -118,14 +118,16 @@ def batch_activation_bytes(config: DistributedConfig, rows: int, new_tokens: int
     """Peak working memory of one block call on ``rows x new_tokens`` tokens after ``past`` cached ones.
 
     The attention scores (``rows x heads x new x (past + new)``, float32), the MLP's
-    activations (``4 x wire width + 3 x intermediate`` values per token: the hidden states between blocks are
+    activations (``4 x wire width + 3 x intermediate`` values per token, the widest layer's intermediate size when it
+    differs per layer; the hidden states between blocks are
     ``wire_width_of(config)`` wide) and the block's padded
     cache for the call (``rows x (past + new)`` tokens). A server keeps a batch of several
     sessions within the memory the plan reserves (`autograd_reserve_bytes`).
     """
     hidden = int(config.hidden_size)
     wire = wire_width_of(config)
-    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    sizes = getattr(config, "intermediate_size", None) or 4 * hidden
+    intermediate = max(int(v) for v in sizes) if isinstance(sizes, (list, tuple)) else int(sizes)  # per layer: widest
     heads = int(getattr(config, "num_attention_heads", 0) or 0)  # 0: a recurrent block computes no scores
     tokens = rows * new_tokens
     scores = rows * heads * new_tokens * (past + new_tokens) * 4

@@ -274,9 +274,10 @@ def test_a_step_waits_for_its_group_when_due_but_not_for_a_stalled_session(serve
 
 def test_a_lone_decode_step_is_computed_on_the_event_loop_and_a_due_session_still_batches(served, executor) -> None:
     """A lone session's decode steps skip the thread hand-offs (computed on the loop, exactly); the first step and
-    a prefill go to the compute thread; when a steady mate is due the step goes to the thread to be batched."""
+    a prefill go to the compute thread; while other sessions step, every step goes to the thread to be batched."""
     async def scenario() -> None:
-        handler = make_handler(served, executor, 8 * SessionCache.nbytes(served, 1, MAX_LENGTH))
+        limits = BatchLimits(max_inline_seconds=1.0)  # a loaded machine must not make the tiny steps "slow"
+        handler = make_handler(served, executor, 8 * SessionCache.nbytes(served, 1, MAX_LENGTH), limits)
         scheduler = handler.compute
         lone = Client(handler, served, 3, [20, 1, 1, 1, 1, 20, 1])
         await lone.run(2)  # the prefill and the first decode step: no lone step timed yet
@@ -294,11 +295,7 @@ def test_a_lone_decode_step_is_computed_on_the_event_loop_and_a_due_session_stil
         for _ in range(3):  # steady mates, computed in one batch each time
             await lockstep(scheduler, *mates)
         inline = scheduler.stats["inline_steps"]
-        reply, expected = mates[0].send_next()  # the other mate is due: this step waits for it on the thread
-        await asyncio.sleep(0)
-        later, expected_later = mates[1].send_next()
-        for r, e in ((reply, expected), (later, expected_later)):
-            assert close(output(await asyncio.wait_for(r, 30)), e)
+        await asyncio.gather(*(c.run(2) for c in mates))  # the compute thread is idle at times: still no inline
         assert scheduler.stats["inline_steps"] == inline
         for c in (lone, *mates):
             await c.caller.close()

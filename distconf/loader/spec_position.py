@@ -97,7 +97,7 @@ class PositionSpec(StrictModel):
     max_positions: FormulaText | None = Field(
         default=None,
         description="Formula over config fields: the most positions a session may hold, where the blocks cannot "
-                    "compute past it (e.g. MPT's ALiBi table of max_seq_len entries). Clients never feed past "
+                    "compute past it (e.g. an ALiBi table of max_seq_len entries). Clients never feed past "
                     "it (speculative drafts stop short of it) and the API counts it as the context length. "
                     "Null: no limit the blocks enforce.",
     )

@@ -21,7 +21,7 @@ steady sessions that are due (`distconf.server.arrivals`): in a pipeline the ste
 group of sessions arrive one message at a time, and a batch started with the first would
 split the group at every hop.
 
-A lone step (nothing queued or running, no steady session due, a few tokens, and the last such step
+A lone step (nothing queued or running, no other session stepping, a few tokens, and the last such step
 computed within ``max_inline_seconds``) is computed on the event loop itself: at batch 1 the two
 thread hand-offs cost more than a small model's step (``benchmarks/bench_hop.py``). The loop
 claims the compute as the thread would, so nothing else computes meanwhile.
@@ -259,10 +259,8 @@ class ComputeScheduler:
             if self._pumping or self._control or self._training or self._steps:
                 return False
             now = time.monotonic()
-            chain = tuple(b.uid for b in cache.blocks)
-            if self.limits.max_batch_wait > 0 and self._arrivals.due(now, now + self.limits.max_batch_wait,
-                                                                      (cache,), chain):
-                return False  # a steady session is due: the thread gathers them into one batch
+            if not self._arrivals.alone(cache, now):
+                return False  # other sessions step too: the thread batches what queues up while it computes
             if not self._fits(int(hidden.shape[0]), int(hidden.shape[1]), cache.position):
                 return False
             self._arrivals.arrived(cache, now)

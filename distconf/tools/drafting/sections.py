@@ -318,4 +318,8 @@ def _bias_input(draft: FamilyDraft, call: LayerCall, name: str) -> bool:
     draft.position["alibi_arguments"] = arguments
     draft.facts.append(f"the layer takes {name!r}, which the model builds with {function.__name__}("
                        + ", ".join(f"{k}={v}" for k, v in arguments.items()) + "); the block builds it the same way")
+    lengths = [formula for param, formula in arguments.items() if "len" in param or "seq" in param]
+    if len(lengths) == 1:  # built once for a length from the config: no position past it has a bias
+        draft.position["max_positions"] = lengths[0]
+        draft.facts.append(f"the bias is built for {lengths[0]} positions: sessions hold at most that many")
     return True
