@@ -4,9 +4,8 @@ One YAML file per model family describes what a Petals-style swarm needs beyond 
 Hugging Face config; `load_family` turns it into a ``Distributed<Name>Config`` class.
 Importing this package does not import torch or transformers.
 
-The package is layered, each layer importing only the ones before it:
-`distconf.loader` (the core), `distconf.blocks` (what consumes a config),
-`distconf.dht` and `distconf.planning` (the swarm), then `distconf.cli` and `distconf.tools`.
+The package is layered, each layer importing only the ones before it; the order is written once, in
+docs/design.md (the layering test reads it there).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ CASES = [
     ("bad revision", "after_load:", "revisions:\n  org/model: main\nafter_load:", "revisions:", "revisions",
      "40-hex"),
     ("bad dht rule", "  name: repo", "  name: whole", "name: whole", "dht_prefix.name", "repo"),
-    ("bad notice", "  - message:", "  - colour: red\n    message:", "colour: red", "notices.0.colour",
+    ("bad notice", "    message:", "    colour: red\n    message:", "colour: red", "notices.0.colour",
      "unknown field"),
 ]
 

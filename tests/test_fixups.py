@@ -119,9 +119,8 @@ def _preset_like(tmp_path, family: str):
     return _save(tmp_path, base())
 
 
-@pytest.mark.parametrize("family,name,text", NOTICE_CASES)
-def test_notices_logged(tmp_path, caplog, family, name, text) -> None:
-    cls = load_family(family)
+def _cached(tmp_path, family: str, name: str):
+    """A hub-cache layout holding ``name``'s config (a default config of ``family``)."""
     cache = tmp_path / "cache"
     repo = cache / ("models--" + name.replace("/", "--"))
     (repo / "snapshots" / MAIN_COMMIT).mkdir(parents=True)
@@ -129,8 +128,23 @@ def test_notices_logged(tmp_path, caplog, family, name, text) -> None:
     (repo / "refs" / "main").write_text(MAIN_COMMIT)
     src = _preset_like(tmp_path, family) / "config.json"
     (repo / "snapshots" / MAIN_COMMIT / "config.json").write_text(src.read_text())
+    return cache
+
+
+@pytest.mark.parametrize("family,name", [("llama", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+                                         ("bloom", "someone/multilingual-560m")])
+def test_a_licence_notice_follows_the_model_not_the_family(tmp_path, caplog, family, name) -> None:
+    """SmolLM2 is a llama-family model under Apache-2.0: no Llama terms-of-use notice."""
     with caplog.at_level(logging.INFO, logger="distconf.notices"):
-        cls.from_pretrained(name, cache_dir=str(cache), local_files_only=True)
+        load_family(family).from_pretrained(name, cache_dir=str(_cached(tmp_path, family, name)), local_files_only=True)
+    assert not [r for r in caplog.records if r.name == "distconf.notices"]
+
+
+@pytest.mark.parametrize("family,name,text", NOTICE_CASES)
+def test_notices_logged(tmp_path, caplog, family, name, text) -> None:
+    cls = load_family(family)
+    with caplog.at_level(logging.INFO, logger="distconf.notices"):
+        cls.from_pretrained(name, cache_dir=str(_cached(tmp_path, family, name)), local_files_only=True)
     assert any(text in r.getMessage() for r in caplog.records), caplog.text
 
 

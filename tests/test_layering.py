@@ -1,4 +1,4 @@
-"""The package imports one way: errors/loader -> blocks -> dht/planning -> server/client -> cli/tools.
+"""The package imports one way, in the layer order docs/design.md writes (read here, its one home).
 
 The import graph is read from the source with `ast` (every import statement, including
 those inside functions and under ``if TYPE_CHECKING``), so a lazy import that points the
@@ -32,16 +32,31 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "distconf"
 
+DESIGN = REPO / "docs" / "design.md"
+
+
+def read_layers(path: Path = DESIGN) -> tuple[dict[str, int], dict[int, str]]:
+    """The layer order as docs/design.md writes it (its one home): each package's layer, and each layer's name.
+
+    The table between ``<!-- layers -->`` and ``<!-- /layers -->``: one row per layer, earliest first, the
+    packages in backquotes in the second column.
+    """
+    text = path.read_text(encoding="utf-8")
+    table = text.split("<!-- layers -->", 1)[1].split("<!-- /layers -->", 1)[0]
+    layers: dict[str, int] = {}
+    names: dict[int, str] = {}
+    for row in table.strip().splitlines()[2:]:  # after the header and the |---| line
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        index = len(names)
+        names[index] = cells[0]
+        for package in re.findall(r"`([^`]+)`", cells[1]):
+            layers[package] = index
+    return layers, names
+
+
 # Layer of each top-level part of the package (a later layer may import an earlier one, never the reverse).
 # ``distconf`` itself (the package __init__) re-exports the core only, so it is in the bottom layer.
-LAYERS: dict[str, int] = {
-    "distconf": 0, "distconf.errors": 0, "distconf.versions": 0, "distconf.threads": 0, "distconf.loader": 0,
-    "distconf.blocks": 1,
-    "distconf.dht": 2, "distconf.planning": 2, "distconf.rpc": 2, "distconf.sources": 2,
-    "distconf.server": 3, "distconf.client": 3,
-    "distconf.cli": 4, "distconf.tools": 4, "distconf.monitor": 4, "distconf.api": 4, "distconf.__main__": 4,
-}
-LAYER_NAMES = {0: "errors/loader", 1: "blocks", 2: "dht/planning/rpc", 3: "server/client", 4: "cli/tools/monitor/api"}
+LAYERS, LAYER_NAMES = read_layers()
 
 
 LATE_BINDINGS: dict[tuple[str, str], str] = {
@@ -264,7 +279,7 @@ def test_edges_read_from_source(tmp_path) -> None:
     assert graph["distconf.loader.typed"]["distconf.loader.other"].endswith("typed.py:3 under TYPE_CHECKING")
     assert find_cycles(graph) == [["distconf.blocks.build", "distconf.loader.core", "distconf.blocks.build"]]
     assert layer_violations(graph) == [
-        "distconf.loader.core (errors/loader) imports distconf.blocks.build (blocks) at distconf/loader/core.py:2"]
+        "distconf.loader.core (core) imports distconf.blocks.build (blocks) at distconf/loader/core.py:2"]
     cycle = describe_cycle(find_cycles(graph)[0], graph)
     assert cycle.endswith("(distconf/blocks/build.py:1, distconf/loader/core.py:2)")
 
@@ -281,7 +296,7 @@ def test_dotted_path_strings_are_edges(tmp_path) -> None:
     graph = import_graph(pkg)
     assert graph["distconf.loader.spec"] == {"distconf.blocks.build": "distconf/loader/spec.py:1 by name"}
     assert layer_violations(graph) == [
-        "distconf.loader.spec (errors/loader) imports distconf.blocks.build (blocks) at distconf/loader/spec.py:1 "
+        "distconf.loader.spec (core) imports distconf.blocks.build (blocks) at distconf/loader/spec.py:1 "
         "by name"]
 
 

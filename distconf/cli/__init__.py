@@ -31,6 +31,15 @@ COMMANDS: tuple[str, ...] = (
 )
 """Subcommands, in help order; command ``x`` is the module ``distconf.cli.cmd_x``."""
 
+LOUD_COMMANDS: tuple[str, ...] = ("serve", "api", "monitor")
+"""Commands whose log is part of their output (a server's lifecycle, an API's requests): INFO by default. The others
+print their results and log warnings only, unless ``-v``."""
+
+SHOWN_LOGGERS: tuple[str, ...] = ("distconf.notices", "distconf.sources.gguf_convert", "distconf.sources.gguf_cache",
+                                   "distconf.server.loading")
+"""Loggers every command shows at INFO: licence notices, and the progress of long work (a GGUF conversion, loading
+blocks)."""
+
 USER_ERRORS: tuple[type[BaseException], ...] = (FamilyValidationError, FamilyNotFoundError, ConfigValueError, OSError)
 """Errors a command may end with that are the user's to fix: reported in one line, no traceback."""
 
@@ -95,14 +104,24 @@ def error_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def configure_logging(command: str | None, *, verbose: bool = False) -> None:
+    """Logging to stderr: DEBUG with ``-v``; INFO for `LOUD_COMMANDS`; otherwise WARNING, with `SHOWN_LOGGERS` at
+    INFO."""
+    level = logging.DEBUG if verbose else logging.INFO if command in LOUD_COMMANDS else logging.WARNING
+    stamp = "%(asctime)s " if command == "serve" else ""  # a server's log is read later, by time
+    logging.basicConfig(level=level, format=f"{stamp}%(levelname)s %(name)s: %(message)s")
+    if level > logging.INFO:
+        for name in SHOWN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distconf`` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if argv is None:  # this process's own command line (in-process callers keep their environment)
         apply_thread_policy("server" if args.command == "serve" else "process")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.command, verbose=args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

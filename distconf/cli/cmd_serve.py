@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import signal
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 from distconf.blocks.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command, positive_int, seconds
+from distconf.server.ready import READY_TAG, parse_ready_line, ready_line, ready_record
 
 __all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record", "ready_line", "parse_ready_line"]
 
@@ -23,46 +23,12 @@ COMPRESSION_NAMES = ("NONE", "FLOAT16", "MEANSTD_16BIT", "QUANTILE_8BIT", "UNIFO
 """``--compression`` choices: hivemind's ``CompressionType`` names (`distconf.rpc.protocol.COMPRESSIONS`, which a
 test compares; written here so that ``--help`` does not import hivemind)."""
 
-READY_TAG = "DISTCONF_READY"
-"""First word of the machine-readable line a server prints to stdout once it is ONLINE (a JSON object follows)."""
-
-
 def parse_blocks(text: str) -> tuple[int, int]:
     """``"A:B"`` -> ``(A, B)`` (B exclusive)."""
     start, sep, end = text.partition(":")
     if not sep or not start.isdigit() or not end.isdigit() or int(start) >= int(end):
         raise argparse.ArgumentTypeError(f"--blocks must be START:END with START < END, got {text!r}")
     return int(start), int(end)
-
-
-def ready_record(server: Any) -> dict[str, Any]:
-    """What the ready line says about an ONLINE `BlockServer`: peer id, addresses, blocks, prefix, throughput,
-    parameters, dtype, quant_type (the record's value) and device."""
-    from distconf.blocks.quant import petals_quant_type
-
-    blocks = server.handler.ordered if server.handler is not None else []
-    return {"peer_id": str(server.peer_id), "addresses": list(server.maddrs),
-            "blocks": [int(server.start_block), int(server.end_block)], "dht_prefix": str(server.config.dht_prefix),
-            "throughput": float(server.throughput),
-            "parameters": sum(p.numel() for block in blocks for p in block.module.parameters()),
-            "dtype": str(server.dtype_name), "quant_type": petals_quant_type(server.quant),
-            "device": str(server.device)}
-
-
-def ready_line(server: Any) -> str:
-    """``DISTCONF_READY {"peer_id": ..., "addresses": [...], "blocks": [start, end], ...}`` (one line)."""
-    return f"{READY_TAG} {json.dumps(ready_record(server), sort_keys=True)}"
-
-
-def parse_ready_line(line: str) -> dict[str, Any] | None:
-    """The record of a ready line, or None if ``line`` is another line."""
-    tag, _, payload = line.strip().partition(" ")
-    if tag != READY_TAG:
-        return None
-    record = json.loads(payload)
-    if not isinstance(record, dict) or not {"peer_id", "addresses", "blocks", "dht_prefix"} <= set(record):
-        raise ValueError(f"malformed {READY_TAG} line: {line.strip()!r}")
-    return record
 
 
 def _share(text: str) -> float:
@@ -146,7 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "they are unchanged (the load-time sha256 is also reported by rpc_info)")
     p.add_argument("--no-block-digests", dest="block_digests", action="store_false",
                    help="do not hash each served block's weights at load (by default rpc_info announces them as "
-                        "block_sha256, which clients given a `distconf manifest` check; see README's Security)")
+                        "block_sha256, which clients given a `distconf manifest` check; see docs/security.md)")
     p.add_argument("--balance-quality", type=float, default=0.75, metavar="Q",
                    help="move to other blocks when that makes the swarm more than 1/Q times faster (Petals' "
                         "--balance_quality; 0 never moves; a span given with --blocks never moves)")

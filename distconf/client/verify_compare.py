@@ -21,7 +21,7 @@ for other hardware's kernels), float16 3e-2, bfloat16 1e-1. Liars on the real mo
 far more in float32: 3 % weight noise on one block of 15 by 1.7e-2, one skipped block by 9e-2,
 a stale reply by 0.6, skipped compute by 1.0; in the half types a few percent of weight noise
 is hidden in honest rounding (float16 catches 10 %, bfloat16 30 %), and only gross lies stand
-out (README, Threat model). The tolerance holds between servers of the same dtype and
+out (docs/security.md, Threat model). The tolerance holds between servers of the same dtype and
 quantization: an int8 server differs from a float32 one by ~1.5e-2, a bfloat16 or float16
 result from a float32 one by up to 0.26 or 0.03 on tiny blocks.
 """

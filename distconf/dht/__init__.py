@@ -7,7 +7,7 @@ gives; `start_local_dht` listens on 127.0.0.1 only.
 A swarm is open: any peer may write anything. Every node `start_local_dht` starts
 refuses malformed records at the door (`distconf.dht.validators`, `distconf.dht.guard`);
 discovery isolates bad records and keys; ``signed_records=True`` makes server records
-owned by their peer (see the Security section of the README and each module's docstring).
+owned by their peer (see docs/security.md and each module's docstring).
 """
 
 from __future__ import annotations

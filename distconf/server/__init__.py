@@ -11,9 +11,23 @@
 - `memory`: the one KV-cache budget shared by all sessions;
 - `validation`: the checks that turn a bad request into a clear error for its caller.
 
-Importing this package is cheap; torch and hivemind are imported by the modules that need them.
+Importing this package is cheap (the command line imports `distconf.server.ready` without torch): torch and
+hivemind are imported by the modules that need them, and `BlockServer` on first use.
 """
 
-from distconf.server.block_server import BlockServer, ServeOptions, hub_repository
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distconf.server.block_server import BlockServer, ServeOptions, hub_repository
 
 __all__ = ["BlockServer", "ServeOptions", "hub_repository"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from distconf.server import block_server
+
+        return getattr(block_server, name)
+    raise AttributeError(f"module 'distconf.server' has no attribute {name!r}")

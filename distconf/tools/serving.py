@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from distconf.cli.cmd_serve import parse_ready_line
+from distconf.server.ready import parse_ready_line
 
 __all__ = ["ServerProcess", "serve_command", "stop_all", "wait_all_ready"]
 
 
 def serve_command(model_dir: str | Path, *args: str) -> list[str]:
     """The command line of a ``distconf serve MODEL_DIR ARGS...`` process run by this interpreter."""
-    return [sys.executable, "-m", "distconf.cli.cmd_serve", str(model_dir), *args]
+    return [sys.executable, "-m", "distconf", "serve", str(model_dir), *args]
 
 
 class ServerProcess:
@@ -94,7 +94,7 @@ class ServerProcess:
 
     def wait_ready(self, deadline: float) -> dict[str, Any]:
         """Wait (until ``deadline``) for the ready line; keep its record and peer id, and return the record."""
-        from distconf.cli.cmd_serve import READY_TAG
+        from distconf.server.ready import READY_TAG
 
         record = parse_ready_line(self.expect(READY_TAG, deadline))
         assert record is not None

@@ -54,8 +54,8 @@ def serve(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from distconf.cli.cmd_serve import ready_line
     from distconf.server import BlockServer, ServeOptions
+    from distconf.server.ready import ready_line
 
     torch.set_num_threads(1)
     server = BlockServer(ServeOptions(
