@@ -156,3 +156,15 @@ def test_layer_output_convention_is_found_once_per_class(dht: Any, tmp_path: Pat
         assert _loop_reads_tuple[type(base)] == (found[family], 0)
         model.shutdown()
     assert found == {"bloom": True, "llama": False}  # bloom's loop reads outputs[0]; llama's takes the tensor
+
+
+def test_the_supported_ranges_are_pyprojects() -> None:
+    """The compat modules' ranges are read from pyproject's dependencies (written once)."""
+    import tomllib
+    from pathlib import Path
+
+    from distconf.client.hf_generation import SUPPORTED_TRANSFORMERS
+    from distconf.dht.hivemind_compat import SUPPORTED_HIVEMIND
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"transformers{SUPPORTED_TRANSFORMERS}" in deps and f"hivemind{SUPPORTED_HIVEMIND}" in deps

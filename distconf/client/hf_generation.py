@@ -2,8 +2,8 @@
 
 The client plugs a remote inference session into Hugging Face's ``generate``. Three
 things it needs are not part of transformers' stable API, so they live here, written
-for the range `SUPPORTED_TRANSFORMERS` (pyproject's ``transformers>=5.20,<6``; tested
-with `TESTED_TRANSFORMERS`):
+for the range `SUPPORTED_TRANSFORMERS` (pyproject's requirement, read from the package's metadata;
+tested with `TESTED_TRANSFORMERS`):
 
 * `RemoteCacheGenerationMixin` overrides the private
   ``GenerationMixin._prepare_cache_for_generation`` so that ``generate`` without a cache
@@ -25,16 +25,16 @@ from typing import Any, Protocol
 
 import torch
 
-from distconf.versions import version_in_range
+from distconf.versions import declared_range, version_in_range
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "PositionLayer", "RemoteCacheGenerationMixin",
            "UnsupportedTransformersError", "check_transformers_version", "layer_output_is_tuple"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_TRANSFORMERS = ">=5.20,<5.26"
-"""The transformers versions this module was written for (pyproject's requirement, capped at the newest minor
-tested)."""
+SUPPORTED_TRANSFORMERS = declared_range("transformers")
+"""The transformers versions this module was written for: pyproject's requirement (its one home), capped at the
+newest minor tested."""
 TESTED_TRANSFORMERS = "5.24 and 5.25"
 """The transformers version the client's tests ran on."""
 

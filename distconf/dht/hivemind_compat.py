@@ -91,7 +91,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distconf.versions import installed_version, version_in_range
+from distconf.versions import declared_range, installed_version, version_in_range
 
 if TYPE_CHECKING:  # pragma: no cover
     from hivemind import DHT, P2P
@@ -115,8 +115,8 @@ __all__ = [
     "rsa_private_key_from_der",
 ]
 
-SUPPORTED_HIVEMIND = ">=1.1.12,<1.2"
-"""hivemind versions this module was written for (the pin in ``pyproject.toml``)."""
+SUPPORTED_HIVEMIND = declared_range("hivemind")
+"""hivemind versions this module was written for: the pin in ``pyproject.toml`` (its one home)."""
 TESTED_HIVEMIND = "1.1.12"
 """The hivemind version each item of this module was read against and tested with."""
 
