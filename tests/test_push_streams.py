@@ -12,7 +12,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from distconf.rpc.calls import PushStream
-from distconf.rpc.servicer import BlockServicer
+from distconf.rpc.servicer import handle_name
 from distconf.server.push_streams import PushStreams
 
 
@@ -25,7 +25,7 @@ def test_a_peer_without_push_streams_gets_unary_pushes(monkeypatch) -> None:
             got.append(request.uid)
             return runtime_pb2.ExpertResponse()
 
-        await receiver.add_protobuf_handler(BlockServicer._get_handle_name(None, "rpc_push"), rpc_push,
+        await receiver.add_protobuf_handler(handle_name("rpc_push"), rpc_push,
                                             runtime_pb2.ExpertRequest)
         sender = await P2P.create(initial_peers=[str(m) for m in await receiver.get_visible_maddrs()])
         try:

@@ -23,7 +23,7 @@ import inspect
 import math
 from typing import TYPE_CHECKING, Any
 
-from distconf.blocks.hf_compat import build_attention_mask
+from distconf.blocks.hf_compat import attn_implementation, build_attention_mask, prepare_standalone_config
 from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache
 from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_field, layer_settings
@@ -53,10 +53,7 @@ def prepare_config(config: DistributedConfig) -> None:
     silently run unmasked eager attention) and no experts implementation.
     """
     spec = getattr(type(config), "family_spec", None)
-    if getattr(config, "_attn_implementation", None) is None:
-        config._attn_implementation = (spec.block.attn_implementation if spec else None) or "sdpa"
-    if getattr(config, "_experts_implementation", "unset") is None:
-        config._experts_implementation = "eager"  # a standalone layer gets no dispatch from a model
+    prepare_standalone_config(config, (spec.block.attn_implementation if spec else None) or "sdpa")
 
 
 def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool, state_width: int = 2,
@@ -158,7 +155,7 @@ class BlockAdapter:
         batch, seq = hidden_states.shape[:2]
         boolean = settings.spec.mask.boolean
         implementation = "eager" if boolean else (settings.spec.attn_implementation
-                                                  or settings.config._attn_implementation)
+                                                  or attn_implementation(settings.config))
         mask = build_attention_mask(
             implementation, batch_size=batch, q_length=seq, past=past,
             window=settings.sliding_window if settings.mask_kind == "sliding_window" else None,

@@ -1,7 +1,9 @@
-"""The one place that reaches into transformers internals (not its public API).
+"""The one place below the client that reaches into transformers internals (not its public API).
 
-Masks and checkpoint conversion rules are not part of transformers' stable API; every
-use in distconf goes through this module, so a transformers upgrade touches one file.
+Masks, checkpoint conversion rules and a few private attributes of configs, models and parameters are not part of
+transformers' stable API; every use in distconf goes through this module (and, for generation,
+`distconf.client.hf_generation`), so a transformers upgrade touches those files only. Both are written for
+`SUPPORTED_TRANSFORMERS`, pyproject's range: `check_transformers_version` says what to install otherwise.
 Everything is imported lazily: importing this module imports no transformers code.
 """
 
@@ -9,7 +11,72 @@ from __future__ import annotations
 
 from typing import Any
 
+from distconf.versions import declared_range, version_in_range
+
+SUPPORTED_TRANSFORMERS = declared_range("transformers")
+"""The transformers versions distconf was written for: pyproject's requirement (its one home), capped at the newest
+minor tested."""
+TESTED_TRANSFORMERS = "5.24 and 5.25"
+"""The transformers versions the tests ran on."""
+
+
+class UnsupportedTransformersError(ImportError):
+    """The installed transformers is outside `SUPPORTED_TRANSFORMERS`."""
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """Raise `UnsupportedTransformersError` unless ``version`` (default: the installed one) is supported.
+
+    Returns the version checked.
+    """
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if not version_in_range(version, SUPPORTED_TRANSFORMERS):
+        raise UnsupportedTransformersError(
+            f"distconf needs transformers {SUPPORTED_TRANSFORMERS} (tested with {TESTED_TRANSFORMERS}); "
+            f"transformers {version} is installed: pip install 'transformers{SUPPORTED_TRANSFORMERS}'")
+    return version
+
+
+HF_INITIALIZED = "_is_hf_initialized"
+"""The flag transformers sets on a tensor it initialized or loaded (skipped when it initializes a model again)."""
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a config selects (transformers' private ``_attn_implementation``)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config: Any, implementation: str) -> None:
+    """Select ``implementation`` (``eager``, ``sdpa``, ...) for the layers built from ``config``."""
+    config._attn_implementation = implementation
+
+
+def prepare_standalone_config(config: Any, attn_default: str) -> None:
+    """What a model's ``from_config`` would set on ``config`` and a layer built alone does not get: the attention
+    implementation (``attn_default`` when none is chosen) and eager experts dispatch."""
+    if attn_implementation(config) is None:
+        set_attn_implementation(config, attn_default)
+    if getattr(config, "_experts_implementation", "unset") is None:
+        config._experts_implementation = "eager"
+
+
+def supports_sdpa(model_class: type) -> bool:
+    """Whether a model class declares scaled-dot-product attention support (unknown: True)."""
+    return getattr(model_class, "_supports_sdpa", True) is not False
+
+
+def mark_initialized(tensor: Any) -> None:
+    """Tell transformers ``tensor`` holds loaded values (it must not initialize it again)."""
+    setattr(tensor, HF_INITIALIZED, True)
+
+
 __all__ = [
+    "HF_INITIALIZED", "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "UnsupportedTransformersError",
+    "attn_implementation", "check_transformers_version", "mark_initialized", "prepare_standalone_config",
+    "set_attn_implementation", "supports_sdpa",
     "build_attention_mask", "causal_lm_class", "causal_lm_from_config",
     "chunked_mask_function", "initialize_computed_buffers", "non_persistent_buffers",
     "checkpoint_conversions", "converter_sources", "converter_targets", "rename_checkpoint_key",

@@ -166,6 +166,8 @@ def _int8_linear_class() -> type:
     import torch
     from torch import nn
 
+    from distconf.blocks.torch_compat import weight_int8pack_mm
+
     class _Int8Linear(nn.Module):
         """Weight-only int8 Linear (see `int8_linear`)."""
 
@@ -186,8 +188,8 @@ def _int8_linear_class() -> type:
             # than nn.Linear), so fp32 activations go through it in bf16. It needs in_features % 16 == 0.
             if flat.is_cpu and self.in_features % 64 == 0:
                 compute = flat.dtype if flat.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-                out = torch._weight_int8pack_mm(flat.to(compute).contiguous(), self.weight,
-                                                self.scale.to(compute)).to(flat.dtype)
+                out = weight_int8pack_mm(flat.to(compute).contiguous(), self.weight,
+                                         self.scale.to(compute)).to(flat.dtype)
             else:
                 out = nn.functional.linear(flat, self.weight.to(flat.dtype)) * self.scale.to(flat.dtype)
             if self.bias is not None:

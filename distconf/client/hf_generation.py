@@ -25,39 +25,17 @@ from typing import Any, Protocol
 
 import torch
 
-from distconf.versions import declared_range, version_in_range
+from distconf.blocks.hf_compat import (
+    SUPPORTED_TRANSFORMERS,
+    TESTED_TRANSFORMERS,
+    UnsupportedTransformersError,
+    check_transformers_version,
+)
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "PositionLayer", "RemoteCacheGenerationMixin",
            "UnsupportedTransformersError", "check_transformers_version", "layer_output_is_tuple"]
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_TRANSFORMERS = declared_range("transformers")
-"""The transformers versions this module was written for: pyproject's requirement (its one home), capped at the
-newest minor tested."""
-TESTED_TRANSFORMERS = "5.24 and 5.25"
-"""The transformers version the client's tests ran on."""
-
-
-class UnsupportedTransformersError(ImportError):
-    """The installed transformers is outside `SUPPORTED_TRANSFORMERS`."""
-
-
-def check_transformers_version(version: str | None = None) -> str:
-    """Raise `UnsupportedTransformersError` unless ``version`` (default: the installed one) is supported.
-
-    Returns the version checked.
-    """
-    if version is None:
-        import transformers
-
-        version = transformers.__version__
-    if not version_in_range(version, SUPPORTED_TRANSFORMERS):
-        raise UnsupportedTransformersError(
-            f"distconf's client needs transformers {SUPPORTED_TRANSFORMERS} (tested with {TESTED_TRANSFORMERS}); "
-            f"transformers {version} is installed: pip install 'transformers{SUPPORTED_TRANSFORMERS}'")
-    return version
-
 
 check_transformers_version()
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from distconf.blocks.hf_compat import HF_INITIALIZED
 from distconf.blocks.weights import layer_prefixes
 from distconf.blocks.wire import CarriedSlot, ModelInputCapture, carried_layout
 from distconf.loader.config_protocol import DistributedConfig
@@ -24,7 +25,7 @@ __all__ = [
 
 def plain_attributes(layer: torch.nn.Module) -> dict[str, Any]:
     """Plain attributes of a decoder layer (e.g. its attention type) that a layer loop may read."""
-    skip = {"training", "_is_hf_initialized"}
+    skip = {"training", HF_INITIALIZED}
     found: dict[str, Any] = {}
     for owner in reversed(type(layer).__mro__[:type(layer).__mro__.index(torch.nn.Module)]):
         found.update(vars(owner))  # class attributes too (e.g. a layer's attention_type)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.checkpoint import Checkpoint
-from distconf.blocks.hf_compat import checkpoint_conversions, rename_checkpoint_key
+from distconf.blocks.hf_compat import checkpoint_conversions, mark_initialized, rename_checkpoint_key
 from distconf.blocks.weights import layer_prefixes
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.sources import ModelSourceError
@@ -92,7 +92,7 @@ def _copy_tensor(checkpoint: Checkpoint, name: str, param: torch.Tensor, what: s
         raise ModelSourceError(checkpoint.model_dir, f"{checkpoint.names[name]}: {name} has shape {list(shape)}, "
                                f"{what} needs {list(param.shape)}")
     param.copy_(checkpoint.tensor(name).to(param.dtype))
-    param._is_hf_initialized = True
+    mark_initialized(param)
 
 
 def load_prompts(prompts: torch.nn.Module, checkpoint: Checkpoint, prefix: str) -> None:

@@ -73,7 +73,7 @@ def hub_repository(name_or_path: str | os.PathLike[str] | None) -> str | None:
 
 def _loaded_from(config: DistributedConfig) -> str | None:
     """What ``config`` was loaded from (``name_or_path``), if it says."""
-    name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    name = getattr(config, "name_or_path", None)
     return name if isinstance(name, str) else None
 
 

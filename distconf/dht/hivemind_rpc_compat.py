@@ -38,6 +38,15 @@ bounds its own tuple decoding and calls item 1 before decoding a registered exte
     hivemind's (``MESSAGE_MARKER`` or ``ERROR_MARKER``, ``HEADER_LEN`` big-endian length,
     the serialized message). *If hivemind changes it*: a new framing is not followed (the
     test comparing the bytes with the unpatched method fails).
+18. `check_stream_message_lengths` wraps the static method ``P2P.receive_raw_data`` (process-wide; servers call
+    it through `distconf.server.stream_limits`) so that a check sees each streamed message's announced length
+    before its body is read. *Why*: hivemind reads the body whole, whatever length the 8-byte header says; a
+    server refuses an oversized message before allocating it. *If hivemind changes it*: a renamed method makes
+    the install raise ``KeyError``; reads that bypass it go unchecked (the stream-limit tests fail).
+19. `read_frame` and `END_OF_STREAM_FRAME`: hivemind's stream framing (``P2P.receive_protobuf``'s marker byte,
+    ``HEADER_LEN``-byte big-endian length, body; ``P2P.END_OF_STREAM``), read and written directly by
+    `distconf.rpc.calls`' streams so that a step costs no queue or extra task. *If hivemind changes it*: the
+    stream tests, which talk to hivemind's own handlers, fail.
 """
 
 from __future__ import annotations
@@ -51,8 +60,9 @@ from typing import Any
 
 from distconf.dht.hivemind_compat import _lock, _mark, _marked
 
-__all__ = ["COALESCE_LIMIT", "MAX_EXT_DEPTH", "P2P_DAEMON_NAME", "coalesce_p2p_writes", "guard_msgpack_depth",
-           "harden_peer_process", "isolate_p2p_daemon", "registered_ext_types"]
+__all__ = ["COALESCE_LIMIT", "END_OF_STREAM_FRAME", "MAX_EXT_DEPTH", "P2P_DAEMON_NAME", "FrameTooLarge",
+           "check_stream_message_lengths", "coalesce_p2p_writes", "guard_msgpack_depth", "harden_peer_process",
+           "isolate_p2p_daemon", "read_frame", "registered_ext_types"]
 
 MAX_EXT_DEPTH = 32
 """Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
@@ -184,3 +194,70 @@ def coalesce_p2p_writes(limit: int = COALESCE_LIMIT) -> None:
 
         send_protobuf.__wrapped__ = unguarded  # type: ignore[attr-defined]  # hivemind's own, for tests
         P2P.send_protobuf = staticmethod(_mark(send_protobuf))  # type: ignore[method-assign]
+
+
+_length_check: dict[str, Callable[[int], None] | None] = {"check": None}
+
+
+def check_stream_message_lengths(check: Callable[[int], None] | None) -> None:
+    """Call ``check(length)`` (it raises to refuse) before the body of every streamed message this process reads
+    (None: no check). The patch is installed once; later calls only change the check."""
+    from hivemind.p2p import P2P
+
+    with _lock:
+        _length_check["check"] = check
+        unguarded = P2P.__dict__["receive_raw_data"].__func__
+        if _marked(unguarded):
+            return
+
+        async def receive_raw_data(reader: Any) -> bytes:
+            current = _length_check["check"]
+            if current is None:
+                return await unguarded(reader)
+            header = await reader.readexactly(P2P.HEADER_LEN)
+            length = int.from_bytes(header, P2P.BYTEORDER)
+            current(length)
+            return await reader.readexactly(length)
+
+        receive_raw_data.__wrapped__ = unguarded  # type: ignore[attr-defined]
+        P2P.receive_raw_data = staticmethod(_mark(receive_raw_data))  # type: ignore[method-assign]
+
+
+class FrameTooLarge(ConnectionError):
+    """A frame announcing more bytes than the reader takes (its body is not read)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(f"a message of {length} bytes")
+        self.length = length
+
+
+def _end_of_stream_frame() -> bytes:
+    from hivemind.p2p import P2P
+
+    data = P2P.END_OF_STREAM.SerializeToString()
+    return P2P.ERROR_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
+
+
+END_OF_STREAM_FRAME: bytes = _end_of_stream_frame()
+"""The bytes hivemind sends to end a stream's input (an empty error message)."""
+
+
+async def read_frame(reader: Any, max_bytes: int | None = None) -> tuple[str | None, bytes]:
+    """The next message of a hivemind stream: ``(None, body)``, or ``(error message, b"")`` for the peer's error;
+    `FrameTooLarge` (body unread) past ``max_bytes``; ``asyncio.IncompleteReadError`` at the end of the stream;
+    ``ConnectionError`` for an unknown marker."""
+    from hivemind.p2p import P2P
+    from hivemind.proto.p2pd_pb2 import RPCError
+
+    marker = await reader.readexactly(1)
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if max_bytes is not None and length > max_bytes:
+        raise FrameTooLarge(length)
+    data = await reader.readexactly(length)
+    if marker == P2P.MESSAGE_MARKER:
+        return None, data
+    if marker == P2P.ERROR_MARKER:
+        error = RPCError()
+        error.ParseFromString(data)
+        return error.message, b""
+    raise ConnectionError(f"a message of unknown type {marker!r}")

@@ -226,7 +226,7 @@ class SynthesizedConfigMethods:
         for field_name, value in spec.after_load.set.items():
             setattr(config, field_name, value)
         if preset:
-            config._name_or_path = name
+            config.name_or_path = name
         check_cross_fields(config)
         return result
 

@@ -23,10 +23,9 @@ import torch
 from hivemind.compression.serialization import deserialize_tensor_stream
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
 
-from distconf.dht.hivemind_rpc_compat import harden_peer_process
+from distconf.dht.hivemind_rpc_compat import END_OF_STREAM_FRAME, FrameTooLarge, harden_peer_process, read_frame
 from distconf.rpc.protocol import (
     DUMMY,
     DUMMY_INT64,
@@ -42,7 +41,7 @@ from distconf.rpc.protocol import (
     serialized_size,
     stream_parts,
 )
-from distconf.rpc.servicer import BlockServicer
+from distconf.rpc.servicer import BlockServicer, handle_name
 
 __all__ = ["BackgroundLoop", "InferenceStream", "PushStream", "ReplyTooLarge", "RpcLoop", "as_peer_id", "call_backward",
            "call_forward", "call_info", "call_push", "inference_step_request", "get_stub"]
@@ -147,7 +146,7 @@ class InferenceStream:
     >>> await stream.close(timeout=5)                                     # doctest: +SKIP
     """
 
-    HANDLE_NAME = BlockServicer._get_handle_name(None, "rpc_inference")
+    HANDLE_NAME = handle_name("rpc_inference")
     """The p2p handler name of ``rpc_inference`` (what hivemind's stub calls)."""
 
     def __init__(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -182,7 +181,11 @@ class InferenceStream:
             return
         await self._write(request)
         if not request.uid and not request.tensors:
-            await self._write(P2P.END_OF_STREAM)
+            try:
+                self._writer.write(END_OF_STREAM_FRAME)
+                await self._writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                pass  # the server ended the stream already
             self._input_done = True
 
     async def receive(self, *, timeout: float, max_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
@@ -194,27 +197,22 @@ class InferenceStream:
             return await self._read(max_bytes)
 
     async def _read(self, max_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
-        # hivemind's framing (`P2P.receive_protobuf`): a marker byte, a fixed-size length, the message
         try:
-            marker = await self._reader.readexactly(1)
-            length = int.from_bytes(await self._reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-            if max_bytes is not None and length > max_bytes:
-                self._input_done = True
-                self._writer.close()  # the rest of the message is never read
-                raise ReplyTooLarge(f"server {self.peer} sent a reply of {length} bytes (at most {max_bytes} "
-                                    f"expected)")
-            data = await self._reader.readexactly(length)
+            error, data = await read_frame(self._reader, max_bytes)
+        except FrameTooLarge as exc:
+            self._input_done = True
+            self._writer.close()  # the rest of the message is never read
+            raise ReplyTooLarge(f"server {self.peer} sent a reply of {exc.length} bytes (at most {max_bytes} "
+                                f"expected)") from None
         except asyncio.IncompleteReadError:
             raise EOFError("the server ended the inference stream") from None
-        if marker == P2P.MESSAGE_MARKER:
-            response = runtime_pb2.ExpertResponse()
-            response.ParseFromString(data)
-            return response
-        if marker == P2P.ERROR_MARKER:
-            error = RPCError()
-            error.ParseFromString(data)
-            raise P2PHandlerError(f"Failed to call handler `{self.HANDLE_NAME}` at {self.peer}: {error.message}")
-        raise ConnectionError(f"server {self.peer} sent a message of unknown type {marker!r}")
+        except ConnectionError as exc:
+            raise ConnectionError(f"server {self.peer} sent {exc}") from None
+        if error is not None:
+            raise P2PHandlerError(f"Failed to call handler `{self.HANDLE_NAME}` at {self.peer}: {error}")
+        response = runtime_pb2.ExpertResponse()
+        response.ParseFromString(data)
+        return response
 
     async def step(self, request: runtime_pb2.ExpertRequest, *, timeout: float,
                    max_reply_bytes: int | None = None) -> runtime_pb2.ExpertResponse:
@@ -247,7 +245,7 @@ class PushStream:
     """The sending end of a server's ``rpc_push_stream`` to the next server: pushes written one after another,
     no replies (framed as `InferenceStream` frames its steps)."""
 
-    HANDLE_NAME = BlockServicer._get_handle_name(None, "rpc_push_stream")
+    HANDLE_NAME = handle_name("rpc_push_stream")
     """The p2p handler name of ``rpc_push_stream``."""
 
     def __init__(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -278,7 +276,7 @@ class PushStream:
         """End the stream (the peer's handler returns)."""
         if not self._writer.is_closing():
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-                self._writer.write(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))  # END_OF_STREAM
+                self._writer.write(END_OF_STREAM_FRAME)
             self._writer.close()
 
 

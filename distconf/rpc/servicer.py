@@ -16,11 +16,16 @@ from hivemind.proto import runtime_pb2
 
 from distconf.rpc.protocol import HANDLER_CLASS_NAME
 
-__all__ = ["BlockServicer", "RPC_NAMES"]
+__all__ = ["BlockServicer", "RPC_NAMES", "handle_name"]
 
 RPC_NAMES = ("rpc_info", "rpc_forward", "rpc_forward_stream", "rpc_backward", "rpc_backward_stream",
              "rpc_inference", "rpc_push", "rpc_push_stream")
 """The handlers of a block server (``rpc_push_stream`` is distconf's own: Petals servers take ``rpc_push`` only)."""
+
+
+def handle_name(method_name: str) -> str:
+    """The p2p handler name of a block server's ``method_name`` (what hivemind's stubs and Petals call)."""
+    return f"{HANDLER_CLASS_NAME}.{method_name}"
 
 
 class BlockServicer(ServicerBase):
@@ -28,7 +33,8 @@ class BlockServicer(ServicerBase):
 
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:  # noqa: UP045 (hivemind's hint)
-        name = f"{HANDLER_CLASS_NAME}.{method_name}"
+        # hivemind's hook for handler names (its servicer pattern): every subclass answers under Petals' names
+        name = handle_name(method_name)
         return f"{namespace}::{name}" if namespace is not None else name
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -2,7 +2,8 @@
 
 hivemind reads each message of a stream call (``rpc_inference``, ``rpc_forward_stream``,
 ``rpc_backward_stream``) whole: an 8-byte length, then that many bytes, whatever the length
-says. `limit_stream_messages` makes the server process refuse a message announcing more than
+says. `limit_stream_messages` makes the server process refuse (through
+`distconf.dht.hivemind_rpc_compat.check_stream_message_lengths`) a message announcing more than
 its limit before reading it: the stream ends, hivemind logs one line (`MessageTooLarge` is a
 refusal, see `distconf.server.logfilter`) and nothing is allocated for it. The limit is
 process-wide (a server process serves one handler); `stream_message_limit` derives it from
@@ -12,12 +13,7 @@ from the tensors' headers (`distconf.server.wire_checks`).
 
 from __future__ import annotations
 
-import asyncio
-import functools
-from typing import Any
-
-from hivemind.p2p import P2P
-
+from distconf.dht.hivemind_rpc_compat import check_stream_message_lengths
 from distconf.server.validation import RequestError
 
 __all__ = ["MessageTooLarge", "limit_stream_messages", "stream_message_limit"]
@@ -38,23 +34,13 @@ def stream_message_limit(cache_tokens: int, hidden_size: int, part_bytes: int) -
     return max(8 * 2 * cache_tokens * hidden_size, part_bytes) + _SLACK
 
 
-async def _receive_raw_data(original: Any, reader: asyncio.StreamReader) -> bytes:
+def _check(length: int) -> None:
     limit = _state["limit"]
-    if limit is None:
-        return await original(reader)
-    header = await reader.readexactly(P2P.HEADER_LEN)
-    length = int.from_bytes(header, P2P.BYTEORDER)
-    if length > limit:
+    if limit is not None and length > limit:
         raise MessageTooLarge(f"a streamed message of {length} bytes exceeds this server's limit of {limit} bytes")
-    return await reader.readexactly(length)
 
 
 def limit_stream_messages(max_bytes: int | None) -> None:
     """Refuse streamed messages of more than ``max_bytes`` in this process (None: no limit). Idempotent."""
-    current = P2P.__dict__["receive_raw_data"]
-    if not getattr(current.__func__, "_distconf_limited", False):
-        original = current.__func__
-        patched = functools.wraps(original)(functools.partial(_receive_raw_data, original))
-        patched._distconf_limited = True  # type: ignore[attr-defined]
-        P2P.receive_raw_data = staticmethod(patched)  # type: ignore[method-assign]
     _state["limit"] = max_bytes
+    check_stream_message_lengths(_check)

@@ -48,7 +48,7 @@ def describe_config(config: DistributedConfig) -> list[tuple[str, str]]:
     """(label, value) pairs for a loaded config: KV groups, DHT prefix, block uids, sizes."""
     n = config_num_blocks(config)
     rows = [
-        ("model", str(getattr(config, "_name_or_path", "") or "-")),
+        ("model", str(getattr(config, "name_or_path", "") or "-")),
         ("kv groups (value)", str(config.num_key_value_groups)),
         ("blocks", str(n)),
         ("dht prefix", str(config.dht_prefix)),

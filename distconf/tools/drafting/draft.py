@@ -6,6 +6,7 @@ import copy
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from distconf.blocks.hf_compat import supports_sdpa
 from distconf.loader.layer_section import sectioned_config_class
 from distconf.loader.per_layer import layer_config
 from distconf.tools.drafting.call_inputs import draft_call_inputs
@@ -95,7 +96,7 @@ def _new_draft(family: str, model_type: str, config_class: type, scan: ModelScan
         draft.review.append(f"no *Attention module inside {layer_class.__name__}; set attention_class by hand")
     else:
         draft.facts.append(f"attention module '{scan.attention_name}' is {attention.__name__}")
-    if getattr(type(scan.model), "_supports_sdpa", True) is False:
+    if not supports_sdpa(type(scan.model)):
         draft.attn_implementation = "eager"
         draft.facts.append(f"{model_name} does not support sdpa: eager attention")
     return draft

@@ -80,11 +80,11 @@ def _is_category_list(value: Any, count: int) -> bool:
 def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, *, meta: bool) -> tuple[Any, Any]:
     import torch
 
-    from distconf.blocks.hf_compat import causal_lm_from_config
+    from distconf.blocks.hf_compat import causal_lm_from_config, set_attn_implementation
 
     with quiet_transformers():
         config = config_class(**copy.deepcopy(dict(tiny)))  # classes may normalize lists in place
-        config._attn_implementation = attn_implementation
+        set_attn_implementation(config, attn_implementation)
         if meta:
             with torch.device("meta"):
                 return config, causal_lm_from_config(config)
