@@ -166,5 +166,6 @@ def test_the_supported_ranges_are_pyprojects() -> None:
     from distconf.client.hf_generation import SUPPORTED_TRANSFORMERS
     from distconf.dht.hivemind_compat import SUPPORTED_HIVEMIND
 
-    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
     assert f"transformers{SUPPORTED_TRANSFORMERS}" in deps and f"hivemind{SUPPORTED_HIVEMIND}" in deps

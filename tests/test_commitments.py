@@ -269,7 +269,9 @@ def test_cli_ctrl_c_leaves_no_file(tmp_path: Path, pytestconfig: pytest.Config) 
     env = {**os.environ, **_real_env(pytestconfig), "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-c", "import sys; from distconf.cli import main; sys.exit(main())", "manifest",
            str(gguf_path()), "-o", str(tmp_path / "real.json"), "--dtype", "fp32", "bf16", "--quant", "none", "int8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    # Ctrl-C reaches the command even when this test runs in a background job (which ignores SIGINT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         assert proc.stderr is not None

@@ -124,7 +124,9 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_lab_removes_its_namespaces_and_processes(lab, sig):
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    # Ctrl-C reaches the child even when this test runs in a background job (which ignores SIGINT)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         sleeper = int(child.stdout.readline())
         assert _namespaces_of(child.pid)

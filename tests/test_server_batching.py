@@ -282,10 +282,12 @@ def test_a_lone_decode_step_is_computed_on_the_event_loop_and_a_due_session_stil
         lone = Client(handler, served, 3, [20, 1, 1, 1, 1, 20, 1])
         await lone.run(2)  # the prefill and the first decode step: no lone step timed yet
         assert scheduler.stats["inline_steps"] == 0
+        await until(lambda: scheduler.idle, "the compute thread is idle")  # it goes idle just after replying
         await lone.run(3)
         assert scheduler.stats["inline_steps"] == 3
         await lone.run(1)  # 20 tokens: a prefill-sized step, on the thread
         assert scheduler.stats["inline_steps"] == 3
+        await until(lambda: scheduler.idle, "the compute thread is idle")
         await lone.run(1)
         assert scheduler.stats["inline_steps"] == 4
 

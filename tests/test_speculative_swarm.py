@@ -288,7 +288,7 @@ def test_a_scored_step_is_one_message_per_hop(swarm_parts):
     """k proposed tokens are scored in one step: each server receives one message per round, not one per token."""
     from client_swarm import server_info
 
-    from distconf.client.speculative import DraftModel, Speculation
+    from distconf.client.speculative import DraftModel, Speculation, SpeculationController
     from distconf.client.textgen import Sampling
 
     model, local, _, _, servers = swarm_parts
@@ -298,8 +298,9 @@ def test_a_scored_step_is_one_message_per_hop(swarm_parts):
         return [int(st.get("steps", 0)) + int(st.get("pushed_steps", 0)) for st in stats]
 
     before = steps()
-    speculation = Speculation(DraftModel(local))  # the same weights: every proposal is kept
+    # the same weights: every proposal is kept; margin 0: speculate whatever the machine's load makes steps cost
+    speculation = Speculation(DraftModel(local), SpeculationController(margin=0.0))
     tokens = stream_tokens(model, Sampling(max_tokens=24, temperature=0), speculation)
     sent = [after - b for after, b in zip(steps(), before)]
-    assert len(tokens) == 24 and speculation.controller.accepted >= 12
+    assert len(tokens) == 24 and speculation.controller.accepted >= 6
     assert sent[0] == sent[1] and sent[0] <= 24 - speculation.controller.accepted + 1, (sent, speculation.controller)

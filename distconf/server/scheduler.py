@@ -200,6 +200,12 @@ class ComputeScheduler:
         self._lone_seconds: float | None = None  # the last lone step of at most INLINE_TOKENS tokens
 
     @property
+    def idle(self) -> bool:
+        """Nothing is queued and the compute thread is not running (a lone step would be computed on the loop)."""
+        with self._lock:
+            return not (self._pumping or self._control or self._training or self._steps)
+
+    @property
     def queued_steps(self) -> int:
         """Inference steps waiting for (or in) the compute thread."""
         with self._lock:
