@@ -26,8 +26,7 @@ DUE_FACTOR = 2.0
 """A steady session is due while less than this many of its usual gaps passed since its last step."""
 FORGET_AFTER = 600.0
 """Seconds after which a silent session is forgotten."""
-ALONE_AFTER = 1.0
-"""Seconds without a step of any other session after which a session counts as alone (`Arrivals.alone`)."""
+
 
 
 @dataclass
@@ -79,9 +78,3 @@ class Arrivals:
             if pace.last + pace.gap <= deadline and now - pace.last < DUE_FACTOR * pace.gap:
                 due = True
         return due
-
-    def alone(self, cache: SessionCache, now: float) -> bool:
-        """Whether no other open session sent a step in the last `ALONE_AFTER` seconds (a lone session's step
-        cannot be batched with anyone's)."""
-        return not any(p.cache is not cache and p.cache.keys and now - p.last < ALONE_AFTER
-                       for p in self._paces.values())

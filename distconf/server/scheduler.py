@@ -21,7 +21,7 @@ steady sessions that are due (`distconf.server.arrivals`): in a pipeline the ste
 group of sessions arrive one message at a time, and a batch started with the first would
 split the group at every hop.
 
-A lone step (nothing queued or running, no other session stepping, a few tokens, and the last such step
+A lone step (the only session open on the server, nothing queued or running, a few tokens, and the last such step
 computed within ``max_inline_seconds``) is computed on the event loop itself: at batch 1 the two
 thread hand-offs cost more than a small model's step (``benchmarks/bench_hop.py``). The loop
 claims the compute as the thread would, so nothing else computes meanwhile.
@@ -242,14 +242,16 @@ class ComputeScheduler:
         return await task.future
 
     async def step(self, cache: SessionCache, hidden: torch.Tensor, prompts: Sequence[torch.Tensor | None],
-                   hypo_ids: torch.Tensor | None) -> torch.Tensor:
-        """One inference step of a session (as ``cache.step``), computed together with other sessions' steps."""
+                   hypo_ids: torch.Tensor | None, *, lone: bool = False) -> torch.Tensor:
+        """One inference step of a session (as ``cache.step``), computed together with other sessions' steps.
+
+        ``lone``: the caller knows no other session is open on this server (the step may run on the loop)."""
         if hidden.shape[1] == 0:
             return await self.run(cache.step, hidden, prompts, hypo_ids)
         if hypo_ids is not None:
             await self.run(cache.reorder, hypo_ids)
         chunk = max(1, min(self.limits.prefill_chunk, self.limits.max_batch_tokens // max(1, hidden.shape[0])))
-        if hidden.shape[1] <= chunk and self._claim_inline(cache, hidden):
+        if lone and hidden.shape[1] <= chunk and self._claim_inline(cache, hidden):
             return self._run_inline(cache, hidden, prompts)
         step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk, arrived=time.monotonic())
         self._submit(step, self._steps)
@@ -265,8 +267,6 @@ class ComputeScheduler:
             if self._pumping or self._control or self._training or self._steps:
                 return False
             now = time.monotonic()
-            if not self._arrivals.alone(cache, now):
-                return False  # other sessions step too: the thread batches what queues up while it computes
             if not self._fits(int(hidden.shape[0]), int(hidden.shape[1]), cache.position):
                 return False
             self._arrivals.arrived(cache, now)

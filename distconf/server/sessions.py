@@ -119,6 +119,7 @@ class Sessions:
         self._routes: dict[str, _Route] = {}
         self._held: Counter[str] = Counter()  # cache bytes reserved (or waited for) by each peer's sessions
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._open = 0  # sessions holding a cache now
 
     # ------------------------------------------------------------------ registry
 
@@ -232,11 +233,13 @@ class Sessions:
                     with self._peer_share(str(context.remote_id), charged):
                         async with self.budget.reserve(nbytes, alloc_timeout, what):
                             self.stats["sessions"] += 1
+                            self._open += 1
                             try:
                                 await self.compute.run(cache.allocate)
                                 async for reply in self._steps(cache, first, step, inputs, opened.session_id):
                                     yield reply
                             finally:
+                                self._open -= 1
                                 cache.release()
         except TimeoutError:
             raise RequestError(f"inference session exceeded session_timeout={s.session_timeout:g} s") from None
@@ -303,7 +306,8 @@ class Sessions:
         step.prompts_per_block = check_prompts(step.prompts, len(cache.blocks), cache.batch, s.hidden_size,
                                                s.dtype, None)
         cache.restart(position)
-        return await self.compute.step(cache, step.hidden, step.prompts_per_block, step.hypo_ids)
+        return await self.compute.step(cache, step.hidden, step.prompts_per_block, step.hypo_ids,
+                                       lone=self._open == 1)
 
     # ------------------------------------------------------------------ outgoing pushes
 
