@@ -194,16 +194,19 @@ def test_concurrent_speculative_sessions_are_batched_and_exact(three):
     def run(i: int) -> None:
         results[i] = stream_tokens(model, greedy, Speculation(PromptLookup()) if i < 4 else None)
 
-    for _ in range(3):
+    def batched_rows() -> int:  # the sessions spread over two servers per span: any of them may batch
+        return sum(int(server_info(model, s.peer_id)["stats"].get("batched_rows", 0)) for s in servers)
+
+    for _ in range(5):  # batches form when steps queue up behind a busy server: a matter of timing
         threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
         assert [results[i] for i in range(5)] == [expected] * 5
-        if server_info(model, servers[0].peer_id)["stats"].get("batched_rows", 0) > 0:
+        if batched_rows() > 0:
             break
-    assert server_info(model, servers[0].peer_id)["stats"].get("batched_rows", 0) > 0
+    assert batched_rows() > 0
 
 
 def test_spot_checks_cover_speculative_steps(three):
