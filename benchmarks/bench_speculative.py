@@ -23,53 +23,23 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from line_client import LineClient, load  # noqa: E402  (after the path is set)
+
 SOURCES = ("none", "draft", "lookup", "wrong")
 TOKENS = 64
 
 
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.2f} / {five:.2f} (1 / 5 min), {os.cpu_count()} cores"
-
-
-class Client:
-    """The persistent client (`speculative_client.py`) in the client host, or here (``host`` None)."""
-
-    def __init__(self, host: Any, peer: str, env: dict[str, str]) -> None:
-        popen = subprocess.Popen if host is None else host.popen
-        self.proc = popen([sys.executable, str(REPO / "benchmarks" / "speculative_client.py"), peer],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                          env={**os.environ, **env})
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the benchmark client did not start")
-
-    def run(self, source: str) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps({"source": source, "tokens": TOKENS}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the benchmark client exited")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
-
-def print_rows(client: Client, label: str) -> None:
+def print_rows(client: LineClient, label: str) -> None:
     """Every source's row at one network setting."""
-    results = {source: client.run(source) for source in SOURCES}
+    results = {source: client.ask(source=source, tokens=TOKENS) for source in SOURCES}
     plain = results["none"]
     plain_rate = sum(map(len, plain["tokens"])) / plain["seconds"]
     for source, result in results.items():
@@ -97,7 +67,7 @@ def loopback(logs: Path, env: dict[str, str]) -> None:
         boot = lab_address(ready(servers[0]))
         servers.append(serve("loopback-b", "--initial-peers", boot, "--blocks", "15:30"))
         ready(servers[1])
-        client = Client(None, boot, env)
+        client = LineClient(REPO / "benchmarks" / "speculative_client.py", None, boot, env)
         try:
             print_rows(client, "loopback")
         finally:
@@ -135,7 +105,7 @@ def main() -> None:
         boot = lab_address(ready(servers[0]))
         servers.append(start_server(b, logs, "b", env, "--initial-peers", boot, "--blocks", "15:30"))
         ready(servers[1])
-        client = Client(c, boot, env)
+        client = LineClient(REPO / "benchmarks" / "speculative_client.py", c, boot, env)
         try:
             for delay in args.delays:
                 lab.default_link(delay_ms=delay)

@@ -24,9 +24,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; servers inherit it
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from line_client import LineClient, load  # noqa: E402  (after the path is set)
+
 TOKENS = 32
 PROMPT_TOKENS = 1024
 HOPS = {True: 3, False: 4}
@@ -42,35 +42,7 @@ HOPS = {True: 3, False: 4}
 TARGET = 1.15
 
 
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load {one:.2f} / {five:.2f} (1 / 5 min), {os.cpu_count()} cores"
-
-
-class Client:
-    """The persistent client in host ``c`` (`wan_client.py`)."""
-
-    def __init__(self, host: Any, peer: str, env: dict[str, str]) -> None:
-        self.proc = host.popen([sys.executable, str(REPO / "benchmarks" / "wan_client.py"), peer],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                               env={**os.environ, **env})
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the benchmark client did not start")
-
-    def ask(self, **command: Any) -> dict[str, Any]:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the benchmark client exited")
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-
-
-def decode_ms(client: Client, route: list[str], push: bool, repeats: int) -> float:
+def decode_ms(client: LineClient, route: list[str], push: bool, repeats: int) -> float:
     gaps: list[float] = []
     for _ in range(repeats):
         gaps += client.ask(op="decode", allowed=route, push=push, tokens=TOKENS)["gaps_ms"]
@@ -125,7 +97,7 @@ def main() -> None:
         servers["n"] = start_server(hosts["n"], logs, "n", env, *join, "--blocks", "15:30")
         peer = {name: ready(server)["peer_id"] for name, server in servers.items()}
         print("servers reached: " + ", ".join(f"{name} {reached(server)}" for name, server in servers.items()))
-        client = Client(hosts["c"], boot, env)
+        client = LineClient(REPO / "benchmarks" / "wan_client.py", hosts["c"], boot, env)
         try:
             direct = [peer["a"], peer["b"]]
             print(f"\n1. decode, {TOKENS} greedy tokens, median ms/token (route c -> a -> b -> c, SmolLM2-135M fp32)")

@@ -130,6 +130,14 @@ def inference_step_request(uid: str, hidden_states: torch.Tensor, prompts: torch
     return make_request(uid, serialize_tensors(flat, dtype, compression), meta)
 
 
+async def _open_stream(p2p: P2P, peer: PeerID | str, handle: str, timeout: float
+                       ) -> tuple[PeerID, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw stream to ``peer``'s handler ``handle``, opened within ``timeout`` seconds."""
+    peer_id = as_peer_id(peer)
+    _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer_id, handle), timeout)
+    return peer_id, reader, writer
+
+
 class ReplyTooLarge(ConnectionError):
     """A server's reply is larger than the request can need (refused before it is read)."""
 
@@ -158,10 +166,7 @@ class InferenceStream:
     @classmethod
     async def open(cls, p2p: P2P, peer: PeerID | str, *, timeout: float) -> InferenceStream:
         """Open a stream to ``peer`` (nothing is sent until the first `step`)."""
-        peer_id = as_peer_id(peer)
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer_id, cls.HANDLE_NAME),
-                                                   timeout)
-        return cls(peer_id, reader, writer)
+        return cls(*await _open_stream(p2p, peer, cls.HANDLE_NAME, timeout))
 
     async def _write(self, message: Any) -> None:
         try:
@@ -255,10 +260,7 @@ class PushStream:
     @classmethod
     async def open(cls, p2p: P2P, peer: PeerID | str, *, timeout: float) -> PushStream:
         """Open a push stream to ``peer`` (an error if it cannot be opened, e.g. a peer without the handler)."""
-        peer_id = as_peer_id(peer)
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer_id, cls.HANDLE_NAME),
-                                                   timeout)
-        return cls(peer_id, reader, writer)
+        return cls(*await _open_stream(p2p, peer, cls.HANDLE_NAME, timeout))
 
     @property
     def broken(self) -> bool:

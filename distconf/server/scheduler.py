@@ -94,6 +94,11 @@ INLINE_TOKENS = 16
 prefill."""
 
 
+def _new_tokens(hidden: torch.Tensor) -> int:
+    """Rows x new tokens of a step's hidden states."""
+    return hidden.numel() // max(1, hidden.shape[-1])
+
+
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     if future.done():
         return
@@ -260,7 +265,7 @@ class ComputeScheduler:
     def _claim_inline(self, cache: SessionCache, hidden: torch.Tensor) -> bool:
         """Whether this step runs on the event loop; if so, the compute is claimed (the thread stays idle)."""
         limit = self.limits.max_inline_seconds
-        if (limit <= 0 or hidden.numel() // max(1, hidden.shape[-1]) > INLINE_TOKENS
+        if (limit <= 0 or _new_tokens(hidden) > INLINE_TOKENS
                 or self._lone_seconds is None or self._lone_seconds > limit):
             return False
         with self._lock:
@@ -398,7 +403,7 @@ class ComputeScheduler:
                 self._run_batch([step])
             return
         seconds = time.perf_counter() - start
-        if len(parts) == 1 and parts[0].hidden.numel() // max(1, parts[0].hidden.shape[-1]) <= INLINE_TOKENS:
+        if len(parts) == 1 and _new_tokens(parts[0].hidden) <= INLINE_TOKENS:
             self._lone_seconds = seconds
         self.stats["step_seconds"] += seconds
         self.stats["batches"] += 1
