@@ -31,8 +31,8 @@ import torch
 
 from distconf.blocks import build_block, kv_geometry
 from distconf.loader import list_families, load_family
-from distconf.server.batch_step import StepPart, batch_key, step_together
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
+from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 from distconf.tools.checker import tiny_variants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -116,7 +116,7 @@ def speed(family: str, rounds: int, chunk: int, ks: list[int], dtype: torch.dtyp
 
 def max_relative_difference(family: str, variant: int, dtype: torch.dtype) -> float:
     blocks = served_blocks(family, {}, dtype, variant)
-    hidden = int(blocks[0].module._distconf.config.hidden_size)
+    hidden = int(blocks[0].module.settings.config.hidden_size)
     g = torch.Generator().manual_seed(0)
     lengths = [[5, 1, 1, 1], [3, 2, 1, 1], [7, 1, 3, 1]]
     alone = [SessionCache(blocks, 1, 32) for _ in lengths]

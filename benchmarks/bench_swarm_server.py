@@ -102,7 +102,7 @@ def local_blocks(model_dir: Path, config: Any) -> list[Any]:
 
 def local_step_times(blocks: list[Any], hidden_size: int, steps: int) -> list[float]:
     """Per-token time of one session through all blocks in this process (same cache code as the server)."""
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     cache = SessionCache(blocks, 1, steps + 8)
     cache.allocate()

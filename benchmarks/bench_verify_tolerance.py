@@ -44,8 +44,8 @@ from distconf.blocks import build_block, kv_geometry
 from distconf.blocks.sizing import kv_cache_bytes_per_token
 from distconf.client.verify_compare import DEFAULT_TOLERANCES, update_difference
 from distconf.loader import list_families, load_family
-from distconf.server.batch_step import StepPart, batch_key, step_together
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
+from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 from distconf.tools.checker import tiny_variants
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def exact(blocks: Blocks, x: torch.Tensor, prompt: int) -> torch.Tensor:
 
     wide = EXACT[blocks[0].dtype]
     modules = [copy.deepcopy(b.module).to(wide) for b in blocks]
-    config = blocks[0].module._distconf.config
+    config = blocks[0].module.settings.config
     return checker(served(modules, config, wide), x.to(wide), prompt).to(x.dtype)
 
 

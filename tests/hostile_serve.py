@@ -8,7 +8,7 @@ process and then calls ``distconf.cli.cmd_serve.main``, so everything else (load
 announcements, the handlers, batching, the ready line) is the product's own code.
 
 Modes (every compute path is covered: the patches sit below the single-session step, the batched
-step of `distconf.server.batch_step`, ``rpc_forward`` and ``rpc_backward``):
+step of `distconf.server.session_cache`, ``rpc_forward`` and ``rpc_backward``):
 
 - ``noise``: the weights of ONE served block (``--block``, default the first of the span) are
   scaled by ``1 + X * N(0, 1)`` (``--noise X``, default 0.03) once loaded, after the digest and the
@@ -16,7 +16,7 @@ step of `distconf.server.batch_step`, ``rpc_forward`` and ``rpc_backward``):
   Patched: ``BlockServer._make_handler`` (every handler is made there, also after a move).
 - ``identity``: every served block returns its inputs (skipped compute): each block module's
   ``forward`` is wrapped (the real block still runs, so the KV cache keeps its shape, and its
-  hidden states are thrown away). Every call site (`distconf.server.compute`, ``batch_step``)
+  hidden states are thrown away). Every call site (`distconf.server.compute`, `distconf.server.session_cache`)
   calls the module, so all paths lie.
 - ``stale``: honest except on every K-th inference step of a session (``--every K``, default 4;
   steps counted per session from 1, empty steps not counted), where it returns yesterday's hidden

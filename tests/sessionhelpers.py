@@ -27,7 +27,7 @@ def served(config: object, blocks: list[object]) -> list[object]:
 def session_with_beam_and_restart(config: object, blocks: list[object]) -> None:
     """A 3-row session: a 4-token prefill then decode steps, a beam reorder (``hypo_ids``), a refused
     rewind, a restart from 0; every output equals the chain run by hand."""
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     chain = served(config, blocks)
     hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))  # type: ignore[attr-defined]
@@ -55,7 +55,7 @@ def session_with_beam_and_rewind(config: object, blocks: list[object]) -> None:
     """A 3-row session over blocks that keep K/V-like rows (no recurrent state): a 4-token prefill and decode
     steps, a beam reorder (``hypo_ids``), then a rewind to position 3 (allowed: rows are cut back by position);
     every output equals the chain run by hand."""
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     hidden = torch.randn(3, 7, config.hidden_size, generator=torch.Generator().manual_seed(3))  # type: ignore[attr-defined]
     expected, _ = steps(blocks, hidden, [7])

@@ -16,8 +16,8 @@ from blockhelpers import family_config
 
 from distconf.blocks import build_block, kv_geometry
 from distconf.loader import list_families, load_family
-from distconf.server.batch_step import StepPart, batch_key, step_together
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
+from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 from distconf.tools.checker import tiny_variants
 
 CASES = [(family, v) for family in list_families()
@@ -83,11 +83,43 @@ def test_batched_steps_equal_alone(family: str, variant: int) -> None:
             assert out.shape == ref.shape
             assert close(out, ref), f"step {k}: max diff {(out - ref).abs().max():.3g}"
     for session in sessions:
-        assert session.batched.position == session.alone.position
-        pos = session.alone.position
-        for b, kb, ka in zip(session.batched.blocks, session.batched.keys, session.alone.keys):
-            if not b.keeps_state:  # a recurrent block's session is computed alone (batch_key)
-                assert close(kb[:, :, :pos], ka[:, :, :pos])
+        assert_same_cache(session.batched, session.alone)
+
+
+def assert_same_cache(batched: SessionCache, alone: SessionCache) -> None:
+    """Every slot of the session's cache equals what the session computed alone."""
+    assert batched.position == alone.position
+    pos = alone.position
+    for sb, sa in zip(batched.slots, alone.slots):
+        if sa.keys is not None:
+            assert close(sb.keys[:, :, :pos], sa.keys[:, :, :pos])
+            assert close(sb.values[:, :, :pos], sa.values[:, :, :pos])
+        if sa.indexer is not None:
+            assert close(sb.indexer[:, :pos], sa.indexer[:, :pos])
+        assert (sb.state is None) == (sa.state is None)
+        for tb, ta in zip(sb.state or (), sa.state or ()):
+            assert (tb is None and ta is None) or close(tb.float(), ta.float())
+
+
+@pytest.mark.parametrize(("family", "variant"), CASES)
+def test_sessions_in_step_are_batched_whatever_their_blocks_keep(family: str, variant: int) -> None:
+    """Sessions at one position with as many new tokens share one block call per block, also when their blocks
+    keep a recurrent state or an indexer's keys (rows stacked, never padded), and each equals itself alone."""
+    blocks, hidden = served_blocks(family, variant)
+    sessions = [Session(blocks, hidden, rows=r, seed=s, prompt_len=p)
+                for s, (r, p) in enumerate([(1, 0), (2, 0), (1, 4)])]
+    for session in sessions:  # one schedule of lengths for all: 5 tokens, then 1, 3, 1, 1
+        session.inputs = [x[:, :n] if x.shape[1] >= n else torch.cat([x] * n, dim=1)[:, :n]
+                          for x, n in zip(session.inputs, (5, 1, 3, 1, 1))]
+    for k in range(len(sessions[0].inputs)):
+        parts = [StepPart(s.batched, s.inputs[k], s.prompts) for s in sessions]
+        assert len({batch_key(p) for p in parts}) == 1
+        expected = [s.alone.step(s.inputs[k], s.prompts, None) for s in sessions]
+        for out, ref in zip(step_together(parts), expected):
+            assert out.shape == ref.shape
+            assert close(out, ref), f"step {k}: max diff {(out - ref).abs().max():.3g}"
+    for session in sessions:
+        assert_same_cache(session.batched, session.alone)
 
 
 def test_one_part_is_the_alone_path() -> None:

@@ -39,8 +39,9 @@ from distconf.rpc.protocol import (
     serialize_tensors,
     stream_parts,
 )
-from distconf.server.compute import ServedBlock, SessionCache, forward_chain
+from distconf.server.compute import ServedBlock, forward_chain
 from distconf.server.inference import MAX_REMEMBERED_STEPS, StepIds
+from distconf.server.session_cache import SessionCache
 from distconf.server.validation import MAX_ID_CHARS, MAX_PEER_ID_CHARS, RequestError
 
 H = 64

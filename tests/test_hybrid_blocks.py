@@ -83,7 +83,7 @@ def test_blocks_equal_the_model_layers_in_anysteps(which: str, request: pytest.F
 @pytest.mark.parametrize("which", ["granite", "falcon_h1"])
 def test_a_session_over_hybrid_blocks(which: str, request: pytest.FixtureRequest) -> None:
     """Prefill + decode steps, beam search's hypo_ids (K/V rows and state rows), rewinds and the budget."""
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     config, _, blocks = request.getfixturevalue(which)
     chain = served(config, blocks)
@@ -103,7 +103,7 @@ def test_one_token_continuation_feeds_a_longer_step_token_by_token(tmp_path: Pat
     model = hf_model(hf_config)
     save_checkpoint(model, tmp_path / "ckpt")
     blocks = [load_block(tmp_path / "ckpt", mine, i, dtype=torch.float32) for i in range(mine.num_hidden_layers)]
-    assert blocks[0]._distconf.one_token_steps
+    assert blocks[0].settings.one_token_steps
     calls: list[int] = []
 
     def seen(module: object, args: tuple, kwargs: dict) -> None:

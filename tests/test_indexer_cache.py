@@ -49,8 +49,8 @@ def test_a_session_keeps_the_indexer_keys(tmp_path: Path, fresh_cache: None) -> 
     from distconf.blocks.sizing import kv_cache_bytes_per_token
     from distconf.blocks.weights import load_block
     from distconf.loader import load_family
-    from distconf.server.batch_step import StepPart, batch_key
-    from distconf.server.compute import ServedBlock, SessionCache
+    from distconf.server.compute import ServedBlock
+    from distconf.server.session_cache import SessionCache, StepPart, batch_key
 
     cls = load_family(_family(tmp_path))
     tiny = {k: v for k, v in cls.family_spec.tiny_config.items() if k != "variants"}

@@ -45,8 +45,8 @@ def test_chunked_mask_is_plain_causal_without_a_chunk_size_value() -> None:
     cls = load_family("llama4_text")
     values = {**cls.family_spec.tiny_config, "attention_chunk_size": None}
     block = build_block(cls(**values), 0)
-    assert block._distconf.mask_kind == "causal" and block._distconf.chunk_size is None
-    assert build_block(cls(**cls.family_spec.tiny_config), 0)._distconf.chunk_size == 3
+    assert block.settings.mask_kind == "causal" and block.settings.chunk_size is None
+    assert build_block(cls(**cls.family_spec.tiny_config), 0).settings.chunk_size == 3
 
 
 # --- buffers a layer computes itself ---------------------------------------------------------------------------

@@ -50,8 +50,7 @@ def test_a_session_steps_reorders_beams_and_rewinds(drafted: tuple) -> None:
 
 
 def test_two_sessions_batched_equal_each_alone(drafted: tuple) -> None:
-    from distconf.server.batch_step import StepPart, batch_key, step_together
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 
     config, _, blocks, _ = drafted
     chain = served(config, blocks)

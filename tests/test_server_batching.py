@@ -19,9 +19,10 @@ import torch
 from handlerhelpers import Caller, make_handler, output, step, tiny_served
 
 from distconf.rpc.protocol import KEY_MAX_LENGTH
-from distconf.server.compute import ServedBlock, SessionCache, forward_chain
+from distconf.server.compute import ServedBlock, forward_chain
 from distconf.server.handler import BlockHandler
 from distconf.server.scheduler import BatchLimits, ComputeScheduler
+from distconf.server.session_cache import SessionCache
 from distconf.server.validation import RequestError
 
 H = 64
@@ -215,7 +216,7 @@ def test_limits_are_checked() -> None:
 def test_a_batch_stays_within_its_working_memory(served, executor) -> None:
     from distconf.planning import batch_activation_bytes
 
-    config = served[0].module._distconf.config
+    config = served[0].module.settings.config
 
     def activation(rows: int, new: int, past: int) -> int:
         return batch_activation_bytes(config, rows, new, past, torch.float32, served[0].kv_bytes_per_token)

@@ -15,7 +15,8 @@ import torch
 from handlerhelpers import CONTEXT, Caller, make_handler, output, step, tiny_served
 
 from distconf.rpc.protocol import KEY_ALLOC_TIMEOUT, KEY_MAX_LENGTH, KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID
-from distconf.server.compute import ServedBlock, SessionCache, forward_chain
+from distconf.server.compute import ServedBlock, forward_chain
+from distconf.server.session_cache import SessionCache
 from distconf.server.validation import RequestError
 
 H = 64  # hidden size of the tiny blocks

@@ -164,8 +164,7 @@ def test_a_family_without_state_still_needs_kv_groups(tmp_path: Path) -> None:
 
 
 def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
-    from distconf.server.batch_step import StepPart, batch_key
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache, StepPart, batch_key
 
     config, _, blocks = tiny
     chain = served(config, blocks)
@@ -191,12 +190,15 @@ def test_session_cache_holds_the_state_per_session(tiny: tuple) -> None:
     cache.restart(0)
     again = cache.step(hidden, [None, None], None)
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
-    # never batched with another session: its rows would be padded through the recurrence
+    # batched only with sessions in step (one position, one length): rows are never padded through the recurrence
     other = SessionCache(chain, 1, 16)
     parts = [StepPart(c, hidden[:1, :1], [None, None]) for c in (cache, other)]
     assert batch_key(parts[0]) != batch_key(parts[1])
+    assert batch_key(parts[0]) != batch_key(StepPart(cache, hidden[:1, :2], [None, None]))
+    other.position = cache.position
+    assert batch_key(parts[0]) == batch_key(parts[1])
     cache.release()
-    assert cache.states == []
+    assert not cache.allocated and cache.slots == []
 
 
 def test_plan_counts_state_per_sequence() -> None:

@@ -47,8 +47,7 @@ def test_one_block_per_module_caching_both_sublayers(drafted: tuple) -> None:
 
 
 def test_a_session_steps_reorders_beams_rewinds_and_batches(drafted: tuple) -> None:
-    from distconf.server.batch_step import StepPart, step_together
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache, StepPart, step_together
 
     config, _, blocks, _ = drafted
     chain = served(config, blocks)

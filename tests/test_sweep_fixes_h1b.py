@@ -95,7 +95,7 @@ def test_incremental_steps_equal_the_model(inkling: tuple) -> None:
 
 def test_a_session_holds_sizes_and_reorders_every_state(inkling: tuple) -> None:
     """A served session (prefill, decode, beam reorder, refused rewind, restart) and its budget count all states."""
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     config, _, blocks = inkling
     geometry = state_geometry(config, 0)

@@ -158,7 +158,7 @@ def test_a_server_session_runs_a_chain_with_a_skipped_layer(tmp_path: Path, fres
     from distconf import load_family
     from distconf.blocks.build import build_block
     from distconf.blocks.sizing import kv_cache_bytes_per_token
-    from distconf.server.compute import SessionCache
+    from distconf.server.session_cache import SessionCache
 
     cls = load_family(_family(tmp_path, _SKIPPED_BLOCK))
     config = cls(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -20,8 +20,8 @@ from blockhelpers import family_config
 from distconf.blocks import build_block, kv_geometry
 from distconf.blocks.sizing import kv_cache_bytes_per_token
 from distconf.client.verify_compare import DEFAULT_TOLERANCES, update_difference
-from distconf.server.batch_step import StepPart, batch_key, step_together
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
+from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 
 FAMILIES = [("llama", 0), ("falcon", 0), ("gemma2", 0), ("mixtral", 1)]
 PROMPT, TOKENS = 6, 16

@@ -28,6 +28,7 @@ from distconf.blocks.hybrid_cache import BlockHybridCache
 from distconf.blocks.kvcache import BlockKVCache
 from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_field, layer_settings
 from distconf.blocks.module_state import counted_positions, held_in_modules, split_count, with_count
+from distconf.blocks.past import BlockCapabilities, LayerPast
 from distconf.blocks.shared_kv import join_shared, reuse_into, split_shared, stored_part
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
@@ -56,21 +57,13 @@ def prepare_config(config: DistributedConfig) -> None:
     prepare_standalone_config(config, (spec.block.attn_implementation if spec else None) or "sdpa")
 
 
-def _split_past(layer_past: tuple[Any, ...] | None, keeps_kv: bool, keeps_state: bool, state_width: int = 2,
+def _split_past(layer_past: tuple[Any, ...] | None, caps: BlockCapabilities,
                 ) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
-    """The K/V part and the state part (``state_width`` entries) of a block's past (either None when absent or
-    all None)."""
-    if layer_past is None:
-        return None, None
-    if keeps_kv and keeps_state:
-        kv, state = tuple(layer_past[:2]), tuple(layer_past[2:2 + state_width])
-    elif keeps_kv:
-        kv, state = tuple(layer_past[:3]), None  # (key, value) or (key, value, indexer)
-    else:
-        kv, state = None, tuple(layer_past[:state_width])
-    kv = None if kv is None or kv[0] is None else kv
-    state = None if state is None or all(t is None for t in state) else state
-    return kv, state  # type: ignore[return-value]
+    """The K/V part (``(key, value[, indexer])``) and the state part of a block's past (either None when absent)."""
+    past = LayerPast.unpack(layer_past, caps)
+    kv = None if past.keys is None else (
+        (past.keys, past.values) if past.indexer is None else (past.keys, past.values, past.indexer))
+    return kv, past.state
 
 
 def _kv_cache(kv_past: tuple[Any, ...] | None, settings: LayerSettings) -> BlockKVCache | BlockSublayerKVCache:
@@ -127,6 +120,16 @@ class BlockAdapter:
         layer._distconf = layer_settings(cls, config, layer_idx)
         layer._distconf_rotary = {}
         return layer
+
+    @property
+    def settings(self) -> LayerSettings:
+        """What this block resolved once from its family file for its layer (mask, positions, KV geometry)."""
+        return self._distconf
+
+    @property
+    def capabilities(self) -> BlockCapabilities:
+        """What this block keeps between calls (K/V, a state, an indexer's keys): the server's contract."""
+        return self._distconf.capabilities
 
     @property
     def layer_idx_in_model(self) -> int:
@@ -281,7 +284,7 @@ class BlockAdapter:
         if (settings.keeps_state and settings.one_token_steps and layer_past is not None and rows is None
                 and hidden_states.shape[1] > 1):
             return self._one_token_at_a_time(hidden_states, layer_past, use_cache)
-        kv_past, state_past = _split_past(layer_past, settings.keeps_kv, settings.keeps_state, settings.state_width)
+        kv_past, state_past = _split_past(layer_past, settings.capabilities)
         state_past, seen = split_count(state_past, settings)
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.kvcache import KVGeometry, kv_geometry
 from distconf.blocks.layer_types import keeps_kv_at, keeps_state_at, layer_type, skipped_at
+from distconf.blocks.past import BlockCapabilities
 from distconf.blocks.stream_form import to_layer_form, to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
@@ -97,6 +99,13 @@ class LayerSettings:
     def state_width(self) -> int:
         """Entries of the state part of the layer's past (``StateSpec.width``)."""
         return sum(self.state_slots) + int(self.counts_positions)
+
+    @cached_property
+    def capabilities(self) -> BlockCapabilities:
+        """What the layer keeps between calls, as the server reads it (`distconf.blocks.past`)."""
+        return BlockCapabilities(keeps_kv=self.keeps_kv, keeps_state=self.keeps_state, state_width=self.state_width,
+                                 indexer_dim=self.geometry.indexer_head_dim if self.keeps_kv else 0,
+                                 positions_from_cache_length=bool(self.spec.position.from_cache_length))
 
     @property
     def alibi_in_mask(self) -> bool:

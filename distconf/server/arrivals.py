@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from distconf.server.compute import SessionCache
+from distconf.server.session_cache import SessionCache
 
 __all__ = ["Arrivals"]
 
@@ -68,7 +68,7 @@ class Arrivals:
         mates = {p.batch for k, p in self._paces.items() if k in waiting and p.batch >= 0}
         due = False
         for key, pace in list(self._paces.items()):
-            if not pace.cache.keys or now - pace.last > FORGET_AFTER:  # ended (cache released) or long silent
+            if not pace.cache.allocated or now - pace.last > FORGET_AFTER:  # ended (cache released) or long silent
                 del self._paces[key]
                 continue
             if key in waiting or pace.gap is None or pace.batch not in mates:

@@ -47,8 +47,7 @@ from typing import Any, TypeVar
 import torch
 
 from distconf.server.arrivals import Arrivals
-from distconf.server.batch_step import StepPart, batch_key, step_together
-from distconf.server.compute import SessionCache
+from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 
 __all__ = ["BatchLimits", "ComputeScheduler"]
 

@@ -42,7 +42,7 @@ from distconf.rpc.protocol import (
     loads_metadata,
     serialize_tensors,
 )
-from distconf.server.compute import ServedBlock, SessionCache
+from distconf.server.compute import ServedBlock
 from distconf.server.inference import (
     NOT_NAMED,
     PUSH_QUEUE_SIZE,
@@ -57,6 +57,7 @@ from distconf.server.inference import (
 from distconf.server.memory import CacheBudget
 from distconf.server.push_streams import PushStreams
 from distconf.server.scheduler import ComputeScheduler
+from distconf.server.session_cache import SessionCache
 from distconf.server.settings import HandlerSettings
 from distconf.server.validation import RequestError, check_prompts, metadata_int, metadata_number, served_chain
 from distconf.server.wire_checks import WireBudget

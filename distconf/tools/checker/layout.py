@@ -66,8 +66,7 @@ def check_layer_tensors(cls: type, reference: Reference, files: dict[str, Path])
 def _holds_attention(block: Any) -> bool:
     """Whether ``block`` must contain ``block.attention_class``: every block keeping K/V, and in a family whose
     layers keep only a state, every block (its recurrent mixer is then the class given the cache)."""
-    settings = block._distconf
-    return settings.keeps_kv or not any_layer_keeps_kv(type(block).config_class)
+    return block.capabilities.keeps_kv or not any_layer_keeps_kv(type(block).config_class)
 
 
 def first_attention_block(blocks: list[Any]) -> Any:

@@ -55,8 +55,8 @@ def run_in_steps(blocks: list[Any], hidden: Any, sizes: list[int]) -> tuple[Any,
 
 def _keeps_something(block: Any) -> bool:
     """The block's layer keeps K/V or a state (`distconf.blocks.layer_types`); an MLP-only layer keeps nothing."""
-    settings = getattr(block, "_distconf", None)
-    return settings is None or settings.keeps_kv or settings.keeps_state
+    caps = block.capabilities
+    return caps.keeps_kv or caps.keeps_state
 
 
 def compare_full(cls: type, blocks: list[Any], ref_in: Any, ref_out: list[Any], result: CheckResult) -> None:
