@@ -30,7 +30,7 @@ from distconf.blocks.sizing import QUANT_BYTES
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.layer_stack import model_layer
 from distconf.loader.naming import config_num_blocks
-from distconf.loader.spec_wire import wire_width_of
+from distconf.loader.wire_layout import wire_width_of
 
 __all__ = [
     "GIB",
@@ -109,7 +109,7 @@ def default_max_length(config: DistributedConfig) -> int:
 
 def autograd_reserve_bytes(config: DistributedConfig, num_devices: int = 1) -> float:
     """Memory kept free for backward passes: 2 GiB x wire width / 14336 per device (the wire width is the
-    hidden_size of a model whose layers exchange one stream, `distconf.loader.spec_wire.wire_width_of`)."""
+    hidden_size of a model whose layers exchange one stream, `distconf.loader.wire_layout.wire_width_of`)."""
     return 2 * GIB * num_devices * wire_width_of(config) / 14336
 
 

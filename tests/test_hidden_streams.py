@@ -3,7 +3,7 @@
 hy_v4 expands its embedding output to ``hc_mult`` streams, every layer takes and returns
 ``[batch, seq, hc_mult, hidden_size]``, and ``model.hc_head`` collapses the streams before the final
 norm. The drafter finds the section, the wire carries ``hc_mult * hidden_size`` values per token
-(`distconf.loader.spec_wire.wire_width_of`), the blocks reshape around the layer, and check proves
+(`distconf.loader.wire_layout.wire_width_of`), the blocks reshape around the layer, and check proves
 the blocks against transformers in that wide form. Some tiny models here give every layer its own
 sparse-attention indexer (``indexer_types`` all ``full``), so that nothing but the streams is at stake;
 hy_v4's ``shared`` layers (top-k indices carried from the layer before) are tests/test_carried_arguments.py's.

@@ -52,7 +52,7 @@ def test_blocks_are_the_unrolled_layers(drafted: tuple[int, Path]) -> None:
     from distconf.loader import load_family
     from distconf.loader.layer_stack import model_layer
     from distconf.loader.naming import config_num_blocks
-    from distconf.loader.spec_wire import wire_width_of
+    from distconf.loader.wire_layout import wire_width_of
 
     _, draft = drafted
     clear_cache()

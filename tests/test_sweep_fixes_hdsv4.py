@@ -23,6 +23,7 @@ from distconf.loader import load_family
 from distconf.loader.registry import clear_cache
 from distconf.loader.spec_position import PositionSpec
 from distconf.loader.spec_wire import CarriedStream
+from distconf.loader.wire_layout import wire_layout
 from distconf.tools.checker import tiny_variants
 
 
@@ -130,7 +131,8 @@ def test_client_stand_in_puts_the_ids_on_the_wire(chain: tuple[object, object, l
     layer = model.model.layers[0]
     carried = carried_arguments(layer, config)
     assert carried == ((CarriedSlot("input_ids", 3, None, None, 1, "token_ids"), 0),)  # first after the hidden states
-    stand_in = RemoteLayers(None, {}, streams=config.hc_mult, carried=carried)  # type: ignore[arg-type]
+    stand_in = RemoteLayers(None, {}, wire_layout(config), carried=carried)  # type: ignore[arg-type]
+    assert stand_in.streams == config.hc_mult
     hidden = torch.randn(1, 4, config.hc_mult, config.hidden_size)
     ids = torch.tensor([[9, 200, 3, 17]])
     wire = torch.cat([hidden.flatten(-2), *stand_in._carried_inputs(hidden.flatten(-2), (), {"input_ids": ids})],

@@ -25,6 +25,7 @@ from distconf.cli import main
 from distconf.loader import load_family
 from distconf.loader.registry import clear_cache
 from distconf.loader.spec_wire import CarriedStream
+from distconf.loader.wire_layout import wire_layout
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_the_client_hands_the_blocks_stack_to_final_input(drafted: tuple[int, Pa
             return wire
 
         layers = model.model.layers
-        stand_in = RemoteLayers(chain, plain_attributes(layers[0]), 1,  # type: ignore[arg-type]
+        stand_in = RemoteLayers(chain, plain_attributes(layers[0]), wire_layout(config),  # type: ignore[arg-type]
                                 carried_arguments(layers[0], config))
         model.model.layers = torch.nn.ModuleList([stand_in])
         without = model(input_ids=input_ids, use_cache=False).logits  # the loop's own stack: the embeddings only

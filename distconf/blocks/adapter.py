@@ -29,12 +29,11 @@ from distconf.blocks.kvcache import BlockKVCache
 from distconf.blocks.layer_settings import LayerSettings, RowLayout, evaluate_field, layer_settings
 from distconf.blocks.module_state import counted_positions, held_in_modules, split_count, with_count
 from distconf.blocks.past import BlockCapabilities, LayerPast
-from distconf.blocks.shared_kv import join_shared, reuse_into, split_shared, stored_part
+from distconf.blocks.shared_kv import reuse_into, stored_part
 from distconf.blocks.state import BlockStateCache
 from distconf.blocks.state_carriers import call_with_state, carry_state, row_by_row, steps_row_by_row
 from distconf.blocks.sublayer_cache import BlockSublayerKVCache
 from distconf.blocks.wire import (
-    carried_layout,
     carried_stand_ins,
     join_carried,
     split_carried,
@@ -288,8 +287,9 @@ class BlockAdapter:
         state_past, seen = split_count(state_past, settings)
         if settings.recomputes:
             return self._recompute(hidden_states, kv_past, use_cache, rows)
-        hidden_states, shared = split_shared(hidden_states, settings.shared_slots)  # kv_cache.shared: last
-        layout = carried_layout(settings.config)  # hidden_state.carried: values after the hidden state
+        wire = settings.wire
+        hidden_states, shared = wire.split_shared(hidden_states)  # kv_cache.shared: last
+        layout = wire.carried  # hidden_state.carried: values after the hidden state
         hidden_states, carried = split_carried(hidden_states, layout)
         past = int(kv_past[0].shape[-2]) if kv_past is not None else 0
         cache: BlockKVCache | BlockSublayerKVCache | BlockStateCache | BlockHybridCache | None = None
@@ -309,12 +309,12 @@ class BlockAdapter:
             output = call_with_state(super().forward, settings.layer_form(hidden_states), kwargs,
                                      cache, settings)
         if role == "store":
-            width = next(slot.width for slot in settings.shared_slots if slot.key == key)
+            width = wire.shared_slot(key).width
             shared = {**shared, key: stored_part(kwargs[self._shared_argument], key, hidden_states.shape[1], width)}
         hidden = output[0] if isinstance(output, (tuple, list)) else output
         present = with_count(cache.present, seen, hidden_states, settings) if use_cache and cache is not None else None
-        wire = join_carried(settings.wire_form(hidden), output, layout, carried, settings.layer_idx, hidden_states)
-        return join_shared(wire, shared, settings.shared_slots), present
+        joined = join_carried(settings.wire_form(hidden), output, layout, carried, settings.layer_idx, hidden_states)
+        return wire.join_shared(joined, shared), present
 
     @property
     def _shared_argument(self) -> str:
@@ -340,7 +340,7 @@ class BlockAdapter:
         if rows is not None:  # left-padded rows: each row's positions over its whole sequence
             padding = rows.padding_mask.to(hidden_states.device)
             full_rows = RowLayout(padding, (padding.long().cumsum(-1) - 1).clamp(min=0))
-        layout = carried_layout(self._distconf.config)  # values after the hidden state, for the whole sequence
+        layout = self._distconf.wire.carried  # values after the hidden state, for the whole sequence
         hidden, carried = split_carried(full, layout)
         output = super().forward(self._distconf.layer_form(hidden),  # type: ignore[misc]
                                  **self.layer_kwargs(hidden, 0, None, full_rows), **carried)

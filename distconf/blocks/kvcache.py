@@ -15,7 +15,7 @@ from distconf.errors import ConfigValueError
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import Formula, FormulaError
 from distconf.loader.per_layer import is_heterogeneous, layer_config
-from distconf.loader.spec_wire import wire_width_of
+from distconf.loader.wire_layout import wire_width_of
 
 __all__ = ["KVGeometry", "kv_geometry", "BlockKVCache"]
 
@@ -71,7 +71,7 @@ def kv_geometry(config: DistributedConfig, layer_idx: int | None = None) -> KVGe
     config's sizes per layer). Without ``layer_idx``: the geometry of the family's K/V layers (all 0 when no
     layer keeps K/V; of the largest layer for a heterogeneous config). A layer
     that keeps no cache (``block.call.cache_argument: null``) has its inputs kept instead: one head of
-    wire-width (`distconf.loader.spec_wire.wire_width_of`) key values and no value values
+    wire-width (`distconf.loader.wire_layout.wire_width_of`) key values and no value values
     (`distconf.blocks.adapter.BlockAdapter.forward`).
     """
     family = type(config).family_spec

@@ -15,12 +15,13 @@ from distconf.blocks.past import BlockCapabilities
 from distconf.blocks.stream_form import to_layer_form, to_wire_form
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.formula import FormulaError
-from distconf.loader.kv_sharing import LayerSharing, SharedSlot, layer_sharing, shared_kv_slots
+from distconf.loader.kv_sharing import LayerSharing, layer_sharing
 from distconf.loader.per_layer import layer_config
 from distconf.loader.source import FamilySource
 from distconf.loader.spec_block import BlockSpec
 from distconf.loader.spec_wire import stream_axis_of, streams_of
 from distconf.loader.synthesis import resolve_object
+from distconf.loader.wire_layout import WireLayout, wire_layout
 
 if TYPE_CHECKING:
     import torch
@@ -84,8 +85,8 @@ class LayerSettings:
     """Where the streams sit in the layer's hidden state (``hidden_state.stream_axis``: 2 or 0)."""
     sharing: LayerSharing = _NO_SHARING
     """Whether the layer stores or reuses K/V shared across layers (``kv_cache.shared``), under which key."""
-    shared_slots: tuple[SharedSlot, ...] = ()
-    """The shared K/V the wire carries after the carried values (`distconf.loader.kv_sharing.shared_kv_slots`)."""
+    wire: WireLayout | None = None
+    """The parts of the wire the block splits and joins around its layer (`distconf.loader.wire_layout`)."""
 
     def layer_form(self, wire: torch.Tensor) -> torch.Tensor:
         """The wire's hidden state as the layer takes it (`distconf.blocks.stream_form.to_layer_form`)."""
@@ -189,7 +190,7 @@ def layer_settings(block_cls: type, config: DistributedConfig, layer_idx: int) -
                               for name, path in block.call.fresh_arguments.items()),
         counts_positions=spec.state is not None and spec.state.counts_positions,
         streams=streams_of(config), stream_axis=stream_axis_of(config),
-        sharing=layer_sharing(config, layer_idx), shared_slots=shared_kv_slots(config),
+        sharing=layer_sharing(config, layer_idx), wire=wire_layout(config),
     )
 
 

@@ -1,7 +1,7 @@
 """Blocks of a looped layer stack (``block.layer_stack.loop``): what a block does around its layer.
 
 The looped stack's input (the hidden state entering the first pass) travels on the wire after the hidden state
-(`distconf.blocks.wire.split_loop_input`): zeros before the first pass; the block starting it puts its input
+(`distconf.loader.wire_layout.WireLayout.split_loop`): zeros before the first pass; the block starting it puts its input
 there; every block starting a pass replaces the hidden state by ``entry_module(hidden) + entry_module(input)``
 before its layer (``entry: module_sum``), as the model does; every block hands the input on.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distconf.loader.layer_stack import LoopRole, loop_role
+from distconf.loader.wire_layout import WireLayout, wire_layout
 
 if TYPE_CHECKING:
     import torch
@@ -25,18 +26,21 @@ _lock = threading.Lock()
 
 @dataclass(frozen=True)
 class BlockLoop:
-    """A block's part in the looped stack: its role, the entry module and the input's width on the wire."""
+    """A block's part in the looped stack: its role, the entry module and the wire it splits."""
 
     role: LoopRole
     module: Any
-    width: int
+    wire: WireLayout
+
+    @property
+    def width(self) -> int:
+        """Values per token of the stack's input (as wide as the hidden state)."""
+        return self.wire.loop_width
 
     def run(self, layer_forward: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``layer_forward`` on the hidden state of ``hidden_states`` (a wire ending with the stack's input),
         entering a pass first when the block starts one; returns its output with the input put back."""
-        from distconf.blocks.wire import join_loop_input, split_loop_input
-
-        wire, loop_input = split_loop_input(hidden_states, self.width)
+        wire, loop_input = self.wire.split_loop(hidden_states)
         if self.role.takes_input:
             loop_input = wire[..., :self.width]
         if self.role.enters_pass:
@@ -44,7 +48,7 @@ class BlockLoop:
             hidden = self.module(hidden) + self.module(loop_input.to(hidden.dtype))
             wire = hidden if rest.shape[-1] == 0 else _cat(hidden, rest)
         output, present = layer_forward(wire, *args, **kwargs)
-        return join_loop_input(output, loop_input), present
+        return self.wire.join_loop(output, loop_input), present
 
 
 def _cat(hidden: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
@@ -86,9 +90,7 @@ def entry_module(config: Any) -> Any:
 
 def block_loop(config: Any, block_idx: int) -> BlockLoop | None:
     """Block ``block_idx``'s part in ``config``'s looped stack (None for a family looping no layers)."""
-    from distconf.loader.spec_wire import streams_of
-
     role = loop_role(config, block_idx)  # a ConfigValueError naming the field when the loop does not fit
     if role is None:
         return None
-    return BlockLoop(role, entry_module(config), streams_of(config) * int(config.hidden_size))
+    return BlockLoop(role, entry_module(config), wire_layout(config))

@@ -2,8 +2,8 @@
 
 The wire holds, after the hidden state and its carried values, each stored type's keys then values of the step's
 new tokens (`distconf.loader.kv_sharing.shared_kv_slots`: ``[batch, seq, heads * key_dim]`` then ``[batch, seq,
-heads * value_dim]``), zeros until a layer stores it. `split_shared` and `join_shared` are the only place that
-layout is written. A storing layer's block reads what its layer put in the container (`stored_part`); a reusing
+heads * value_dim]``), zeros until a layer stores it (`distconf.loader.wire_layout.WireLayout.split_shared`). A
+storing layer's block reads what its layer put in the container (`stored_part`); a reusing
 layer's block appends the part to its own K/V cache and fills the container with the whole (`reuse_into`), so the
 reused K/V is cached, reordered, rewound and replayed like any block's own.
 """
@@ -12,30 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from distconf.blocks.wire_tail import split_tail
-from distconf.loader.kv_sharing import SharedSlot
-
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["split_shared", "join_shared", "stored_part", "reuse_into", "kv_of_part"]
-
-
-def split_shared(wire: torch.Tensor, slots: tuple[SharedSlot, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The wire without its shared K/V (its last values per token), and ``{key: part}`` of them."""
-    if not slots:
-        return wire, {}
-    rest, parts = split_tail(wire, [slot.width for slot in slots], "values of shared K/V")
-    return rest, {slot.key: part for slot, part in zip(slots, parts, strict=True)}
-
-
-def join_shared(wire: torch.Tensor, parts: dict[str, torch.Tensor], slots: tuple[SharedSlot, ...]) -> torch.Tensor:
-    """``wire`` followed by the shared K/V ``parts`` in wire order (`split_shared` undone)."""
-    import torch
-
-    if not slots:
-        return wire
-    return torch.cat([wire, *(parts[slot.key].to(wire.dtype) for slot in slots)], dim=-1)
+__all__ = ["stored_part", "reuse_into", "kv_of_part"]
 
 
 def kv_of_part(part: torch.Tensor, heads: int, key_dim: int, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,75 +1,31 @@
-"""The hidden state between blocks (the wire) and the form a layer takes, for a model of several streams.
+"""The values that travel beside the hidden state between blocks, as tensors: what the blocks and the client do
+with the parts of the wire `distconf.loader.wire_layout.WireLayout` lays out (its order and widths are there).
 
-A family with ``hidden_state.streams: N`` (`distconf.loader.spec_wire.HiddenStateSpec`) runs layers on
-``[batch, seq, N, hidden_size]`` (or ``[N, batch, seq, hidden_size]``: ``stream_axis: 0``); blocks, servers
-and clients exchange ``[batch, seq, N * hidden_size]``, each token's streams one after the other
-(`distconf.blocks.stream_form`, re-exported here, is the only place that layout is written).
-Values the model carries from layer to layer (``hidden_state.carried``) follow the hidden state on the wire;
-`split_carried` and `join_carried` are the only place that layout is written; token ids carried to every
+A family with ``hidden_state.streams: N`` runs layers on ``[batch, seq, N, hidden_size]`` (or ``[N, batch, seq,
+hidden_size]``: ``stream_axis: 0``); the wire holds ``[batch, seq, N * hidden_size]``
+(`distconf.blocks.stream_form`, re-exported here). Values the model carries from layer to layer
+(``hidden_state.carried``) follow the hidden state: `split_carried` and `join_carried`; token ids carried to every
 layer (``initial: token_ids``) travel as base-256 digits (`token_id_digits`), exact in any wire dtype;
 `ModelInputCapture` keeps, where the model's own forward runs (the client, check's reference), the values a model
-method computes for every layer;
-a stack the loop grows (``grows``) is carried at its full size, `stack_for_layer` and `stack_on_wire` the only place
-its entries are. A looped layer stack's input (``block.layer_stack``) is last, as wide as the hidden state:
-`split_loop_input` and `join_loop_input`.
+method computes for every layer; a stack the loop grows (``grows``) is carried at its full size
+(`CarriedSlot.stack` reads it, `stack_on_wire` writes it, `grow_stack` appends to it).
 `carried_stand_ins` gives a layer what the block passes for a value the model carries from the layer
 before (``block.call.carried_arguments``), which the wire does not hold.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from distconf.blocks.stream_form import to_layer_form, to_wire_form
-from distconf.blocks.wire_tail import split_tail
+from distconf.loader.wire_layout import CarriedSlot, split_tail, wire_layout
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["to_layer_form", "to_wire_form", "carried_stand_ins", "CarriedSlot", "carried_layout", "carried_wire_value",
-           "split_carried", "join_carried", "ModelInputCapture", "token_id_digits", "token_ids_of", "split_loop_input",
-           "join_loop_input", "grow_stack", "stack_for_layer", "stack_on_wire"]
-
-
-class CarriedSlot(NamedTuple):
-    """One value of ``hidden_state.carried`` as the wire holds it (after the hidden state, in this order)."""
-
-    argument: str
-    """The layer's argument the value is passed as."""
-    width: int
-    """Values per token on the wire (every layer's part of a ``computed_by`` value; digits of token ids)."""
-    output_index: int | None
-    """Index of the value in a layer's output tuple (None: handed on unchanged: a ``computed_by`` value, the token
-    ids or the embeddings)."""
-    computed_by: str | None
-    """Dotted name of the causal LM's method returning every layer's part (None: not computed by the model)."""
-    layers: int
-    """Layers whose parts the wire holds (1 unless ``computed_by``)."""
-    initial: str = "zeros"
-    """What the first layer gets (``hidden_state.carried[].initial``): zeros standing for the model's None, the
-    model's input ids (``token_ids``, sent as ``width`` base-256 digits per token) or the embeddings (``hidden``)."""
-    every: int | None = None
-    """For a stack the loop grows (``grows``): the layers apart its entries are appended (None: no stack)."""
-    entry: int | None = None
-    """For a stack the loop grows: values per token of each entry."""
-
-    @property
-    def token_ids(self) -> bool:
-        """Whether the value is the model's input ids (sent as base-256 digits)."""
-        return self.initial == "token_ids"
-
-    def layer_part(self, part: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """What layer ``layer_idx`` gets of this value's ``part`` of the wire (its own part, for ``computed_by``;
-        the entries made before it, for a growing stack)."""
-        if self.every is not None:
-            return stack_for_layer(part, self, layer_idx)
-        if self.computed_by is None:
-            return part
-        return part.unflatten(-1, (self.layers, self.width // self.layers))[..., layer_idx, :]
-
-    def entries_before(self, layer_idx: int) -> int:
-        """Entries of a growing stack layer ``layer_idx`` reads: one per earlier multiple of ``every``."""
-        return -(-layer_idx // self.every)  # type: ignore[operator]
+           "split_carried", "join_carried", "ModelInputCapture", "token_id_digits", "token_ids_of", "grow_stack",
+           "stack_on_wire"]
 
 
 _DIGIT = 256  # digits 0..255 are exact in bf16 (8 significant bits), so ids survive any wire dtype
@@ -77,21 +33,7 @@ _DIGIT = 256  # digits 0..255 are exact in bf16 (8 significant bits), so ids sur
 
 def carried_layout(config: Any) -> tuple[CarriedSlot, ...]:
     """The `CarriedSlot` of each value ``config``'s family carries on the wire, in wire order."""
-    from distconf.loader.spec_wire import carried_widths, stack_entries
-
-    hidden_state = getattr(getattr(type(config), "family_spec", None), "hidden_state", None)
-    if hidden_state is None or not hidden_state.carried:
-        return ()
-    slots = []
-    for index, (stream, width) in enumerate(zip(hidden_state.carried, carried_widths(config), strict=True)):
-        if stream.grows is not None:
-            every, entries = stack_entries(config, index)
-            slots.append(CarriedSlot(stream.argument, width, None, None, 1, every=every, entry=width // entries))
-        else:
-            slots.append(CarriedSlot(stream.argument, width, stream.output_index, stream.computed_by,
-                                     int(config.num_hidden_layers) if stream.computed_by is not None else 1,
-                                     stream.initial))
-    return tuple(slots)
+    return wire_layout(config).carried
 
 
 def token_id_digits(ids: torch.Tensor, digits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -137,13 +79,6 @@ def split_carried(wire: torch.Tensor, layout: tuple[CarriedSlot, ...],
     hidden, parts = split_tail(wire, [slot.width for slot in layout], "carried values")
     return hidden, {slot.argument: token_ids_of(part) if slot.token_ids else part
                     for slot, part in zip(layout, parts, strict=True)}
-
-
-def stack_for_layer(part: torch.Tensor, slot: CarriedSlot, layer_idx: int | None = None) -> torch.Tensor:
-    """A growing stack's wire part as layer ``layer_idx`` reads it, ``[..., entries, entry]`` (every entry the
-    model makes when ``layer_idx`` is None: what the module reading it after the last layer gets)."""
-    entries = slot.width // slot.entry if layer_idx is None else slot.entries_before(layer_idx)  # type: ignore[operator]
-    return part[..., :entries * slot.entry].unflatten(-1, (entries, slot.entry))  # type: ignore[operator]
 
 
 def stack_on_wire(stack: torch.Tensor | None, slot: CarriedSlot, like: torch.Tensor) -> torch.Tensor:
@@ -270,18 +205,3 @@ def carried_stand_ins(block_cls: type, config: Any, hidden: torch.Tensor, past: 
                              "(block.call.carried_arguments)")
         values[name] = torch.arange(keys, dtype=torch.int32, device=hidden.device).expand(batch, seq, keys)
     return values
-
-
-def split_loop_input(wire: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wire without the looped stack's input (its last ``width`` values per token), and that input."""
-    if wire.shape[-1] <= width:
-        raise ValueError(f"a wire of {wire.shape[-1]} values per token cannot hold a looped stack's input of "
-                         f"{width} values and the hidden state")
-    return wire[..., :-width], wire[..., -width:]
-
-
-def join_loop_input(wire: torch.Tensor, loop_input: torch.Tensor) -> torch.Tensor:
-    """``wire`` followed by the looped stack's input (`split_loop_input` undone)."""
-    import torch
-
-    return torch.cat([wire, loop_input.to(wire.dtype).expand(*wire.shape[:-1], loop_input.shape[-1])], dim=-1)

@@ -33,7 +33,6 @@ from distconf.blocks.wire import (
     ModelInputCapture,
     carried_wire_value,
     split_carried,
-    stack_for_layer,
     stack_on_wire,
     to_layer_form,
     to_wire_form,
@@ -58,11 +57,10 @@ from distconf.client.verifier import VerificationRollback
 from distconf.client.verify_events import VerificationEvent
 from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
-from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.naming import config_num_blocks
 from distconf.loader.once import OncePerKey
 from distconf.loader.spec import FamilySpec
-from distconf.loader.spec_wire import stream_axis_of, streams_of
+from distconf.loader.wire_layout import WireLayout, wire_layout
 from distconf.sources import ModelSource, ModelSourceError
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
@@ -99,14 +97,12 @@ class RemoteLayers(torch.nn.Module):
     (`hand_final_stacks` gives it to the module reading it).
     """
 
-    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], streams: int = 1,
+    def __init__(self, remote: RemoteSequential, attributes: dict[str, Any], wire: WireLayout,
                  carried: tuple[tuple[CarriedSlot, int | None], ...] = (),
-                 capture: ModelInputCapture | None = None, stream_axis: int = 2, shared_width: int = 0) -> None:
+                 capture: ModelInputCapture | None = None) -> None:
         super().__init__()
         self.remote = remote
-        self.streams = streams
-        self.stream_axis = stream_axis
-        self.shared_width = shared_width
+        self.wire = wire
         self.carried = carried
         self.__dict__["capture"] = capture
         self.stacks: dict[str, torch.Tensor] = {}
@@ -118,6 +114,16 @@ class RemoteLayers(torch.nn.Module):
             if name not in vars(self) and not hasattr(type(self), name):  # never the stand-in's own
                 setattr(self, name, value)
 
+    @property
+    def streams(self) -> int:
+        """Streams of ``hidden_size`` values the model's layers hand each other."""
+        return self.wire.streams
+
+    @property
+    def stream_axis(self) -> int:
+        """Where the streams sit in the layers' hidden state (2 or 0)."""
+        return self.wire.stream_axis
+
     def use_prompts(self, prompts: PromptTuning | None) -> None:
         """Run with these trained prompts (held by the model, not registered here)."""
         self.__dict__["prompts"] = prompts
@@ -125,22 +131,22 @@ class RemoteLayers(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Run all blocks on ``hidden_states`` (``[batch, seq, hidden]``, or ``[batch, seq, streams, hidden]``
         / ``[streams, batch, seq, hidden]``)."""
-        wire = to_wire_form(hidden_states, self.streams, self.stream_axis)
+        layout = self.wire
+        wire = to_wire_form(hidden_states, layout.streams, layout.stream_axis)
         if self.carried:
             wire = torch.cat([wire, *self._carried_inputs(wire, args, kwargs)], dim=-1)
-        if self.shared_width:  # kv_cache.shared: nothing stored yet; the blocks fill and read it
-            wire = torch.cat([wire, wire.new_zeros(*wire.shape[:-1], self.shared_width)], dim=-1)
+        # kv_cache.shared: nothing stored yet; the blocks fill and read it
+        wire = layout.join_shared(wire, {s.key: wire.new_zeros(*wire.shape[:-1], s.width) for s in layout.shared})
         if self.probing:
             out = wire
         else:
             cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, RemoteCache)), None)
             out = cache.step(wire) if cache is not None else self._forward(wire)
-        if self.shared_width:
-            out = out[..., :-self.shared_width]
+        out, _ = layout.split_shared(out)
         out, carried = split_carried(out, tuple(slot for slot, _ in self.carried))
-        self.stacks = {slot.argument: stack_for_layer(carried[slot.argument], slot) for slot, _ in self.carried
+        self.stacks = {slot.argument: slot.stack(carried[slot.argument]) for slot, _ in self.carried
                        if slot.every is not None}
-        out = to_layer_form(out, self.streams, self.stream_axis)
+        out = to_layer_form(out, layout.streams, layout.stream_axis)
         if not self.returns_tuple:
             return out
         result: list[Any] = [out, *[None] * self.tuple_padding]
@@ -368,9 +374,8 @@ def build_model(config: DistributedConfig, checkpoint: Checkpoint, swarm: SwarmC
     check_collapse_module(model, config)
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    stand_in = RemoteLayers(RemoteSequential(config, swarm), plain_attributes(layers[0]), streams_of(config),
-                            carried_arguments(layers[0], config), model_input_capture(model, config),
-                            stream_axis_of(config), sum(slot.width for slot in shared_kv_slots(config)))
+    stand_in = RemoteLayers(RemoteSequential(config, swarm), plain_attributes(layers[0]), wire_layout(config),
+                            carried_arguments(layers[0], config), model_input_capture(model, config))
     record_as_decoder_layer(stand_in)  # output_hidden_states: the blocks' input and output
     setattr(parent, attr, torch.nn.ModuleList([stand_in]))
     untie_layer_list(model, name)  # the model's ties between its layers name layers that are not here

@@ -34,7 +34,7 @@ class DistributedConfig(Protocol):
     model_type: str
     num_hidden_layers: int
     hidden_size: int
-    wire_width: int  # values per token between blocks (`distconf.loader.spec_wire.wire_width_of`)
+    wire_width: int  # values per token between blocks (`distconf.loader.wire_layout.wire_width_of`)
     vocab_size: int
     # ClientConfig
     initial_peers: list[str] | tuple[str, ...]

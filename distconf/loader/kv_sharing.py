@@ -4,7 +4,7 @@ A family with `distconf.loader.spec_kv.SharedKVSpec` reads each layer's mode fro
 ``modes_field`` (``store``, ``reuse`` or anything else: neither) and keys a stored K/V by the storing layer's
 type (`distconf.loader.layer_kind.layer_type`). The wire carries, for every type some layer stores, the keys and
 values of the step's new tokens (`shared_kv_slots`, in the order the types are first stored); this module is the
-one home of that order and of each part's width (`distconf.loader.spec_wire.wire_width_of` adds them up).
+one home of that order and of each part's width (`distconf.loader.wire_layout.wire_width_of` adds them up).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ times, then the rest, each block built and loaded from the model layer it runs
 (`distconf.loader.layer_stack`, the one home of the block/layer arithmetic). At each pass's entry the model
 combines the hidden state with the stack's input (the hidden state entering layer ``start``): ``entry:
 module_sum`` is ``entry_module(hidden) + entry_module(input)``; that input travels on the wire after the hidden
-state (`distconf.loader.spec_wire.wire_width_of`).
+state (`distconf.loader.wire_layout.wire_width_of`).
 """
 
 from __future__ import annotations

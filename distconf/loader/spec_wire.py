@@ -1,16 +1,12 @@
-"""The family-file model of the hidden state between layers (`HiddenStateSpec`) and the wire width rule.
+"""The family-file model of the hidden state between layers (`HiddenStateSpec`) and what it says on a config.
 
-Petals 2.x blocks exchange one ``[batch, seq, width]`` tensor. For most models ``width`` is
-``hidden_size``; a model whose layers hand each other several streams of ``hidden_size`` values
-(manifold hyper-connections: ``[batch, seq, streams, hidden_size]``) sends them flattened, so the
-wire carries ``streams * hidden_size`` values per token. `wire_width_of` is the one home of that
-rule: every consumer that sizes, checks or builds the tensor between blocks reads it there (the
-synthesized config's ``wire_width`` property calls it). A value the model carries from each layer
-to the next besides the hidden states (``hidden_state.carried``, `CarriedStream`) travels on the wire
-after them: ``streams * hidden_size + sum(carried widths)`` values per token (`carried_widths`), then the K/V
-later layers reuse (`distconf.loader.kv_sharing`). A stack the
-loop grows from the layers' inputs (``grows``, `GrowingStack`) is carried at its largest, every entry the model
-makes: ``ceil(num_hidden_layers / every)`` entries of ``width`` (`stack_entries`), the ones not made yet zeros.
+A model whose layers hand each other several streams of ``hidden_size`` values (manifold hyper-connections:
+``[batch, seq, streams, hidden_size]``) sends them flattened (`streams_of`, `stream_axis_of`). A value the model
+carries from each layer to the next besides the hidden states (``hidden_state.carried``, `CarriedStream`) travels
+on the wire after them (`carried_widths`); a stack the loop grows from the layers' inputs (``grows``,
+`GrowingStack`) is carried at its largest, every entry the model makes: ``ceil(num_hidden_layers / every)``
+entries of ``width`` (`stack_entries`), the ones not made yet zeros. The wire's order and width are
+`distconf.loader.wire_layout`'s.
 """
 
 from __future__ import annotations
@@ -20,11 +16,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from distconf.loader.formula import count_on
-from distconf.loader.kv_sharing import shared_kv_slots
 from distconf.loader.spec_types import IntOrFormula, StrictModel
 
 __all__ = ["CarriedArgument", "CarriedStream", "GrowingStack", "HiddenStateSpec", "carried_widths", "stack_entries",
-           "wire_width_of", "streams_of", "stream_axis_of", "loops_layers"]
+           "streams_of", "stream_axis_of", "loops_layers"]
 
 _MODULE_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
@@ -209,18 +204,6 @@ def carried_widths(config: Any) -> tuple[int, ...]:
             width *= int(config.num_hidden_layers)
         widths.append(width)
     return tuple(widths)
-
-
-def wire_width_of(config: Any) -> int:
-    """Values per token of the hidden state between blocks: ``streams * hidden_size + sum(carried widths)``,
-    plus the K/V later layers reuse (`distconf.loader.kv_sharing.shared_kv_slots`), plus ``streams *
-    hidden_size`` more for a looped layer stack's input (`loops_layers`).
-
-    ``hidden_size`` for a family without a ``hidden_state`` section (and for a plain config).
-    """
-    hidden = streams_of(config) * int(config.hidden_size)
-    shared = sum(slot.width for slot in shared_kv_slots(config))
-    return hidden + sum(carried_widths(config)) + shared + (hidden if loops_layers(config) else 0)
 
 
 def loops_layers(config: Any) -> bool:

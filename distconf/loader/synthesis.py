@@ -41,7 +41,7 @@ from distconf.loader.per_layer import per_layer_attributes
 from distconf.loader.presets import preset_path
 from distconf.loader.source import FamilySource
 from distconf.loader.spec import FamilySpec
-from distconf.loader.spec_wire import wire_width_of
+from distconf.loader.wire_layout import wire_width_of
 
 __all__ = [
     "synthesize_config_class", "resolve_source", "import_object", "import_class", "resolve_object", "iter_formulas",
@@ -190,7 +190,7 @@ class SynthesizedConfigMethods:
 
     @property
     def wire_width(self) -> int:
-        """Values per token of the hidden state between blocks (`distconf.loader.spec_wire.wire_width_of`)."""
+        """Values per token of the hidden state between blocks (`distconf.loader.wire_layout.wire_width_of`)."""
         return wire_width_of(self)
 
     @classmethod
