@@ -14,15 +14,7 @@ will, announcing what it will, joins through the initial peers and asks up to 5 
 when at least half of those that answered could dial it (Petals' rule; ``None`` when none answered,
 which a server takes as reachable, as Petals does).
 
-**Relays that carry sessions.** hivemind's p2p daemon serves circuit relays with go-libp2p's default
-limits (128 KiB and 2 minutes per relayed connection: a session's prompt does not fit) until its own
-AutoNAT finds it publicly reachable, and only then with p2pd's own limits (4 GiB, 30 minutes); a
-reservation taken before that is lost at the switch. AutoNAT asks only peers that announce a public
-address, which a relay in a small swarm (one public server, the rest behind NAT) never meets. So a
-server behind NAT first lets its relays confirm themselves (`confirm_relays`: a short-lived *beacon*
-daemon announcing the public address the relay sees it at, whose AutoNAT service dials the relay
-back), then reserves a slot, and checks the relayed path end to end (`check_relayed_path`: a probe
-of its own pulls `RELAY_TEST_BYTES` through the relay). See ``docs/networking.md``.
+**Relays that carry sessions** are `distconf.dht.relay_path`'s.
 """
 
 from __future__ import annotations
@@ -32,13 +24,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_PEERS", "PROBE_OPTIONS", "RELAY_TEST_BYTES", "RPC_CHECK", "RPC_OBSERVED", "Reachability",
-           "ReachabilityService", "RelayPath", "check_direct_reachability", "check_relayed_path",
-           "confirm_relays"]
+__all__ = ["MAX_PEERS", "PROBE_OPTIONS", "RPC_CHECK", "RPC_OBSERVED", "Reachability", "ReachabilityService",
+           "check_direct_reachability", "one_line", "ping_types"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +40,6 @@ RPC_CHECK_AT = "DistconfReachability.rpc_check_at"
 MAX_ADDRESSES = 8
 RPC_OBSERVED = "DistconfReachability.rpc_observed"
 """distconf's addition: the address the asking peer is seen at (its NAT's public address)."""
-RELAY_FILL = "DistconfReachability.rpc_fill"
-"""The handler a server offers while checking its relayed path: streams the bytes asked for."""
 MAX_PEERS = 5
 DIAL_BACK_ATTEMPTS = 2
 """Probes a server sends to dial an asker back: a second, a second later, when the first found no address."""
@@ -64,13 +53,6 @@ WAIT_TIMEOUT = 5.0
 ASK_TIMEOUT = 30.0
 """Seconds a server at start waits for each peer's answer: helpers check one asker at a time, and when servers
 start together some wait their turn (an answer that does not come counts as no answer, not as unreachable)."""
-RELAY_TEST_BYTES = 256 << 10
-"""Bytes pulled through a relay to accept it: twice what a limited hivemind relay lets through."""
-RESERVATION_WAIT = 10.0
-"""Seconds the relayed-path check waits for the reservation (a circuit address of its own)."""
-BEACON_SECONDS = 3.0
-"""Seconds a beacon stays up for the relays' AutoNAT to ask it to dial them back."""
-_CHUNK = 32 << 10
 PROBE_OPTIONS: dict[str, Any] = {"dht_mode": "client", "use_relay": False, "auto_nat": False, "nat_port_map": False,
                                  "no_listen": True, "startup_timeout": 30}
 """A probe daemon: dials out only, directly (Petals' ``STRIPPED_PROBE_ARGS``)."""
@@ -92,18 +74,8 @@ class Reachability:
     observed: str | None = None
 
 
-@dataclass
-class RelayPath:
-    """What the relayed-path check found: the relay that carried the test, or why none did."""
-
-    relay: str | None = None
-    problems: dict[str, str] = field(default_factory=dict)
-    """The last problem seen with each relay tried."""
-    limited: bool = False
-    """Whether a relay cut the test short (a relay still on go-libp2p's default limits)."""
-
-
-def _ping_types() -> tuple[Any, Any, Any]:
+def ping_types() -> tuple[Any, Any, Any]:
+    """hivemind's ``(PingRequest, PingResponse, NodeInfo)``: the messages the reachability handlers exchange."""
     from hivemind.proto import dht_pb2
 
     return dht_pb2.PingRequest, dht_pb2.PingResponse, dht_pb2.NodeInfo
@@ -113,7 +85,7 @@ async def _ask_at(p2p: Any, remote: Any, addresses: Sequence[str], timeout: floa
     """Ask ``remote`` (a distconf peer) to dial this daemon at ``addresses``; else Petals' check (`_ask`)."""
     from hivemind.proto import runtime_pb2
 
-    _, response_type, _ = _ping_types()
+    _, response_type, _ = ping_types()
     request = runtime_pb2.ExpertUID(uid=json.dumps(list(addresses)[:MAX_ADDRESSES]))
     try:
         response = await asyncio.wait_for(p2p.call_protobuf_handler(remote, RPC_CHECK_AT, request, response_type),
@@ -128,7 +100,7 @@ async def _ask_at(p2p: Any, remote: Any, addresses: Sequence[str], timeout: floa
 
 async def _ask(p2p: Any, remote: Any, check_peer: Any, timeout: float) -> bool | None:
     """Ask ``remote`` whether it can dial ``check_peer``: True, False, or None (no answer)."""
-    request_type, response_type, node_info = _ping_types()
+    request_type, response_type, node_info = ping_types()
     request = request_type(peer=node_info(node_id=check_peer.to_bytes()))
     try:
         response = await asyncio.wait_for(p2p.call_protobuf_handler(remote, RPC_CHECK, request, response_type),
@@ -141,7 +113,7 @@ async def _ask(p2p: Any, remote: Any, check_peer: Any, timeout: float) -> bool |
 
 async def _observed(p2p: Any, remote: Any, timeout: float) -> str | None:
     """The address ``remote`` sees this daemon's connection come from (None if it does not say)."""
-    request_type, response_type, _ = _ping_types()
+    request_type, response_type, _ = ping_types()
     try:
         response = await asyncio.wait_for(
             p2p.call_protobuf_handler(remote, RPC_OBSERVED, request_type(), response_type), timeout)
@@ -164,7 +136,7 @@ class ReachabilityService:
         """Register the handlers on ``p2p``."""
         from hivemind.proto import runtime_pb2
 
-        request_type, _, _ = _ping_types()
+        request_type, _, _ = ping_types()
         await self.p2p.add_protobuf_handler(RPC_CHECK, self.rpc_check, request_type)
         await self.p2p.add_protobuf_handler(RPC_CHECK_AT, self.rpc_check_at, runtime_pb2.ExpertUID)
         await self.p2p.add_protobuf_handler(RPC_OBSERVED, self.rpc_observed, request_type)
@@ -179,7 +151,7 @@ class ReachabilityService:
         """Dial the asking peer back with a probe: ``available`` is whether that worked."""
         from hivemind.p2p import PeerID
 
-        _, response_type, _ = _ping_types()
+        _, response_type, _ = ping_types()
         try:
             check_peer = PeerID(request.peer.node_id)
         except Exception:
@@ -192,7 +164,7 @@ class ReachabilityService:
 
     async def rpc_observed(self, _request: Any, context: Any) -> Any:
         """The address the asking peer's connection comes from, as a multiaddr (empty if unknown)."""
-        _, response_type, node_info = _ping_types()
+        _, response_type, node_info = ping_types()
         seen = ""
         for info in await self.p2p.list_peers():
             if info.peer_id == context.remote_id:
@@ -222,7 +194,7 @@ class ReachabilityService:
 
     async def rpc_check_at(self, request: Any, context: Any) -> Any:
         """distconf's check: dial the asking peer back at the addresses it announces (``request.uid``: JSON)."""
-        _, response_type, _ = _ping_types()
+        _, response_type, _ = ping_types()
         try:
             addresses = json.loads(request.uid)
             if not (isinstance(addresses, list) and 0 < len(addresses) <= MAX_ADDRESSES
@@ -278,7 +250,7 @@ async def check_direct_reachability(initial_peers: Sequence[str], listen: Sequen
     """
     from hivemind.p2p import P2P, PeerID
 
-    request_type, response_type, _ = _ping_types()
+    request_type, response_type, _ = ping_types()
     target = await P2P.create(list(initial_peers), host_maddrs=list(listen), announce_maddrs=announce,
                               dht_mode="client", use_relay=False, auto_nat=True, nat_port_map=False,
                               startup_timeout=startup_timeout)
@@ -308,126 +280,13 @@ async def check_direct_reachability(initial_peers: Sequence[str], listen: Sequen
     return Reachability(reachable, len(answered), dialled, relays, observed)
 
 
-async def confirm_relays(relays: Sequence[str], observed: str, *, seconds: float = BEACON_SECONDS) -> None:
-    """Let ``relays`` confirm their public reachability with AutoNAT (see the module docstring).
-
-    A beacon daemon announcing ``observed`` (this machine's public address as a relay saw it; it is
-    not dialled, AutoNAT only needs a peer that has one) connects to the relays and runs AutoNAT's
-    service for ``seconds``: a relay whose reachability is unknown asks it to dial the relay back, and
-    it does, through this machine's NAT, so the relay switches to its full relay service.
-    """
-    from hivemind.p2p import P2P
-
-    parts = observed.strip("/").split("/")
-    if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
-        return
-    wildcard = "0.0.0.0" if parts[0] == "ip4" else "::"
-    beacon = await P2P.create(list(relays), host_maddrs=[f"/{parts[0]}/{wildcard}/tcp/0"],
-                              announce_maddrs=[f"/{parts[0]}/{parts[1]}/tcp/{parts[3]}"], dht_mode="client",
-                              use_relay=False, auto_nat=True, nat_port_map=False, startup_timeout=30)
-    try:
-        await asyncio.sleep(seconds)
-    finally:
-        await beacon.shutdown()
-
-
-@contextlib.asynccontextmanager
-async def _fill_handler(p2p: Any) -> AsyncIterator[None]:
-    """While open, ``p2p`` streams up to `RELAY_TEST_BYTES` to whoever asks `RELAY_FILL`."""
-    request_type, response_type, node_info = _ping_types()
-
-    async def fill(request: Any, _context: Any) -> AsyncIterator[Any]:
-        left = min(int.from_bytes(request.peer.node_id[:4] or b"\0", "big"), RELAY_TEST_BYTES)
-        while left > 0:
-            chunk = min(left, _CHUNK)
-            left -= chunk
-            yield response_type(peer=node_info(node_id=b"\0" * chunk))
-
-    await p2p.add_protobuf_handler(RELAY_FILL, fill, request_type, stream_output=True)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            await p2p.remove_protobuf_handler(RELAY_FILL, stream_output=True)
-
-
-async def _pull_through(server: Any, relay: str, size: int, timeout: float) -> tuple[int, str | None]:
-    """Dial ``server`` through ``relay`` from a new probe and pull ``size`` bytes: ``(bytes, error or None)``."""
-    from hivemind.p2p import P2P
-
-    from distconf.dht.hivemind_p2p_compat import connect_peer
-
-    request_type, response_type, node_info = _ping_types()
-    received = 0
-    probe = await P2P.create(**{**PROBE_OPTIONS, "use_relay": True})
-    try:
-        await asyncio.wait_for(connect_peer(probe, server, [f"{relay}/p2p-circuit/p2p/{server}"]), timeout)
-        request = request_type(peer=node_info(node_id=size.to_bytes(4, "big")))
-
-        async def pull() -> None:
-            nonlocal received
-            async for message in await probe.iterate_protobuf_handler(server, RELAY_FILL, request, response_type):
-                received += len(message.peer.node_id)
-
-        await asyncio.wait_for(pull(), timeout)
-        return received, None
-    except Exception as exc:
-        return received, _one_line(str(exc)) or type(exc).__name__
-    finally:
-        await probe.shutdown()
-
-
-async def check_relayed_path(p2p: Any, relays: Sequence[str], *, size: int = RELAY_TEST_BYTES,
-                             timeout: float = 20.0) -> RelayPath:
-    """Pull ``size`` bytes from ``p2p`` through each of ``relays`` until one carries them all (see the module).
-
-    Waits first (up to `RESERVATION_WAIT`) for a circuit address of ``p2p`` (the sign of a reservation
-    with a relay whose address is public), then tries every relay, again every 2 s until ``timeout``
-    unless a relay cut the test short (``limited``: its reservation will not carry a session). Each
-    attempt dials from a new probe daemon: one daemon's failed dial would hold back its next ones.
-    """
-    from distconf.dht.hivemind_p2p_compat import daemon_peer_ids_as_multihash
-
-    daemon_peer_ids_as_multihash()
-    result = RelayPath()
-    deadline = time.monotonic() + timeout
-    async with _fill_handler(p2p):
-        await _wait_for_circuit(p2p, min(RESERVATION_WAIT, timeout))
-        while time.monotonic() < deadline and not result.limited:
-            for relay in relays:
-                got, error = await _pull_through(p2p.peer_id, relay, size,
-                                                 max(1.0, min(15.0, deadline - time.monotonic())))
-                if got >= size:
-                    result.relay = relay
-                    return result
-                if got:
-                    result.limited = True
-                    result.problems[relay] = (f"it cut the relayed connection after {got // 1024} KiB (go-libp2p's "
-                                              "default relay limits: the relay has not confirmed that it is "
-                                              "publicly reachable)")
-                else:
-                    result.problems[relay] = error or "no bytes came through"
-            await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    return result
-
-
-async def _wait_for_circuit(p2p: Any, timeout: float) -> bool:
-    """Wait until ``p2p`` announces a ``/p2p-circuit`` address (a relay reserved a slot for it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any("/p2p-circuit" in str(m) for m in await p2p.get_visible_maddrs(latest=True)):
-            return True
-        await asyncio.sleep(0.25)
-    return False
-
-
 def _transport_part(maddr: str) -> str:
     """A multiaddr without its trailing ``/p2p/ID`` (the peer id goes beside it in a CONNECT request)."""
     head, sep, tail = maddr.rpartition("/p2p/")
     return head if sep and "/" not in tail else maddr
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """The text on one line (the daemon lists each failed address on a line of its own)."""
     return " ".join(line.strip() for line in text.strip().splitlines())
 

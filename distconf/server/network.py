@@ -5,7 +5,7 @@ addresses (`distconf.dht.addresses`), create or check the identity (`distconf.dh
 peers to dial back a temporary daemon (`distconf.dht.reachability.check_direct_reachability`), then
 start the DHT node either as a full peer (and answer other servers' checks) or, when peers cannot
 dial it, in DHT client mode behind libp2p circuit relays (the initial peers that answered), checked
-end to end (`distconf.dht.reachability.check_relayed_path`). A server that nobody can reach ends
+end to end (`distconf.dht.relay_path.check_relayed_path`). A server that nobody can reach ends
 here with `distconf.errors.UnreachableServerError`: it never announces itself.
 """
 
@@ -105,7 +105,7 @@ def _start_relayed(peers: list[str], kwargs: dict[str, Any], plan: AddressPlan, 
     a relay that cut the check short gets another attempt with a new node. `UnreachableServerError`
     after `RELAY_ATTEMPTS`.
     """
-    from distconf.dht.reachability import check_relayed_path, confirm_relays
+    from distconf.dht.relay_path import check_relayed_path, confirm_relays
     from distconf.rpc.calls import BackgroundLoop, RpcLoop
 
     logger.info("peers cannot dial this server directly: it will serve through a relay (%s)", " ".join(found.relays))

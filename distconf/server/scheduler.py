@@ -41,12 +41,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from distconf.server.arrivals import Arrivals
+from distconf.server.scheduled_work import INLINE_TOKENS, BatchLimits, Step, Task, Work, new_tokens
 from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 
 __all__ = ["BatchLimits", "ComputeScheduler"]
@@ -54,125 +54,6 @@ __all__ = ["BatchLimits", "ComputeScheduler"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """Bounds of one batched inference step, and how long training work waits at most."""
-
-    max_batch_size: int = 16
-    """Rows (sequences) computed together; 1 turns batching off."""
-    max_batch_tokens: int = 2048
-    """Rows x padded new tokens of one batch (the activations a batch may take)."""
-    prefill_chunk: int = 64
-    """New tokens of one row per batch: longer steps are computed in chunks of this many."""
-    training_patience: int = 8
-    """Inference batches that may run between two forward/backward requests while one waits."""
-    max_batch_bytes: int | None = None
-    """Working memory of one batched block call (see ``activation_bytes``); None: unbounded."""
-    max_batch_wait: float = 0.04
-    """Seconds the first step of a batch may wait for the steps of steady sessions that are due
-    (`distconf.server.arrivals`), so a group of sessions stays one batch from hop to hop; 0: never."""
-
-    max_inline_seconds: float = 0.01
-    """A lone step of at most `INLINE_TOKENS` tokens is computed on the event loop (no thread hand-off) while
-    the last such step took at most this long; 0: always on the compute thread."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens", "prefill_chunk", "training_patience"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.max_batch_wait <= 10:
-            raise ValueError(f"max_batch_wait must be between 0 and 10 seconds, got {self.max_batch_wait}")
-        if not 0 <= self.max_inline_seconds <= 1:
-            raise ValueError(f"max_inline_seconds must be between 0 and 1 second, got {self.max_inline_seconds}")
-
-
-INLINE_TOKENS = 16
-"""Most new tokens (rows x tokens) of a step computed on the event loop: decode and speculative steps, never a
-prefill."""
-
-
-def _new_tokens(hidden: torch.Tensor) -> int:
-    """Rows x new tokens of a step's hidden states."""
-    return hidden.numel() // max(1, hidden.shape[-1])
-
-
-def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-@dataclass(eq=False, kw_only=True)
-class _Work:
-    """Something queued for the compute thread, with the future its caller awaits."""
-
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-    order: int
-    waited: int = 0
-
-    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Hand ``result`` (or ``error``) to the caller's event loop."""
-        try:
-            self.loop.call_soon_threadsafe(_resolve, self.future, result, error)
-        except RuntimeError:  # the caller's loop is closed: nobody waits any more
-            pass
-
-
-@dataclass(eq=False, kw_only=True)
-class _Task(_Work):
-    """A call run as it is: control work or a forward/backward request of ``cost`` tokens."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...] = ()
-    cost: int = 0
-
-    def run(self) -> None:
-        try:
-            self.finish(self.fn(*self.args))
-        except Exception as exc:
-            self.finish(error=exc)
-
-
-@dataclass(eq=False, kw_only=True)
-class _Step(_Work):
-    """An inference step of one session, computed in chunks of at most ``chunk`` tokens per row."""
-
-    cache: SessionCache
-    hidden: torch.Tensor
-    prompts: Sequence[torch.Tensor | None]
-    chunk: int
-    arrived: float
-    done: int = 0
-    outputs: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def rows(self) -> int:
-        return int(self.hidden.shape[0])
-
-    def next_part(self) -> StepPart:
-        """The next chunk of this step, at the cache's current position."""
-        n = min(self.chunk, int(self.hidden.shape[1]) - self.done)
-        return StepPart(self.cache, self.hidden[:, self.done:self.done + n], self.prompts)
-
-    def rank(self) -> tuple[int, int]:
-        """Short before long; every batch that passed this step over halves its length for the ranking."""
-        n = min(self.chunk, int(self.hidden.shape[1]) - self.done)
-        return (n >> min(self.waited, 62), self.order)
-
-    def advance(self, output: torch.Tensor) -> bool:
-        """Take one chunk's output; True when the whole step is done (the caller got its result)."""
-        self.outputs.append(output)
-        self.done += int(output.shape[1])
-        if self.done < int(self.hidden.shape[1]):
-            return False
-        self.finish(self.outputs[0] if len(self.outputs) == 1 else torch.cat(self.outputs, dim=1))
-        return True
 
 
 class ComputeScheduler:
@@ -195,9 +76,9 @@ class ComputeScheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._arrivals = Arrivals()
-        self._control: list[_Task] = []
-        self._training: list[_Task] = []
-        self._steps: list[_Step] = []
+        self._control: list[Task] = []
+        self._training: list[Task] = []
+        self._steps: list[Step] = []
         self._pumping = False
         self._order = itertools.count()
         self._batches_since_training = 0
@@ -217,10 +98,10 @@ class ComputeScheduler:
 
     # ------------------------------------------------------------------ submitting
 
-    def _submit(self, work: _Work, queue: list[Any]) -> None:
+    def _submit(self, work: Work, queue: list[Any]) -> None:
         with self._lock:
             queue.append(work)
-            if isinstance(work, _Step):
+            if isinstance(work, Step):
                 self._arrivals.arrived(work.cache, work.arrived)
             self._wake.notify()
             if self._pumping:
@@ -234,14 +115,14 @@ class ComputeScheduler:
                 queue.remove(work)
             raise
 
-    def _work(self, cls: type[_Work], **fields: Any) -> Any:
+    def _work(self, cls: type[Work], **fields: Any) -> Any:
         loop = asyncio.get_running_loop()
         return cls(future=loop.create_future(), loop=loop, order=next(self._order), **fields)
 
     async def run(self, fn: Callable[..., T], *args: Any, cost: int | None = None) -> T:
         """``fn(*args)`` in the compute thread: control work (``cost=None``, at once) or a
         forward/backward request of ``cost`` tokens (after inference steps)."""
-        task = self._work(_Task, fn=fn, args=args, cost=cost or 0)
+        task = self._work(Task, fn=fn, args=args, cost=cost or 0)
         self._submit(task, self._control if cost is None else self._training)
         return await task.future
 
@@ -257,14 +138,14 @@ class ComputeScheduler:
         chunk = max(1, min(self.limits.prefill_chunk, self.limits.max_batch_tokens // max(1, hidden.shape[0])))
         if lone and hidden.shape[1] <= chunk and self._claim_inline(cache, hidden):
             return self._run_inline(cache, hidden, prompts)
-        step = self._work(_Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk, arrived=time.monotonic())
+        step = self._work(Step, cache=cache, hidden=hidden, prompts=prompts, chunk=chunk, arrived=time.monotonic())
         self._submit(step, self._steps)
         return await step.future
 
     def _claim_inline(self, cache: SessionCache, hidden: torch.Tensor) -> bool:
         """Whether this step runs on the event loop; if so, the compute is claimed (the thread stays idle)."""
         limit = self.limits.max_inline_seconds
-        if (limit <= 0 or _new_tokens(hidden) > INLINE_TOKENS
+        if (limit <= 0 or new_tokens(hidden) > INLINE_TOKENS
                 or self._lone_seconds is None or self._lone_seconds > limit):
             return False
         with self._lock:
@@ -357,10 +238,10 @@ class ComputeScheduler:
         chain = tuple(b.uid for b in self._steps[0].cache.blocks)
         return deadline - now if self._arrivals.due(now, deadline, (s.cache for s in self._steps), chain) else 0.0
 
-    def _form_batch(self) -> list[_Step]:
+    def _form_batch(self) -> list[Step]:
         """The next batch: the best-ranked step, and the steps that may join it."""
         limits = self.limits
-        ranked = sorted(self._steps, key=_Step.rank)
+        ranked = sorted(self._steps, key=Step.rank)
         anchor = ranked[0]
         key = batch_key(anchor.next_part())
         batch, rows, width, past = [anchor], anchor.rows, anchor.next_part().length, anchor.cache.position
@@ -387,7 +268,7 @@ class ComputeScheduler:
         limit = self.limits.max_batch_bytes
         return limit is None or self.activation_bytes is None or self.activation_bytes(rows, width, past) <= limit
 
-    def _run_batch(self, batch: list[_Step]) -> None:
+    def _run_batch(self, batch: list[Step]) -> None:
         parts = [s.next_part() for s in batch]
         start = time.perf_counter()
         try:
@@ -402,7 +283,7 @@ class ComputeScheduler:
                 self._run_batch([step])
             return
         seconds = time.perf_counter() - start
-        if len(parts) == 1 and _new_tokens(parts[0].hidden) <= INLINE_TOKENS:
+        if len(parts) == 1 and new_tokens(parts[0].hidden) <= INLINE_TOKENS:
             self._lone_seconds = seconds
         self.stats["step_seconds"] += seconds
         self.stats["batches"] += 1
@@ -416,6 +297,6 @@ class ComputeScheduler:
             s.waited = 0
         self._forget(finished)
 
-    def _forget(self, steps: list[_Step]) -> None:
+    def _forget(self, steps: list[Step]) -> None:
         with self._lock:
             self._steps[:] = [s for s in self._steps if s not in steps]
