@@ -67,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                   ("distconf serve ./model --new-swarm --public-ip 203.0.113.5 --port 31337",
                    "first server of a swarm across machines (port 31337 reachable at that address)"),
                   ("distconf serve ./model --initial-peers ADDR --identity-path server.key",
-                   "join from anywhere (behind NAT: through a relay), same peer id on every start")],
+                   "join from anywhere (behind NAT: through a relay), same peer id on every start"),
+                  ("distconf serve ./model --new-swarm --adapters ./my-lora support=./support-lora",
+                   "serve two LoRA adapters beside the blocks (clients pick one: --adapter ./my-lora or support)")],
     )
     p.add_argument("model_dir", metavar="MODEL",
                    help="a model folder (safetensors; dht_prefix optional), a .gguf file or a folder holding one, "
@@ -107,6 +109,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "its further sessions are refused (default 0.5: one peer never locks the others out; "
                         "1 turns the limit off)")
     p.add_argument("--repository", default=None, help="repository URL announced with the model")
+    p.add_argument("--adapters", nargs="+", default=(), metavar="ADAPTER",
+                   help="PEFT LoRA adapters served beside the blocks (Petals' --adapters): folders or hub ids, each "
+                        "served under the name given (NAME=SOURCE to choose one); a client picks one per request "
+                        "with --adapter NAME / active_adapter. Each is checked against the model before any block "
+                        "is loaded (safetensors, LoRA only)")
     p.add_argument("--verify-weights", action="store_true",
                    help="hash the served blocks' weights after loading and again at shutdown, and log whether "
                         "they are unchanged (the load-time sha256 is also reported by rpc_info)")
@@ -190,7 +197,8 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         mean_balance_check_period=args.mean_balance_check_period,
         max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
         prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait,
-        max_forward_tokens=args.max_forward_tokens, max_peer_cache_share=args.max_peer_cache_share)
+        max_forward_tokens=args.max_forward_tokens, max_peer_cache_share=args.max_peer_cache_share,
+        adapters=tuple(args.adapters))
 
 
 def _open(args: argparse.Namespace) -> Any:
@@ -210,17 +218,21 @@ def _open(args: argparse.Namespace) -> Any:
         from distconf.rpc.protocol import compression_code
 
         compression_code(args.compression)
+        from distconf.server.adapters import parse_adapters
+
+        parse_adapters(args.adapters)
         return open_source(args.model_dir, dht_prefix=args.dht_prefix)
     except (ModelSourceError, ValueError) as exc:
         print(f"distconf serve: {exc}", file=sys.stderr)
         return None
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
+def _startup_errors() -> tuple[type[BaseException], ...]:
+    from distconf.blocks.lora import AdapterError
     from distconf.dht.identity import IdentityError
     from distconf.errors import SwarmJoinError, UnreachableServerError
 
-    return SwarmJoinError, UnreachableServerError, IdentityError
+    return SwarmJoinError, UnreachableServerError, IdentityError, AdapterError
 
 
 STOP_TIMEOUT = 5.0
@@ -239,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from distconf.server.block_server import BlockServer
 
-    network_errors = _network_errors()  # what joining may end with: one line, exit 2
+    startup_errors = _startup_errors()  # what joining and loading may end with: one line, exit 2
     source = _open(args)
     if source is None:
         return 2
@@ -249,12 +261,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             server.join()
-        except network_errors as exc:
+        except startup_errors as exc:
             print(f"distconf serve: {exc}", file=sys.stderr)
             return 2
         if args.new_swarm:  # printed before loading: other servers and clients may join at once
             print(f"new swarm: --initial-peers {' '.join(server.maddrs)}", flush=True)
-        server.serve()
+        try:
+            server.serve()
+        except startup_errors as exc:  # an adapter that does not fit the blocks
+            print(f"distconf serve: {exc}", file=sys.stderr)
+            return 2
         print(f"SERVING blocks {server.start_block}:{server.end_block} of {server.config.dht_prefix} as peer "
               f"{server.peer_id} (throughput {server.throughput:.1f})", flush=True)
         print(ready_line(server), flush=True)

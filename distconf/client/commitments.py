@@ -215,7 +215,7 @@ class Commitments:
         """
         now = time.monotonic()
         with self._lock:
-            todo = [s for s in spans if manager.usable(s.peer_id, s.state) and s.peer_id not in self.refused
+            todo = [s for s in spans if manager.usable(s) and s.peer_id not in self.refused
                     and (s.peer_id, s.start, s.end) not in self._accepted]
             stale = [s for s in todo if s.peer_id in manager.rpc_infos
                      and not _covers(manager.rpc_infos[s.peer_id], s.start, s.end)]

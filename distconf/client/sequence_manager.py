@@ -73,18 +73,26 @@ class SequenceManager:
 
     def _ping(self, state: SwarmState) -> None:
         """Ping the candidates `distconf.dht.liveness.ping_candidates` picks among usable servers."""
-        usable = [s for s in state.spans if self.usable(s.peer_id, s.state)]
+        usable = [s for s in state.spans if self.usable(s)]
         chosen = ping_candidates(usable, self.num_blocks, int(self.config.max_pinged))
         self.pings = self.swarm.ping(chosen, float(self.config.ping_timeout)) if chosen else {}
         logger.debug("pings: %s", {p[-6:]: round(v, 4) for p, v in self.pings.items()})
 
-    def usable(self, peer_id: str, state: ServerState) -> bool:
-        """Whether ``peer_id`` may be routed through or check others: ONLINE, allowed, not blocked or refused."""
-        if state != ServerState.ONLINE or peer_id in self.blocked:
+    def usable(self, span: RemoteSpan) -> bool:
+        """Whether the server of ``span`` may be routed through or check others: ONLINE, allowed, not blocked or
+        refused, serving the ``active_adapter`` when one is asked for."""
+        peer_id = span.peer_id
+        if span.state != ServerState.ONLINE or peer_id in self.blocked:
             return False
         if self.commitments is not None and peer_id in self.commitments.refused:  # never a route or a checker
             return False
+        if not self._holds_adapter(span):
+            return False
         return self.allowed is None or peer_id in self.allowed
+
+    def _holds_adapter(self, span: RemoteSpan) -> bool:
+        adapter = self.config.active_adapter
+        return not adapter or adapter in (span.info.adapters or ())
 
     def banned(self) -> set[str]:
         """Peers banned right now."""
@@ -120,11 +128,17 @@ class SequenceManager:
                      and s.info.cache_tokens_left < cache_tokens_needed * 2 * s.length}
         refused = self.commitments.left_out(self, state.spans) if self.commitments is not None else set()
         banned = self.banned()
+        lacking = {s.peer_id for s in state.spans if not self._holds_adapter(s)}
         try:
-            return make_route(state, min_state=ServerState.ONLINE, blocked_peers=self.blocked | banned | refused,
+            return make_route(state, min_state=ServerState.ONLINE,
+                              blocked_peers=self.blocked | banned | refused | lacking,
                               allowed_peers=self.allowed, start=start, end=end,
                               avoid_if_possible=[unreachable_peers(self.pings), short])
         except NoRouteError as exc:
+            if lacking and any(s.start <= exc.block < s.end for s in state.spans if s.peer_id in lacking):
+                raise NoRouteError(f"{exc}; the servers there do not serve adapter "
+                                   f"{self.config.active_adapter!r} (active_adapter)", exc.block,
+                                   exc.dht_prefix) from None
             failed = [f"{s.peer_id} (blocks {s.start}..{s.end - 1}) failed: {self.ban_reasons[s.peer_id]}"
                       for s in state.spans if s.peer_id in banned and s.peer_id in self.ban_reasons
                       and s.start <= exc.block < s.end]

@@ -200,7 +200,7 @@ class Verifier:
         for other in state.spans:
             if other.start <= span.start and other.end >= span.end and other.peer_id not in banned and \
                     other.peer_id not in found and other.state == ServerState.ONLINE and _form(other) == form and \
-                    manager.usable(other.peer_id, other.state):
+                    manager.usable(other):
                 found[other.peer_id] = dataclasses.replace(other, start=span.start, end=span.end)
         spans = list(found.values())
         self._random.shuffle(spans)

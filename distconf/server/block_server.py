@@ -29,6 +29,7 @@ from distconf.dht.announce import hub_repository  # re-exported: distconf.server
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.layer_stack import model_layer
 from distconf.loader.naming import config_num_blocks
+from distconf.server.adapters import ServedAdapters, parse_adapters
 from distconf.server.logfilter import install_refused_request_filter
 from distconf.server.serve_options import ServeOptions  # re-exported: distconf.server.ServeOptions
 from distconf.server.span_moves import SpanMoves
@@ -86,6 +87,7 @@ class BlockServer(SpanMoves):
         self.throughput = 0.0
         self.forward_rps = 0.0  # measured forward tokens/s per block (sizes the default forward token cap)
         self.modules: list[Any] = []
+        self.adapters: ServedAdapters | None = None  # --adapters, read once the span is known
         self.weights_sha256: str | None = None  # at load, with ``verify_weights``
         self.block_sha256: list[str] | None = None  # per served block, with ``block_digests``
         self.weights_form: str | None = None  # dtype (+ quantization) of the served weights
@@ -197,9 +199,16 @@ class BlockServer(SpanMoves):
         self.start_block, self.end_block = span.start, span.end
         self.kv_bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
         self.budget_bytes = span.plan.cache_bytes_per_block * span.num_blocks
+        self.adapters = ServedAdapters(parse_adapters(o.adapters), config, self.dtype)
+        adapter_bytes = self.adapters.read(span.start, span.end)  # checked before any block is loaded
+        if adapter_bytes:
+            self.budget_bytes = max(0, self.budget_bytes - adapter_bytes)
+            logger.info("adapters hold %.2f MiB; cache budget %.1f MiB", adapter_bytes / 2**20,
+                        self.budget_bytes / 2**20)
         info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=o.public_name, version=VERSION,
                           torch_dtype=dtype_name, quant_type=petals_quant_type(self.quant),
-                          start_block=span.start, end_block=span.end, using_relay=self.using_relay)
+                          start_block=span.start, end_block=span.end, using_relay=self.using_relay,
+                          adapters=self.adapters.names)
         self.announcer = _LiveAnnouncer(self.dht, config, span.start, span.end, info, update_period=o.update_period,
                                         repository=o.repository or hub_repository(o.model_dir),
                                         tokens_left=self.cache_tokens_left)
@@ -271,8 +280,11 @@ class BlockServer(SpanMoves):
         """Load blocks ``start..end-1`` as this server serves them (source, dtype, quant, device)."""
         from distconf.server.loading import load_blocks
 
-        return load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
-                           quant=self.quant, device=self.device)
+        modules = load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
+                              quant=self.quant, device=self.device)
+        if self.adapters is not None:
+            self.adapters.attach(modules, start)  # hooks beside the blocks: their weights and digests unchanged
+        return modules
 
     def _make_handler(self, start: int, modules: list[Any], *, weights_sha256: str | None = None,
                       block_sha256: list[str] | None = None) -> Any:
@@ -305,6 +317,7 @@ class BlockServer(SpanMoves):
             weights_sha256=weights_sha256 or self.weights_sha256, block_sha256=block_sha256 or self.block_sha256,
             weights_form=self.weights_form, max_peer_cache_share=o.max_peer_cache_share,
             compression=compression_code(o.compression),
+            adapters=self.adapters.names if self.adapters is not None else (),
             max_forward_tokens=o.max_forward_tokens or default_forward_tokens(
                 default_max_length(config), self.forward_rps, o.request_timeout, len(modules)))
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,

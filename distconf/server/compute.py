@@ -18,6 +18,7 @@ import torch
 
 from distconf.blocks.adapter import BlockAdapter
 from distconf.blocks.kvcache import KVGeometry
+from distconf.blocks.lora import adapter_rows
 from distconf.blocks.past import BlockCapabilities
 
 __all__ = ["ServedBlock", "add_prompt", "backward_chain", "forward_chain", "on_device"]
@@ -83,23 +84,25 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int 
 
 
 def forward_chain(blocks: Sequence[ServedBlock], hidden: torch.Tensor,
-                  prompts: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """Run ``hidden`` through ``blocks`` (no cache); deep prompts added to each block's input."""
+                  prompts: Sequence[torch.Tensor | None], adapter: str | None = None) -> torch.Tensor:
+    """Run ``hidden`` through ``blocks`` (no cache); deep prompts added to each block's input; with the LoRA
+    ``adapter`` (None: the base model)."""
     hidden, *prompts = on_device(blocks, hidden, *prompts)
-    with torch.inference_mode():
+    with torch.inference_mode(), adapter_rows([(adapter, slice(0, hidden.shape[0]))]):
         for block, prompt in zip(blocks, prompts):
             hidden, _ = block.module(add_prompt(hidden, prompt))
     return hidden.cpu()
 
 
 def backward_chain(blocks: Sequence[ServedBlock], inputs: torch.Tensor, grad_outputs: torch.Tensor,
-                   prompts: torch.Tensor | None) -> list[torch.Tensor]:
-    """Gradients of ``<outputs, grad_outputs>`` w.r.t. ``inputs`` (and ``prompts`` when given).
+                   prompts: torch.Tensor | None, adapter: str | None = None) -> list[torch.Tensor]:
+    """Gradients of ``<outputs, grad_outputs>`` w.r.t. ``inputs`` (and ``prompts`` when given), through the LoRA
+    ``adapter`` (None: the base model).
 
     ``prompts``: ``[num_blocks, batch or 1, pre_seq_len, hidden]``. Weights get no gradient.
     """
     inputs, grad_outputs, prompts = on_device(blocks, inputs, grad_outputs, prompts)
-    with torch.enable_grad():
+    with torch.enable_grad(), adapter_rows([(adapter, slice(0, inputs.shape[0]))]):
         inputs = inputs.detach().requires_grad_(True)
         leaves = [inputs]
         if prompts is not None:

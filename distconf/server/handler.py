@@ -207,17 +207,18 @@ class BlockHandler(BlockServicer):
 
     async def _forward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]) -> torch.Tensor:
         blocks = self.check_uids(uids)
-        check_adapter(metadata)
+        adapter = check_adapter(metadata, self.settings.adapters)
         s = self.settings
         hidden, prompts = unpack_tensors(tensors, metadata, ("hidden_states", "prompts"))
         hidden = check_hidden("hidden_states", hidden, s.hidden_size, s.dtype)
         per_block = check_prompts(prompts, len(blocks), hidden.shape[0], s.hidden_size, s.dtype, hidden.shape[1])
-        return await self.compute.run(forward_chain, blocks, hidden, per_block, cost=hidden.shape[0] * hidden.shape[1])
+        return await self.compute.run(forward_chain, blocks, hidden, per_block, adapter,
+                                      cost=hidden.shape[0] * hidden.shape[1])
 
     async def _backward(self, uids: str, tensors: list[torch.Tensor], metadata: dict[str, Any]
                         ) -> list[torch.Tensor]:
         blocks = self.check_uids(uids)
-        check_adapter(metadata)
+        adapter = check_adapter(metadata, self.settings.adapters)
         s = self.settings
         inputs, grads, prompts = unpack_tensors(tensors, metadata, ("inputs", "grad_outputs", "prompts"))
         inputs = check_hidden("inputs", inputs, s.hidden_size, s.dtype)
@@ -227,7 +228,7 @@ class BlockHandler(BlockServicer):
         check_prompts(prompts, len(blocks), inputs.shape[0], s.hidden_size, s.dtype, inputs.shape[1])
         has_prompts = prompts is not None and prompts.numel() > 0
         return await self.compute.run(backward_chain, blocks, inputs, grads,
-                                      prompts.to(s.dtype) if has_prompts else None,
+                                      prompts.to(s.dtype) if has_prompts else None, adapter,
                                       cost=2 * inputs.shape[0] * inputs.shape[1])
 
     @contextlib.asynccontextmanager

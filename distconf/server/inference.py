@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035
 
@@ -71,10 +71,11 @@ class OpenRequest:
     metadata: dict[str, Any]
     max_length: int
     session_id: str | None
+    adapter: str | None = None
 
 
 def parse_open(first: runtime_pb2.ExpertRequest, blocks: Mapping[str, ServedBlock],
-               inference_max_length: int) -> OpenRequest:
+               inference_max_length: int, adapters: Collection[str] = ()) -> OpenRequest:
     """Check a session's first message against the served ``blocks``; `RequestError` says what is wrong."""
     chain = served_chain(blocks, first.uid)
     try:
@@ -82,9 +83,9 @@ def parse_open(first: runtime_pb2.ExpertRequest, blocks: Mapping[str, ServedBloc
     except ProtocolError as exc:
         raise RequestError(str(exc)) from None
     max_length = metadata_int(metadata, KEY_MAX_LENGTH, low=0, high=inference_max_length)
-    check_adapter(metadata)
+    adapter = check_adapter(metadata, adapters)
     session_id = check_id(metadata.get(KEY_SESSION_ID), KEY_SESSION_ID)
-    return OpenRequest(chain, metadata, max_length, session_id)
+    return OpenRequest(chain, metadata, max_length, session_id, adapter)
 
 
 def named_pusher(metadata: dict[str, Any]) -> Any:

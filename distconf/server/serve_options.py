@@ -61,6 +61,7 @@ class ServeOptions:
     mean_balance_check_period: float = 60.0  # mean seconds between balance checks (uniform in 0..2x, as Petals)
     max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: `default_forward_tokens`)
     max_peer_cache_share: float = 0.5  # fraction of the cache budget one peer's sessions may hold together
+    adapters: tuple[str, ...] = ()  # Petals' --adapters: LoRA adapter folders or hub ids (NAME=SOURCE to rename)
 
     @property
     def network(self) -> NetworkOptions:

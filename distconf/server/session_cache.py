@@ -5,7 +5,8 @@ sparse-attention indexer's keys, a recurrent state), preallocated for ``batch x 
 `step_together` of one or several sessions' parts (a session alone is a batch of one, through the same code):
 per block, each session's past is read from its slots, the rows are joined along the batch, the block is called
 once (`distconf.blocks.past` packs the call), and each session's new entries go back to its own slots at its
-own position. Rows are joined in one of two ways, chosen by `batch_key`:
+own position; each session's rows get its own LoRA adapter's delta (`distconf.blocks.lora.adapter_rows`), so
+sessions of different adapters share a batch. Rows are joined in one of two ways, chosen by `batch_key`:
 
 - **aligned**: every part stands at one position with as many new tokens; rows are stacked as they are, exactly
   like one session with more rows. Sessions whose blocks keep a recurrent state or an indexer's keys are
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from distconf.blocks.layer_settings import RowLayout
+from distconf.blocks.lora import adapter_rows
 from distconf.blocks.past import LayerPast
 from distconf.server.compute import ServedBlock, add_prompt, on_device
 
@@ -77,6 +79,8 @@ class SessionCache:
     max_length: int
     position: int = 0
     slots: list[BlockSlots] = field(default_factory=list)
+    adapter: str | None = None
+    """The LoRA adapter the session's steps use (`distconf.blocks.lora`; None: the base model)."""
 
     @staticmethod
     def nbytes(blocks: Sequence[ServedBlock], batch: int, max_length: int) -> int:
@@ -296,7 +300,7 @@ def step_together(parts: Sequence[StepPart]) -> list[torch.Tensor]:
     layout = None if aligned else _layout(parts, past, new, device)
     slots = [p.cache.slots for p in parts]  # a session released meanwhile keeps these
     states: list[list[Any]] = [[s.state for s in own] for own in slots]  # taken only when every block succeeded
-    with torch.inference_mode():
+    with torch.inference_mode(), adapter_rows([(p.cache.adapter, rows) for p, rows in zip(parts, spans)]):
         for b, block in enumerate(blocks):
             caps = block.capabilities
             hidden = _with_prompts(hidden, parts, spans, prompts, b)

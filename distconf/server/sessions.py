@@ -216,7 +216,7 @@ class Sessions:
                 first = await inputs.next()
                 if first is None:
                     return
-                opened = parse_open(first, self.blocks, s.inference_max_length)
+                opened = parse_open(first, self.blocks, s.inference_max_length, s.adapters)
                 blocks = opened.blocks
                 # no await between the check of the session id and its registration
                 with self._registered(opened.session_id, pushes):
@@ -225,7 +225,7 @@ class Sessions:
                     budget = self._step_budget(blocks, _header_batch(first), opened.max_length)
                     step = Step(first, s.hidden_size, s.dtype, None, budget) if first.tensors else None
                     batch = step.batch if step is not None else 1
-                    cache = SessionCache(blocks, batch, opened.max_length)
+                    cache = SessionCache(blocks, batch, opened.max_length, adapter=opened.adapter)
                     alloc_timeout = metadata_number(opened.metadata, KEY_ALLOC_TIMEOUT, 0.0)
                     what = f"a session of {batch} x {opened.max_length} tokens over {len(blocks)} blocks"
                     nbytes = SessionCache.nbytes(blocks, batch, opened.max_length)

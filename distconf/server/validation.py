@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -198,8 +198,15 @@ def next_servers(value: Any) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def check_adapter(metadata: dict[str, Any]) -> None:
-    """This server serves no adapters: a request naming one is refused rather than run without it."""
+def check_adapter(metadata: dict[str, Any], served: Collection[str] = ()) -> str | None:
+    """The LoRA adapter a request asks for (Petals' ``active_adapter``; None or "": the base model), one of
+    ``served``; a request naming another is refused rather than run without it."""
     adapter = metadata.get(KEY_ACTIVE_ADAPTER)
-    if adapter:
-        raise RequestError(f"adapter {reprlib.repr(adapter)} is not served here (this server has no adapters)")
+    if adapter is None or adapter == "":
+        return None
+    if not isinstance(adapter, str):
+        raise RequestError(f"metadata {KEY_ACTIVE_ADAPTER!r} is a {type(adapter).__name__}, not a string")
+    if adapter not in served:
+        held = f"it serves {', '.join(map(repr, sorted(served)))}" if served else "this server has no adapters"
+        raise RequestError(f"adapter {reprlib.repr(adapter)} is not served here ({held})")
+    return adapter
