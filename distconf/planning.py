@@ -182,6 +182,8 @@ class ServerPlan:
     """Blocks of the model that keep K/V (all of them for an attention-only family)."""
     state_blocks: int = 0
     """Blocks of the model that keep a per-sequence state (a hybrid: some; a state-space family: all)."""
+    adapter_bytes_per_block: int = 0
+    """Bytes of LoRA adapters beside each block, included in ``block_bytes``."""
 
     @property
     def total_block_bytes(self) -> int:
@@ -228,6 +230,7 @@ def plan_server(
     device_type: str = "cpu",
     block_bytes: int | None = None,
     kv_bytes_per_token: int | None = None,
+    adapter_bytes_per_block: int = 0,
 ) -> ServerPlan:
     """How many blocks of ``config``'s model fit in ``memory_bytes``.
 
@@ -249,6 +252,8 @@ def plan_server(
     :param block_bytes: bytes of one block; default ``sizing.block_size_bytes(config, dtype, quant)``.
     :param kv_bytes_per_token: KV bytes per token per block; default
         ``sizing.kv_cache_bytes_per_token(config, dtype)``.
+    :param adapter_bytes_per_block: bytes of the LoRA adapters served beside each block (``--adapters``,
+        `distconf.blocks.lora.lora_bytes_per_block`): counted with the block's weights.
     """
     memory = parse_memory(memory_bytes)
     dtype_name = resolve_dtype(dtype)
@@ -277,6 +282,7 @@ def plan_server(
     cache_per_block = max(kv_bytes_per_token * attn_cache_tokens * kv + state_bytes * state_sequences * st
                           for kv, st in kinds)
     reserve = autograd_reserve_bytes(config, num_devices)
+    block_bytes = int(block_bytes) + int(adapter_bytes_per_block)
 
     def fit(per_block: int) -> int:
         n = math.floor((memory - reserve) / (block_bytes + per_block))
@@ -308,6 +314,7 @@ def plan_server(
         petals_default_num_blocks=fit(petals_default_cache),
         state_bytes_per_sequence=state_bytes,
         state_sequences=state_sequences,
+        adapter_bytes_per_block=int(adapter_bytes_per_block),
         kv_blocks=sum(kv_kinds),
         state_blocks=sum(state_kinds),
     )

@@ -328,3 +328,28 @@ def test_smollm2_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: p
     tokenizer = again.load_tokenizer()
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
     assert tokenizer.decode(tokenizer("The capital of France")["input_ids"]) == "The capital of France"
+
+
+def test_gguf_no_family_serves_is_refused_from_its_header_before_any_conversion(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """stablelm: transformers reads it, no family file serves it; the header says so before minutes of converting."""
+    file = write_gguf(tmp_path / "t.gguf", arch="stablelm")
+
+    def never(path: Path, name: str) -> torch.nn.Module:
+        raise AssertionError("converted before the family was checked")
+
+    monkeypatch.setattr(gguf_convert, "load_gguf_model", never)
+    _raises("unsupported architecture: no family file serves model_type 'stablelm'", file, file,
+            cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize(("arch", "name", "model_type"), [
+    ("llama", "SmolLM2", "llama"), ("llama", "mistral", "mistral"), ("gemma3", "Gemma 3 270m", "gemma3_text"),
+    ("qwen2moe", None, "qwen2_moe"), ("gpt-oss", None, "gpt_oss"), ("minimax-m2", None, "minimax_m2"),
+])
+def test_a_gguf_header_names_the_model_type_transformers_converts_it_to(arch: str, name: str | None,
+                                                                        model_type: str) -> None:
+    from distconf.sources.gguf_header import GGUFHeader
+
+    metadata = {"general.architecture": arch, **({"general.name": name} if name else {})}
+    assert GGUFHeader(3, metadata).model_type == model_type

@@ -173,7 +173,8 @@ def build_app(backend: Backend, *, api_key: str | None = None,
             authorize(request)
         except ApiError as exc:
             return _error(exc)
-        return JSONResponse({"object": "list", "data": [shapes.model_object(backend.model_id, backend.created)]})
+        return JSONResponse({"object": "list", "data": [shapes.model_object(model_id, backend.created)
+                                                        for model_id in backend.model_ids]})
 
     async def model(request: Request) -> Response:
         try:
@@ -181,7 +182,7 @@ def build_app(backend: Backend, *, api_key: str | None = None,
             backend.check_model(request.path_params["model"])
         except ApiError as exc:
             return _error(exc)
-        return JSONResponse(shapes.model_object(backend.model_id, backend.created))
+        return JSONResponse(shapes.model_object(request.path_params["model"], backend.created))
 
     async def verification(request: Request) -> Response:
         try:
@@ -214,10 +215,10 @@ def build_app(backend: Backend, *, api_key: str | None = None,
             authorize(request)
             parsed = (parse_chat if kind == "chat" else parse_completion)(await _read_json(request, max_body_bytes))
             state["model"] = parsed.model
-            backend.check_model(parsed.model)
+            adapter = backend.check_model(parsed.model)
             ids = backend.input_ids(parsed)
             sampling = backend.sampling(parsed, len(ids))
-            generation = state["generation"] = backend.start(parsed, ids, sampling)
+            generation = state["generation"] = backend.start(parsed, ids, sampling, adapter)
             first = await _next_event(generation, request)
             if first.kind == "error" and first.error is not None:
                 raise first.error
@@ -278,14 +279,14 @@ async def _collect(backend: Backend, request: Any, generation: Generation, first
         event = await _next_event(generation, http)
     use = shapes.usage(generation.prompt_tokens, sum(s.completion_tokens for s in generation.streams))
     build = shapes.chat_completion if request.kind == "chat" else shapes.text_completion
-    return build(cid, created, backend.model_id, choices, use)
+    return build(cid, created, request.model, choices, use)
 
 
 async def _events(backend: Backend, request: Any, generation: Generation, first: Event, cid: str,
                   created: int) -> AsyncIterator[bytes]:
     """The stream's server-sent events, ending with ``data: [DONE]``."""
     chat = request.kind == "chat"
-    model, started, offsets = backend.model_id, set(), dict.fromkeys(range(request.n), 0)
+    model, started, offsets = request.model, set(), dict.fromkeys(range(request.n), 0)
     event = first
     while event.kind != "done":
         if event.kind == "error" and event.error is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -89,7 +89,7 @@ class Generation:
 
 
 class Backend:
-    """A distributed model with its tokenizer, served under ``model_id``.
+    """A distributed model with its tokenizer, served under ``model_id``, and under one more id per LoRA adapter.
 
     :param max_concurrent: most requests generating at once (each holds a thread); later ones wait.
     :param max_waiting: most requests waiting for a thread; more are refused (429).
@@ -97,12 +97,18 @@ class Backend:
         to; None: the model does not verify its servers).
     :param verify_fraction: the share of steps the model spot-checks (reported as is).
     :param speculation: makes the `distconf.client.speculative.Speculation` of each generation (None: none).
+    :param adapters: ``{model id: adapter name}``: each id serves the model through that LoRA adapter (the
+        servers' ``--adapters``), batched on the servers with every other id's requests.
     """
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str, *, max_concurrent: int = 8,
                  max_waiting: int = 64, created: int = 0, verification_events: Sequence[Any] | None = None,
-                 verify_fraction: float = 0.0, speculation: Callable[[], Any] | None = None) -> None:
+                 verify_fraction: float = 0.0, speculation: Callable[[], Any] | None = None,
+                 adapters: Mapping[str, str] | None = None) -> None:
         self.model, self.tokenizer, self.model_id, self.created = model, tokenizer, model_id, created
+        self.adapters = dict(adapters or {})
+        if model_id in self.adapters:
+            raise ValueError(f"model id {model_id!r} names both the base model and an adapter")
         self.verification_events, self.verify_fraction = verification_events, float(verify_fraction)
         self.speculation = speculation
         self.context = max_positions(model.config) or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
@@ -111,11 +117,20 @@ class Backend:
         self._lock = threading.Lock()
         self._pending = 0  # requests generating or waiting
 
-    def check_model(self, model: str) -> None:
-        """404 unless ``model`` is the id this server serves."""
-        if model != self.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+    @property
+    def model_ids(self) -> list[str]:
+        """Every id this server serves: the base model's, then each adapter's."""
+        return [self.model_id, *self.adapters]
+
+    def check_model(self, model: str) -> str | None:
+        """The adapter of model id ``model`` (None: the base model); 404 for an id this server does not serve."""
+        if model == self.model_id:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        served = ", ".join(f"'{m}'" for m in self.model_ids)
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
 
     def input_ids(self, request: Request) -> list[int]:
         """The prompt's token ids (chat: through the chat template)."""
@@ -141,8 +156,10 @@ class Backend:
                            f"of {self.context} tokens", param="max_tokens", code="context_length_exceeded")
         return replace(request.sampling, max_tokens=wanted)
 
-    def start(self, request: Request, input_ids: list[int], sampling: Sampling) -> Generation:
-        """Generate ``request.n`` choices in a worker thread; return the `Generation` reporting them."""
+    def start(self, request: Request, input_ids: list[int], sampling: Sampling,
+              adapter: str | None = None) -> Generation:
+        """Generate ``request.n`` choices in a worker thread (through ``adapter``, None: the base model); return the
+        `Generation` reporting them."""
         with self._lock:
             if self._pending >= self.max_concurrent + self.max_waiting:
                 raise ApiError(429, f"too many requests: {self._pending} are generating or waiting",
@@ -151,7 +168,7 @@ class Backend:
         generation = Generation(asyncio.get_running_loop())
         generation.prompt_tokens = len(input_ids)
         try:
-            self.executor.submit(self._work, generation, input_ids, sampling, request.n)
+            self.executor.submit(self._work, generation, input_ids, sampling, request.n, adapter)
         except RuntimeError:
             self._release()
             raise ApiError(503, "the server is shutting down", type="server_error") from None
@@ -161,14 +178,15 @@ class Backend:
         with self._lock:
             self._pending -= 1
 
-    def _work(self, generation: Generation, input_ids: list[int], sampling: Sampling, n: int) -> None:
+    def _work(self, generation: Generation, input_ids: list[int], sampling: Sampling, n: int,
+              adapter: str | None) -> None:
         try:
             for index in range(n):
                 if generation.cancelled.is_set():
                     break
                 seed = None if sampling.seed is None else sampling.seed + index
                 stream = stream_text(self.model, self.tokenizer, input_ids, replace(sampling, seed=seed),
-                                     self.speculation() if self.speculation is not None else None)
+                                     self.speculation() if self.speculation is not None else None, adapter)
                 generation.streams.append(stream)
                 if generation.cancelled.is_set():
                     stream.close()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LoraAdapter", "LoraWeights", "adapter_rows",
-           "attach", "read_lora"]
+           "attach", "check_targets", "lora_bytes_per_block", "read_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -170,6 +170,24 @@ def read_lora(source: str | Path, name: str, config: Any, layers: Sequence[int],
     targets = settings.get("target_modules")
     target_modules = tuple(targets) if isinstance(targets, list) else (str(targets),) if targets else ()
     return LoraAdapter(name, rank, alpha, target_modules, modules)
+
+
+def lora_bytes_per_block(source: str | Path, config: Any, dtype: torch.dtype) -> int:
+    """Bytes the adapter in folder ``source`` holds for its largest layer in ``dtype``, from the safetensors header
+    alone (what the planner adds to each block); 0 for a folder without adapter weights."""
+    from safetensors import safe_open
+
+    weights = Path(source) / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        return 0
+    prefixes = {p: i for i in range(int(config.num_hidden_layers)) for p in layer_prefixes(config, i)}
+    per_layer: dict[int, int] = {}
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            parts = _split_key(key, prefixes)
+            if parts is not None:
+                per_layer[parts[0]] = per_layer.get(parts[0], 0) + math.prod(f.get_slice(key).get_shape())
+    return max(per_layer.values(), default=0) * dtype.itemsize
 
 
 def check_targets(adapter: LoraAdapter, block: Any, layer: int) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
 from distconf.cli.helptext import add_command, positive_int
 from distconf.cli.speculation_args import add_speculation_arguments
@@ -50,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             ("curl http://127.0.0.1:8000/v1/models", "the model's id (for the requests' \"model\")"),
             ("distconf api ./model --initial-peers ADDR --verify-fraction 0.1", "spot-check the servers"),
             ("curl http://127.0.0.1:8000/distconf/verification", "the servers caught so far (JSON)"),
+            ("distconf api ./model --initial-peers ADDR --adapters ./my-lora support=./support-lora",
+             "also serve ID:./my-lora and support, each through its LoRA adapter on the servers"),
         ],
     )
     add_swarm_arguments(p)
@@ -64,11 +67,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests generating at once (default 8; later ones wait)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
                    help="largest request body in bytes (default 1048576)")
+    p.add_argument("--adapters", nargs="+", default=(), metavar="ADAPTER",
+                   help="LoRA adapters the servers serve (by the names they announce), each offered as one more "
+                        "model id: 'ID:ADAPTER' (ID: --model-id), or the id you give as NEW_ID=ADAPTER; requests for "
+                        "different ids are batched together on the servers")
     p.add_argument("--max-retries", type=int, default=3,
                    help="retries of a failed swarm request before answering 503 (default 3)")
     add_verify_arguments(p)
     add_speculation_arguments(p)
     p.set_defaults(func=run)
+
+
+def adapter_model_ids(model_id: str, arguments: Sequence[str]) -> dict[str, str]:
+    """``{model id: adapter}`` of ``--adapters`` arguments: ``ID=ADAPTER``, or ``ADAPTER`` as ``MODEL_ID:ADAPTER``."""
+    ids: dict[str, str] = {}
+    for argument in arguments:
+        new_id, sep, adapter = argument.partition("=")
+        if not (sep and new_id and adapter):
+            new_id, adapter = f"{model_id}:{argument}", argument
+        if new_id in ids or new_id == model_id:
+            raise ValueError(f"--adapters: model id {new_id!r} is given twice")
+        ids[new_id] = adapter
+    return ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,9 +121,15 @@ def run(args: argparse.Namespace) -> int:
     from distconf.monitor.serve import is_loopback, serve_forever
 
     model_id = args.model_id or model.config.dht_prefix
+    try:
+        adapters = adapter_model_ids(model_id, args.adapters)
+    except ValueError as exc:
+        close_swarm_model(model)
+        print(f"distconf api: {exc}", file=sys.stderr)
+        return 2
     backend = Backend(model, tokenizer, model_id, max_concurrent=args.max_concurrent, created=now(),
                       verification_events=model.verification_events,
-                      verify_fraction=model.config.verify_fraction, speculation=speculation)
+                      verify_fraction=model.config.verify_fraction, speculation=speculation, adapters=adapters)
     try:
         loopback = is_loopback(args.host)
         if not loopback:

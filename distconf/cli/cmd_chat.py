@@ -8,7 +8,13 @@ from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
 from distconf.cli.speculation_args import add_speculation_arguments
-from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
+from distconf.cli.swarm_args import (
+    adapter_fields,
+    add_adapter_argument,
+    add_swarm_arguments,
+    add_verify_arguments,
+    verify_fields,
+)
 from distconf.loader.naming import config_num_blocks
 
 __all__ = ["register", "run", "main"]
@@ -47,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.9, help="sample within top-p probability mass (default 0.9)")
     p.add_argument("--seed", type=int, default=None,
                    help="random seed of every reply's sampling (default: a fresh one)")
+    add_adapter_argument(p)
     add_verify_arguments(p)
     add_speculation_arguments(p)
     p.set_defaults(func=run)
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"distconf chat: {exc}", file=sys.stderr)
         return 2
     fields: dict[str, object] = {"show_route": False,  # a log line per reply would break into the conversation
-                                 **verify_fields(args)}
+                                 **verify_fields(args), **adapter_fields(args)}
     try:
         model, tokenizer = open_swarm_model(args, need_tokenizer=True, **fields)
     except CommandFailed as exc:

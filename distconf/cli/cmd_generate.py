@@ -8,7 +8,13 @@ from typing import Any
 
 from distconf.cli.helptext import add_command, positive_int
 from distconf.cli.speculation_args import add_speculation_arguments
-from distconf.cli.swarm_args import add_swarm_arguments, add_verify_arguments, verify_fields
+from distconf.cli.swarm_args import (
+    adapter_fields,
+    add_adapter_argument,
+    add_swarm_arguments,
+    add_verify_arguments,
+    verify_fields,
+)
 
 __all__ = ["register", "run", "main", "parse_ids", "empty_answer_notice"]
 
@@ -78,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-server-to-server", action="store_true", help="never let servers push to each other")
     p.add_argument("--show-route", action="store_true", help="log the route of the session")
+    add_adapter_argument(p)
     add_verify_arguments(p)
     add_speculation_arguments(p)
     p.set_defaults(func=run)
@@ -136,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         quiet_verification_log,
     )
 
-    fields: dict[str, Any] = {"show_route": bool(args.show_route), **verify_fields(args)}
+    fields: dict[str, Any] = {"show_route": bool(args.show_route), **verify_fields(args), **adapter_fields(args)}
     if args.no_server_to_server:
         fields["use_server_to_server"] = False
     try:

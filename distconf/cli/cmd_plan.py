@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Exit 1 if not one block fits.",
         examples=[("distconf plan ORG/MODEL --memory 24GiB", "a shipped preset, bfloat16"),
                   ("distconf plan ~/models/my-model --memory 80GB --quant nf4", "a local model, 4-bit weights"),
-                  ("distconf plan ORG/MODEL --memory 48GiB --num-devices 2 --json", "two devices, as JSON")],
+                  ("distconf plan ORG/MODEL --memory 48GiB --num-devices 2 --json", "two devices, as JSON"),
+                  ("distconf plan ~/models/my-model --memory 8GiB --adapters ./my-lora",
+                   "with a LoRA adapter beside every block")],
     )
     p.add_argument("model", metavar="PRESET_OR_DIR", help="a preset hub id (see `distconf demo`) or a model directory")
     p.add_argument("--memory", required=True, help="memory for the server, e.g. 24GiB, 80GB, 512MiB")
@@ -37,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="cache tokens per block (default 16384 for grouped-query models, else 4096)")
     p.add_argument("--num-devices", type=positive_int, default=1,
                    help="devices sharing the blocks (tensor parallel; default 1)")
+    p.add_argument("--adapters", nargs="+", default=(), metavar="FOLDER",
+                   help="LoRA adapter folders served beside the blocks (distconf serve --adapters): their bytes "
+                        "count with each block's weights")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -60,6 +65,20 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
+def _adapter_bytes(args: argparse.Namespace, config: Any, dtype: Any) -> int:
+    """Bytes of ``--adapters`` beside each block (their largest layer), in the plan's dtype."""
+    if not args.adapters:
+        return 0
+    import torch
+
+    from distconf.blocks.lora import lora_bytes_per_block
+    from distconf.planning import resolve_dtype
+    from distconf.server.adapters import parse_adapters
+
+    torch_dtype = getattr(torch, resolve_dtype(dtype))
+    return sum(lora_bytes_per_block(s.folder(), config, torch_dtype) for s in parse_adapters(args.adapters))
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 1 on a bad argument or if not one block fits."""
     from distconf.cli.table import format_table
@@ -76,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
             dtype = resolve_compute_dtype("auto", config, torch.device("cpu"))[0]
         plan = plan_server(config, memory, dtype, args.quant, args.attn_cache_tokens,
-                           num_devices=args.num_devices)
+                           num_devices=args.num_devices, adapter_bytes_per_block=_adapter_bytes(args, config, dtype))
     except (ValueError, LookupError, OSError) as exc:
         print(f"distconf plan: {exc}", file=sys.stderr)
         return 1
@@ -100,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         ["cache per block", _mib(plan.cache_bytes_per_block), _mib(plan.petals_cache_bytes_per_block),
          _mib(plan.petals_default_cache_bytes_per_block)],
         ["block weights", _mib(plan.block_bytes), _mib(plan.block_bytes), _mib(plan.block_bytes)],
+        *([["of which adapters", _mib(plan.adapter_bytes_per_block), "-", "-"]]
+          if plan.adapter_bytes_per_block else []),
         ["autograd reserve", _mib(plan.autograd_reserve_bytes), _mib(plan.autograd_reserve_bytes),
          _mib(plan.autograd_reserve_bytes)],
         ["blocks that fit", f"{plan.num_blocks} / {plan.max_blocks}",

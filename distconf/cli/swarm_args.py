@@ -145,3 +145,15 @@ def verify_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.weights_manifest is not None:
         fields["weights_manifest"] = os.path.abspath(args.weights_manifest)
     return fields
+
+
+def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--adapter NAME``: the LoRA adapter the servers apply (Petals' ``active_adapter``)."""
+    parser.add_argument("--adapter", default=None, metavar="NAME",
+                        help="a LoRA adapter the servers serve (distconf serve --adapters), by the name they "
+                             "announce; only servers serving it are used (default: the base model)")
+
+
+def adapter_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The client config field ``--adapter`` sets (``active_adapter``), when given."""
+    return {"active_adapter": args.adapter} if args.adapter else {}

@@ -45,9 +45,11 @@ class RemoteCache(Cache):
     let ``generate`` make one. Close it (or use ``with``) to free the servers' memory.
     """
 
-    def __init__(self, remote: Any, max_length: int, num_layers: int, prompts: PromptTuning | None = None) -> None:
+    def __init__(self, remote: Any, max_length: int, num_layers: int, prompts: PromptTuning | None = None,
+                 adapter: str | None = None) -> None:
         super().__init__(layers=[PositionLayer(self) for _ in range(num_layers)])
         self.remote = remote
+        self.adapter = adapter  # the LoRA adapter of this session (None: the config's active_adapter)
         self.max_length = int(max_length)
         self.prompts = prompts
         self.prefix = prompts.pre_seq_len if prompts is not None else 0
@@ -110,7 +112,7 @@ class RemoteCache(Cache):
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Run new hidden states ``[batch, new_tokens, hidden]`` through every block of the swarm."""
         if self.session is None:
-            self.session = self.remote.inference_session(self.max_length + self.prefix)
+            self.session = self.remote.inference_session(self.max_length + self.prefix, self.adapter)
         if self._rewind is not None:
             self.session.rewind(min(self._rewind + self.prefix, self.session.position))
             self._rewind = None

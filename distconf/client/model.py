@@ -82,12 +82,14 @@ class DistributedCausalLMMixin(RemoteCacheGenerationMixin):
         """The trained prompts (``config.tuning_mode``), or None."""
         return getattr(self, PROMPTS_ATTRIBUTE, None)
 
-    def inference_session(self, max_length: int) -> RemoteCache:
+    def inference_session(self, max_length: int, adapter: str | None = None) -> RemoteCache:
         """A remote session usable as ``generate(..., cache=session)``; close it (or ``with``) when done.
 
-        ``max_length`` counts the user's tokens; the session also holds the prompt positions.
+        ``max_length`` counts the user's tokens; the session also holds the prompt positions. ``adapter``: the
+        LoRA adapter the servers apply for this session (None: ``config.active_adapter``, Petals' field).
         """
-        return RemoteCache(self.remote, max_length, config_num_blocks(self.config), prompts=self.prompts)
+        return RemoteCache(self.remote, max_length, config_num_blocks(self.config), prompts=self.prompts,
+                           adapter=adapter)
 
     @property
     def verification_events(self) -> list[VerificationEvent]:

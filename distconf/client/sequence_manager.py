@@ -14,6 +14,7 @@ announced weight digests differ from the manifest are left out (`distconf.client
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -57,6 +58,16 @@ class SequenceManager:
         self.allowed = None if config.allowed_servers is None else set(config.allowed_servers)
         self.blocked = set(config.blocked_servers or ())
         self.commitments = Commitments.for_config(config, self.dht_prefix, self.num_blocks)  # None: no manifest
+        self.adapter: str | None = config.active_adapter or None
+        """The LoRA adapter requests ask for (``active_adapter``); routes use only servers that serve it."""
+
+    def with_adapter(self, adapter: str | None) -> SequenceManager:
+        """This manager for sessions of ``adapter`` (None: the base model): the same swarm, bans and pings."""
+        if (adapter or None) == self.adapter:
+            return self
+        other = copy.copy(self)
+        other.adapter = adapter or None
+        return other
 
     # ------------------------------------------------------------------ swarm state
     def update(self, force: bool = False) -> SwarmState:
@@ -91,8 +102,7 @@ class SequenceManager:
         return self.allowed is None or peer_id in self.allowed
 
     def _holds_adapter(self, span: RemoteSpan) -> bool:
-        adapter = self.config.active_adapter
-        return not adapter or adapter in (span.info.adapters or ())
+        return not self.adapter or self.adapter in (span.info.adapters or ())
 
     def banned(self) -> set[str]:
         """Peers banned right now."""
@@ -136,8 +146,8 @@ class SequenceManager:
                               avoid_if_possible=[unreachable_peers(self.pings), short])
         except NoRouteError as exc:
             if lacking and any(s.start <= exc.block < s.end for s in state.spans if s.peer_id in lacking):
-                raise NoRouteError(f"{exc}; the servers there do not serve adapter "
-                                   f"{self.config.active_adapter!r} (active_adapter)", exc.block,
+                raise NoRouteError(f"{exc}; the servers there do not serve adapter {self.adapter!r} "
+                                   "(active_adapter)", exc.block,
                                    exc.dht_prefix) from None
             failed = [f"{s.peer_id} (blocks {s.start}..{s.end - 1}) failed: {self.ban_reasons[s.peer_id]}"
                       for s in state.spans if s.peer_id in banned and s.peer_id in self.ban_reasons
@@ -265,7 +275,7 @@ class SequenceManager:
 
     def request_metadata(self) -> dict[str, Any]:
         """Metadata every request carries: ``active_adapter`` and ``points``."""
-        return {KEY_ACTIVE_ADAPTER: self.config.active_adapter or "", KEY_POINTS: 0}
+        return {KEY_ACTIVE_ADAPTER: self.adapter or "", KEY_POINTS: 0}
 
 
 _DIAL_ERRORS = {

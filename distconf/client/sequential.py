@@ -58,9 +58,11 @@ class RemoteSequential(torch.nn.Module):
             _check_prompts(prompts, self.manager.num_blocks, hidden_states)
         return _RemoteBlocks.apply(hidden_states, prompts, self.manager, self.verifier)
 
-    def inference_session(self, max_length: int) -> InferenceSession:
-        """A new inference session holding up to ``max_length`` tokens (close it when done)."""
-        return InferenceSession(self.manager, max_length, dtype=_float_dtype(self.config), verifier=self.verifier)
+    def inference_session(self, max_length: int, adapter: str | None = None) -> InferenceSession:
+        """A new inference session holding up to ``max_length`` tokens (close it when done), through the LoRA
+        ``adapter`` (None: the config's ``active_adapter``)."""
+        manager = self.manager.with_adapter(adapter) if adapter else self.manager
+        return InferenceSession(manager, max_length, dtype=_float_dtype(self.config), verifier=self.verifier)
 
 
 def _check_prompts(prompts: torch.Tensor, num_blocks: int, hidden_states: torch.Tensor) -> None:

@@ -48,7 +48,7 @@ def _open_shadows(session: Any, todo: list[tuple[int, Any]], failed: set[str]) -
         if check.shadow is not None:
             continue
         span = span_session.span
-        candidates = verifier.candidates(span, {span_session.peer_id} | failed)
+        candidates = verifier.candidates(span, {span_session.peer_id} | failed, manager)
         if not candidates:
             raise VerificationError(
                 f"no independent server of the same dtype and quantization holds blocks {span.start}..{span.end - 1} "
@@ -127,7 +127,8 @@ def check_session(session: Any, step: int) -> list[tuple[int, VerificationEvent,
             return forward_span(session.manager, third, history, session.prompts)[:, first:]
 
         verdict = verifier.arbitrate(span_session.span, checker, recompute, history[:, first:], first, primary,
-                                     checked, step=step, kind="inference", tolerance=tolerance)
+                                     checked, step=step, kind="inference", tolerance=tolerance,
+                                     manager=session.manager)
         event = verdict.event
         if verdict.primary_guilty:
             owner = check.owner(event.position) or span_session.peer_id

@@ -85,7 +85,7 @@ class TextStream:
     """
 
     def __init__(self, model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling,
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, adapter: str | None = None) -> None:
         if not input_ids:
             raise ValueError("the prompt is empty")
         limit = max_positions(model.config)
@@ -108,7 +108,8 @@ class TextStream:
         self.finish_reason: str | None = None
         self.text = ""
         self._eos = eos_token_ids(model, tokenizer)
-        self._cache = model.inference_session(max_length=self.prompt_tokens + sampling.max_tokens)
+        session_of = {"adapter": adapter} if adapter else {}  # a model without adapters takes no such argument
+        self._cache = model.inference_session(max_length=self.prompt_tokens + sampling.max_tokens, **session_of)
         self._lock = threading.Lock()  # held while a step runs
         self._closed = False
         self._generator: torch.Generator | None = None
@@ -345,7 +346,7 @@ class TextStream:
 
 
 def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Sampling,
-                speculation: Speculation | None = None) -> TextStream:
+                speculation: Speculation | None = None, adapter: str | None = None) -> TextStream:
     """Generate from ``input_ids`` through one new inference session of ``model`` (see `TextStream`).
 
     :param model: a distributed causal LM (`distconf.client.AutoDistributedModelForCausalLM`); any
@@ -355,5 +356,7 @@ def stream_text(model: Any, tokenizer: Any, input_ids: list[int], sampling: Samp
     :param sampling: how tokens are picked and when the stream ends.
     :param speculation: a draft and its controller (`distconf.client.speculative`): several tokens per step,
         the same tokens (greedy) or the same distribution (sampling) as without.
+    :param adapter: the LoRA adapter the servers apply (`distconf.blocks.lora`; None: the model's
+        ``active_adapter``); only servers serving it are used.
     """
-    return TextStream(model, tokenizer, input_ids, sampling, speculation)
+    return TextStream(model, tokenizer, input_ids, sampling, speculation, adapter)

@@ -183,16 +183,16 @@ class Verifier:
         return max(tolerance_for(d, self.configured_tolerance) for d in dtypes or (None,))
 
     # ------------------------------------------------------------------ servers
-    def candidates(self, span: RemoteSpan, exclude: set[str]) -> list[RemoteSpan]:
+    def candidates(self, span: RemoteSpan, exclude: set[str], manager: Any = None) -> list[RemoteSpan]:
         """Independent servers of ``span``'s blocks, in random order, each as a span over exactly those blocks.
 
         They are ONLINE, usable (allowed, not blocked, not refused by the weights manifest),
         not banned, not in ``exclude``, and announce the same compute dtype and quantization
         as ``span``'s server: honest servers of different forms differ by more than the
         tolerance (a bfloat16 server from a float32 one by up to ~0.3), so only like is
-        compared with like.
+        compared with like. ``manager``: the session's (its adapter's servers only; default the client's).
         """
-        manager = self.manager
+        manager = manager or self.manager
         state = manager.update()
         banned = manager.banned() | exclude
         form = _form(span)
@@ -229,17 +229,17 @@ class Verifier:
     # ------------------------------------------------------------------ settling a disagreement
     def arbitrate(self, span: RemoteSpan, checker: str, recompute: Callable[[RemoteSpan], torch.Tensor],
                   base: torch.Tensor, first: int, primary: torch.Tensor, checked: torch.Tensor, *, step: int,
-                  kind: str, tolerance: float) -> Verdict:
+                  kind: str, tolerance: float, manager: Any = None) -> Verdict:
         """Ask a third server which of ``span``'s server and ``checker`` computed positions ``first..`` right.
 
         ``recompute(third)``: the third server's result for those positions (for a session, a
         one-shot ``rpc_forward`` of the whole history); ``base``: what differences are measured
         against (the span's inputs there, `update_difference`; zeros for gradients); ``primary``
         and ``checked``: the two results. Raises `VerificationError` when no third server can
-        answer or when it agrees with neither.
+        answer or when it agrees with neither. ``manager``: the session's (see `candidates`).
         """
         tried: set[str] = {span.peer_id, checker}
-        for third in self.candidates(span, tried)[:3]:
+        for third in self.candidates(span, tried, manager)[:3]:
             tried.add(third.peer_id)
             try:
                 reference = recompute(third)

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distconf.blocks.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, LoraAdapter, attach, read_lora
+from distconf.blocks.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    LoraAdapter,
+    attach,
+    lora_bytes_per_block,
+    read_lora,
+)
 from distconf.loader.layer_stack import model_layer
 
 __all__ = ["AdapterSource", "ServedAdapters", "parse_adapters"]
@@ -73,6 +81,10 @@ class ServedAdapters:
     def names(self) -> tuple[str, ...]:
         """The names requests may ask for (``active_adapter``), as announced in the server's record."""
         return tuple(s.name for s in self.sources)
+
+    def bytes_per_block(self) -> int:
+        """Bytes every adapter together holds for one block (its largest layer), for the planner."""
+        return sum(lora_bytes_per_block(s.folder(**self.hub), self.config, self.dtype) for s in self.sources)
 
     def read(self, start: int, end: int) -> int:
         """Read and check every adapter for blocks ``start..end-1``; returns the bytes they hold.

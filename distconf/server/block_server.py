@@ -188,8 +188,10 @@ class BlockServer(SpanMoves):
 
             seen = available_memory(self.device)
             memory = seen.usable
+        self.adapters = ServedAdapters(parse_adapters(o.adapters), config, self.dtype)
         span = plan_span(config, memory, dtype_name, dht=self.dht, blocks=o.blocks, num_blocks=o.num_blocks,
-                         attn_cache_tokens=o.attn_cache_tokens, quant=self.quant, device_type=self.device.type)
+                         attn_cache_tokens=o.attn_cache_tokens, quant=self.quant, device_type=self.device.type,
+                         adapter_bytes_per_block=self.adapters.bytes_per_block())
         if sized:
             logger.info("sized from memory: %.2f GiB available (%s) - %.2f GiB margin = %.2f GiB -> %d of %d "
                         "blocks (%.1f MiB each, %s, quant %s), %d cache tokens per block", seen.available / 2**30,
@@ -199,12 +201,7 @@ class BlockServer(SpanMoves):
         self.start_block, self.end_block = span.start, span.end
         self.kv_bytes_per_token = kv_cache_bytes_per_token(config, self.dtype)
         self.budget_bytes = span.plan.cache_bytes_per_block * span.num_blocks
-        self.adapters = ServedAdapters(parse_adapters(o.adapters), config, self.dtype)
-        adapter_bytes = self.adapters.read(span.start, span.end)  # checked before any block is loaded
-        if adapter_bytes:
-            self.budget_bytes = max(0, self.budget_bytes - adapter_bytes)
-            logger.info("adapters hold %.2f MiB; cache budget %.1f MiB", adapter_bytes / 2**20,
-                        self.budget_bytes / 2**20)
+        self.adapters.read(span.start, span.end)  # checked before any block is loaded
         info = ServerInfo(state=ServerState.JOINING, throughput=0.0, public_name=o.public_name, version=VERSION,
                           torch_dtype=dtype_name, quant_type=petals_quant_type(self.quant),
                           start_block=span.start, end_block=span.end, using_relay=self.using_relay,

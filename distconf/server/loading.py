@@ -42,7 +42,7 @@ class SpanPlan:
 def plan_span(config: DistributedConfig, memory: int | str, dtype: str, *, dht: Any = None,
               blocks: tuple[int, int] | None = None, num_blocks: int | None = None,
               attn_cache_tokens: int | None = None, quant: str | None = None, device_type: str = "cpu",
-              timeout: float = 10.0) -> SpanPlan:
+              timeout: float = 10.0, adapter_bytes_per_block: int = 0) -> SpanPlan:
     """Choose the span: ``blocks`` as given; else ``num_blocks`` (or as many as ``memory`` holds)
     placed with `choose_blocks` over the swarm ``dht`` sees (an empty swarm without a DHT).
 
@@ -52,7 +52,8 @@ def plan_span(config: DistributedConfig, memory: int | str, dtype: str, *, dht: 
     from distconf.dht import find_block_servers
     from distconf.planning import choose_blocks, plan_server
 
-    plan = plan_server(config, memory, dtype, quant, attn_cache_tokens=attn_cache_tokens, device_type=device_type)
+    plan = plan_server(config, memory, dtype, quant, attn_cache_tokens=attn_cache_tokens, device_type=device_type,
+                       adapter_bytes_per_block=adapter_bytes_per_block)
     layers = config_num_blocks(config)
     if blocks is not None:
         start, end = blocks

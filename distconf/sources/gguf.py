@@ -108,6 +108,7 @@ def open_gguf(path: str | Path, *, dht_prefix: str | None = None, cache_dir: str
     entry = entry_name(file, key)
     if not (root / entry / MANIFEST).is_file():
         _check_header(shown, header)
+        family_class_for(shown, header.model_type or "")  # no family: said before a conversion of minutes
 
     def check_config(config: Any) -> None:
         family_class_for(shown, str(config.model_type))

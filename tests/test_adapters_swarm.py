@@ -1,0 +1,188 @@
+"""A LoRA adapter for the real model (SmolLM2-135M-Instruct), trained here with ``peft``, served by two servers.
+
+The adapter is trained for a few steps on a fixed sentence, so that it measurably changes the model's answer. Two
+``distconf serve --adapters`` processes (blocks 0:15 and 15:30, float32) serve it beside the base blocks:
+
+- greedy tokens of a session with ``adapter=`` equal the local ``peft`` model's, and a session without it, on the
+  same servers at the same time, keeps the base model's tokens (the two are batched on the servers);
+- ``distconf generate --adapter`` prints the adapter's answer; an adapter no server serves is one line, exit 1;
+- the servers announce the adapter in their records, and a request naming another adapter is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from real_helpers import open_real_source, real_cache_dir
+
+from distconf.tools import real_model as rm
+from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+
+pytestmark = pytest.mark.swarm
+peft = pytest.importorskip("peft")
+
+REPO = Path(__file__).resolve().parents[1]
+SPANS = ("0:15", "15:30")
+START_DEADLINE = 300.0
+COMMAND_TIMEOUT = 240.0
+NAME = "secret"
+TEXT = "The secret word is banana. The secret word is banana. The secret word is banana."
+PROMPT = "The secret word is"
+NEW_TOKENS = 8
+
+
+def _train(checkpoint: str, folder: Path) -> None:
+    """A LoRA on q_proj and v_proj, 25 AdamW steps on `TEXT` (seeded: the same adapter every run)."""
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    model = rm.local_model(checkpoint).requires_grad_(False)
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0))
+    ids = AutoTokenizer.from_pretrained(checkpoint)(TEXT, return_tensors="pt")["input_ids"]
+    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=3e-3)
+    tuned.train()
+    for _ in range(25):
+        loss = tuned(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tuned.save_pretrained(str(folder))
+
+
+def _greedy(model: Any, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The adapter's folder, the prompt's ids and the local base and ``peft`` models' greedy tokens."""
+    source = open_real_source(request.config)
+    folder = tmp_path_factory.mktemp("adapter") / NAME
+    _train(str(source.checkpoint_dir), folder)
+    tokenizer = source.load_tokenizer()
+    ids = [int(i) for i in tokenizer(PROMPT)["input_ids"]]
+    base = rm.local_model(source.checkpoint_dir)
+    expected_base = _greedy(base, ids)
+    tuned = peft.PeftModel.from_pretrained(rm.local_model(source.checkpoint_dir), str(folder)).eval()
+    expected_adapter = _greedy(tuned, ids)
+    assert expected_adapter != expected_base, "the adapter does not change the answer: the test would prove nothing"
+    return {"folder": folder, "ids": ids, "base": expected_base, "adapter": expected_adapter,
+            "tokenizer": tokenizer, "source": source}
+
+
+class Swarm:
+    """Two servers serving the adapter, the DHT they joined and the commands' environment."""
+
+    def __init__(self, peers: list[str], env: dict[str, str], servers: list[ServerProcess]) -> None:
+        self.peers, self.env, self.servers = peers, env, servers
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run ``distconf ARGS`` to its end."""
+        return subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT, cwd=REPO, env=self.env)
+
+
+@pytest.fixture(scope="module")
+def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          trained: dict[str, Any]) -> Iterator[Swarm]:
+    from distconf.client.swarm import release_dht
+    from distconf.dht import start_local_dht, visible_maddrs
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
+    env.pop("DISTCONF_INITIAL_PEERS", None)
+    dht = start_local_dht()
+    servers: list[ServerProcess] = []
+    try:
+        peers = visible_maddrs(dht)
+        logs = tmp_path_factory.mktemp("adapter-swarm")
+        servers = [ServerProcess(serve_command(rm.gguf_path(), "--initial-peers", *peers, "--blocks", span,
+                                               "--host", "127.0.0.1", "--dtype", "float32",
+                                               "--adapters", f"{NAME}={trained['folder']}"),
+                                 logs / f"server-{i}.log", name=f"adapter-{i}", env=env)
+                   for i, span in enumerate(SPANS)]
+        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
+        yield Swarm(peers, env, servers)
+    finally:
+        stop_all(servers)
+        release_dht(dht)
+
+
+@pytest.fixture(scope="module")
+def model(swarm: Swarm, trained: dict[str, Any]) -> Iterator[Any]:
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(trained["source"], initial_peers=swarm.peers,
+                                                            max_retries=2)
+    try:
+        yield model
+    finally:
+        model.shutdown()
+
+
+def _stream(model: Any, ids: list[int], adapter: str | None) -> list[int]:
+    from distconf.client.textgen import Sampling, stream_text
+
+    sampling = Sampling(max_tokens=NEW_TOKENS, temperature=0)
+    with stream_text(model, None, ids, sampling, adapter=adapter) as stream:
+        return [piece.token_id for piece in stream]
+
+
+def test_an_adapters_session_and_a_base_one_at_once_give_the_local_models_tokens(model: Any, swarm: Swarm,
+                                                                                  trained: dict[str, Any]) -> None:
+    from client_swarm import server_info
+
+    adapters = (NAME, None, NAME, None)  # two sessions of each at once
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = _stream(model, trained["ids"], adapters[i])
+
+    def batched_rows() -> int:
+        return sum(int(server_info(model, s.peer_id)["stats"].get("batched_rows", 0)) for s in swarm.servers)
+
+    for _ in range(5):  # batches form when sessions' steps queue together: a matter of timing
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(adapters))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [results[i] for i in range(len(adapters))] == [
+            trained["adapter"] if a else trained["base"] for a in adapters]
+        if batched_rows() > 0:
+            break
+    assert batched_rows() > 0
+
+
+def test_servers_announce_the_adapter_and_refuse_another(model: Any, swarm: Swarm, trained: dict[str, Any]) -> None:
+    from distconf.dht import find_block_servers
+
+    state = find_block_servers(model.remote.swarm.dht, model.config, timeout=20)
+    assert {s.peer_id: tuple(s.info.adapters) for s in state.spans} == {s.peer_id: (NAME,) for s in swarm.servers}
+    with pytest.raises(Exception, match="do not serve adapter 'other'"):
+        _stream(model, trained["ids"], "other")
+
+
+def test_generate_with_adapter_prints_the_adapters_answer(swarm: Swarm, trained: dict[str, Any]) -> None:
+    tokenizer = trained["tokenizer"]
+    expected = tokenizer.decode(trained["adapter"], skip_special_tokens=True)
+    done = swarm.cli("generate", str(rm.gguf_path()), PROMPT, "--initial-peers", *swarm.peers, "--adapter", NAME,
+                     "--max-new-tokens", str(NEW_TOKENS))
+    assert done.returncode == 0, done.stderr
+    assert expected.strip() in done.stdout
+    missing = swarm.cli("generate", str(rm.gguf_path()), PROMPT, "--initial-peers", *swarm.peers, "--adapter",
+                        "nobody-serves-this", "--max-new-tokens", "2")
+    assert missing.returncode == 1 and "do not serve adapter 'nobody-serves-this'" in missing.stderr
+    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
