@@ -40,6 +40,7 @@ def declared_range(distribution: str) -> str:
     uninstalled. A `LookupError` when distconf does not depend on ``distribution``.
     """
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
     try:
         requirements = metadata.requires("distconf") or []
@@ -51,6 +52,6 @@ def declared_range(distribution: str) -> str:
         requirements = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
     for line in requirements:
         requirement = Requirement(line)
-        if requirement.name.lower() == distribution.lower() and requirement.marker is None:
+        if canonicalize_name(requirement.name) == canonicalize_name(distribution) and requirement.marker is None:
             return ",".join(sorted((str(s) for s in requirement.specifier), key=lambda s: not s.startswith(">")))
     raise LookupError(f"distconf declares no dependency on {distribution}")

@@ -17,6 +17,9 @@ from distconf.threads import SWITCH, apply_thread_policy
 # The user's own variables win (see distconf.threads).
 os.environ.setdefault(SWITCH, "1")
 apply_thread_policy("process")
+# Nothing dials the public hub: hub ids are read from the cache (processes the tests start inherit it), unless a
+# test points HF_ENDPOINT at its own stand-in hub on loopback and lifts this.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = REPO / "families"

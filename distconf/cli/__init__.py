@@ -104,6 +104,10 @@ def error_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "urllib3", "filelock")
+"""Third-party loggers that log every HTTP request at INFO: WARNING unless ``-v``."""
+
+
 def configure_logging(command: str | None, *, verbose: bool = False) -> None:
     """Logging to stderr: DEBUG with ``-v``; INFO for `LOUD_COMMANDS`; otherwise WARNING, with `SHOWN_LOGGERS` at
     INFO."""
@@ -113,6 +117,9 @@ def configure_logging(command: str | None, *, verbose: bool = False) -> None:
     if level > logging.INFO:
         for name in SHOWN_LOGGERS:
             logging.getLogger(name).setLevel(logging.INFO)
+    if not verbose:  # a line per HTTP request of a hub download is noise, also in a server's log
+        for name in HTTP_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,6 +42,16 @@ def _share(text: str) -> float:
     return value
 
 
+def _memory(text: str) -> int:
+    """Argparse type: bytes, or a size such as 20GiB or 512MB."""
+    from distconf.planning import parse_memory
+
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = add_command(
@@ -109,6 +119,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "its further sessions are refused (default 0.5: one peer never locks the others out; "
                         "1 turns the limit off)")
     p.add_argument("--repository", default=None, help="repository URL announced with the model")
+    hub = p.add_argument_group(
+        "hub ids (Petals' flags)",
+        "MODEL may be a Hugging Face hub id: the server downloads its config and only the checkpoint shards "
+        "holding its blocks (resumed when cut short), into the Hugging Face cache. HF_ENDPOINT points at another "
+        "hub; HF_HUB_OFFLINE=1 reads the cache only.")
+    hub.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit of MODEL (default main)")
+    hub.add_argument("--token", default=None, metavar="TOKEN",
+                     help="for a private or gated repository (default: $HF_TOKEN or your huggingface_hub login)")
+    hub.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None, metavar="DIR",
+                     help="the Hugging Face cache to download into (default: $HF_HUB_CACHE, else ~/.cache/huggingface)")
+    hub.add_argument("--max-disk-space", "--max_disk_space", dest="max_disk_space", type=_memory, default=None,
+                     metavar="SIZE", help="most the cache may hold, e.g. 20GiB: before each download the least "
+                                          "recently used files of other models are deleted, never one in use")
     p.add_argument("--adapters", nargs="+", default=(), metavar="ADAPTER",
                    help="PEFT LoRA adapters served beside the blocks (Petals' --adapters): folders or hub ids, each "
                         "served under the name given (NAME=SOURCE to choose one); a client picks one per request "
@@ -198,7 +221,8 @@ def _options(args: argparse.Namespace, peers: list[str]) -> Any:
         max_batch_size=1 if args.no_batching else args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
         prefill_chunk=args.prefill_chunk, max_batch_wait=args.max_batch_wait,
         max_forward_tokens=args.max_forward_tokens, max_peer_cache_share=args.max_peer_cache_share,
-        adapters=tuple(args.adapters))
+        adapters=tuple(args.adapters), revision=args.revision, token=args.token, cache_dir=args.cache_dir,
+        max_disk_space=args.max_disk_space)
 
 
 def _open(args: argparse.Namespace) -> Any:
@@ -221,7 +245,7 @@ def _open(args: argparse.Namespace) -> Any:
         from distconf.server.adapters import parse_adapters
 
         parse_adapters(args.adapters)
-        return open_source(args.model_dir, dht_prefix=args.dht_prefix)
+        return open_source(args.model_dir, dht_prefix=args.dht_prefix, hub=_options(args, []).hub)
     except (ModelSourceError, ValueError) as exc:
         print(f"distconf serve: {exc}", file=sys.stderr)
         return None

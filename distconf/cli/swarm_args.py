@@ -90,6 +90,13 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, prompt: bool = False
     parser.add_argument("--dht-prefix", default=None, metavar="PREFIX",
                         help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
                              "model's name by the family's rule)")
+    hub = parser.add_argument_group("hub ids", "MODEL may be a Hugging Face hub id: only the client's part is "
+                                               "downloaded (config, tokenizer, the shards outside the blocks)")
+    hub.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit (default main)")
+    hub.add_argument("--token", default=None, metavar="TOKEN",
+                     help="for a private or gated repository (default: $HF_TOKEN or your huggingface_hub login)")
+    hub.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None, metavar="DIR",
+                     help="the Hugging Face cache (default: $HF_HUB_CACHE, else ~/.cache/huggingface)")
 
 
 def _config_number(field: str) -> Any:
@@ -145,6 +152,13 @@ def verify_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.weights_manifest is not None:
         fields["weights_manifest"] = os.path.abspath(args.weights_manifest)
     return fields
+
+
+def hub_options(args: argparse.Namespace) -> Any:
+    """The `distconf.sources.hub_fetch.HubOptions` of a command's hub flags."""
+    from distconf.sources.hub_fetch import HubOptions
+
+    return HubOptions(revision=args.revision, token=args.token, cache_dir=args.cache_dir)
 
 
 def add_adapter_argument(parser: argparse.ArgumentParser) -> None:

@@ -51,11 +51,12 @@ def open_swarm_model(args: argparse.Namespace, *, need_tokenizer: bool, **fields
     peers = list(args.initial_peers or default_initial_peers())
     if not peers:
         raise CommandFailed("give --initial-peers (or set DISTCONF_INITIAL_PEERS); there is no default swarm", 2)
+    from distconf.cli.swarm_args import hub_options
     from distconf.client.model_source import open_client_source
     from distconf.sources import ModelSourceError
 
     try:
-        source = open_client_source(args.model, dht_prefix=args.dht_prefix)
+        source = open_client_source(args.model, dht_prefix=args.dht_prefix, hub=hub_options(args))
         tokenizer = source.load_tokenizer()
     except ModelSourceError as exc:
         raise CommandFailed(str(exc), 2) from None

@@ -54,6 +54,7 @@ from distconf.loader.once import OncePerKey
 from distconf.loader.spec import FamilySpec
 from distconf.loader.wire_layout import wire_layout
 from distconf.sources import ModelSource, ModelSourceError
+from distconf.sources.hub_fetch import HubOptions
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedCausalLMMixin", "PROMPTS_ATTRIBUTE", "RemoteLayers",
            "distributed_model_class"]
@@ -187,7 +188,8 @@ class AutoDistributedModelForCausalLM:
     def from_pretrained(cls, model_dir: str | os.PathLike[str] | ModelSource | ClientSource, *, dht: Any = None,
                         dtype: torch.dtype | str | None = None, dht_prefix: str | None = None,
                         revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                        gguf_cache_dir: str | os.PathLike[str] | None = None, **config_kwargs: Any) -> Any:
+                        gguf_cache_dir: str | os.PathLike[str] | None = None, token: str | None = None,
+                        **config_kwargs: Any) -> Any:
         """Build the model of ``model_dir`` with its blocks on the swarm.
 
         :param model_dir: any model source (see `distconf.client.model_source.open_client_source`):
@@ -200,16 +202,17 @@ class AutoDistributedModelForCausalLM:
         :param dtype: dtype of the local modules and hidden states (default: float32).
         :param dht_prefix: the prefix of the model's blocks on the DHT (default: ``config.json``'s,
             else derived by the family's rule from the model's name, as the servers do).
-        :param revision: for a hub id, the cached revision to use.
+        :param revision: for a hub id, the revision (branch, tag or commit) to download or read from the cache.
         :param cache_dir: the Hugging Face cache holding hub ids (default: huggingface_hub's).
+        :param token: for a private or gated hub id (default: ``HF_TOKEN`` or your huggingface_hub login).
         :param gguf_cache_dir: where GGUF files are converted to (see `distconf.sources.gguf_cache`).
         :param config_kwargs: config fields, e.g. ``initial_peers`` and any other ClientConfig
             field (``ban_timeout``, ``use_server_to_server``, ...), ``tuning_mode``/``pre_seq_len``
             (prompt tuning) or the LM head's settings.
         :raises ModelSourceError: the source cannot be used (named, with the reason).
         """
-        source = open_client_source(model_dir, dht_prefix=dht_prefix, revision=revision, cache_dir=gguf_cache_dir,
-                                    hub_cache_dir=cache_dir)
+        hub = HubOptions(revision=revision, token=token, cache_dir=os.fspath(cache_dir) if cache_dir else None)
+        source = open_client_source(model_dir, dht_prefix=dht_prefix, cache_dir=gguf_cache_dir, hub=hub)
         config = AutoDistributedConfig.from_pretrained(str(source.folder), **source.config_kwargs(), **config_kwargs)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
         config.dtype = dtype

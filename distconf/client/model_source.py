@@ -29,6 +29,7 @@ from distconf.sources.base import (
     read_config_json,
     resolve_prefix,
 )
+from distconf.sources.hub_fetch import HubOptions
 
 __all__ = ["ClientSource", "open_client_source"]
 
@@ -70,7 +71,8 @@ def _from_folder(name: str, folder: Path, dht_prefix: str | None) -> ClientSourc
 def open_client_source(model: str | os.PathLike[str] | ModelSource | ClientSource, *,
                        dht_prefix: str | None = None, revision: str | None = None,
                        cache_dir: str | os.PathLike[str] | None = None,
-                       hub_cache_dir: str | os.PathLike[str] | None = None) -> ClientSource:
+                       hub_cache_dir: str | os.PathLike[str] | None = None,
+                       hub: HubOptions | None = None) -> ClientSource:
     """The folder and DHT prefix the client reads ``model`` from.
 
     :param model: a model folder (``config.json`` and safetensors, ``dht_prefix`` optional;
@@ -78,20 +80,29 @@ def open_client_source(model: str | os.PathLike[str] | ModelSource | ClientSourc
         hub id in the local Hugging Face cache, or an already opened `ModelSource` / `ClientSource`.
     :param dht_prefix: overrides the prefix of ``config.json`` or the derived one.
     :param revision: hub ids only; :param cache_dir: where GGUF files are converted to;
-        :param hub_cache_dir: the Hugging Face cache (see `distconf.sources.open_source`).
+        :param hub_cache_dir: the Hugging Face cache (see `distconf.sources.open_source`); :param hub: a hub id's
+        revision, token, cache and disk budget (wins over ``revision`` and ``hub_cache_dir``). A hub id is
+        downloaded in the client's part only: config, tokenizer and the shards outside the blocks.
     """
     if isinstance(model, ClientSource):
         return model if dht_prefix is None else ClientSource(model.name, model.folder, dht_prefix)
     if isinstance(model, ModelSource):
-        return ClientSource(model.name, model.checkpoint_dir, dht_prefix or model.dht_prefix)
+        return _client_part(model, dht_prefix)
     name = os.fspath(model)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         source = _from_folder(name, path, dht_prefix)
     else:
         opened = open_source(name, dht_prefix=dht_prefix, revision=revision, cache_dir=cache_dir,
-                             hub_cache_dir=hub_cache_dir)
-        source = ClientSource(name, opened.checkpoint_dir, opened.dht_prefix)
+                             hub_cache_dir=hub_cache_dir, hub=hub)
+        source = _client_part(opened, None)
     logger.info("client model source %s: %s, dht_prefix %s", name, source.folder,
                 source.dht_prefix or "from config.json")
     return source
+
+
+def _client_part(source: ModelSource, dht_prefix: str | None) -> ClientSource:
+    """``source`` as the client reads it; a hub source fetches the client's files first (never its blocks)."""
+    if source.hub is not None:
+        source.hub.fetch_client(source.config)
+    return ClientSource(source.name, source.checkpoint_dir, dht_prefix or source.dht_prefix)

@@ -9,6 +9,7 @@ before any block is loaded (`distconf.blocks.lora.read_lora`), and attached to e
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from distconf.blocks.lora import (
     read_lora,
 )
 from distconf.loader.layer_stack import model_layer
+from distconf.sources.hub_fetch import hub_offline
 
 __all__ = ["AdapterSource", "ServedAdapters", "parse_adapters"]
 
@@ -49,7 +51,9 @@ class AdapterSource:
 
         try:
             return Path(snapshot_download(self.source, allow_patterns=[ADAPTER_CONFIG, ADAPTER_WEIGHTS],
-                                          revision=revision, token=token, cache_dir=cache_dir))
+                                          revision=revision, token=token, cache_dir=cache_dir,
+                                          endpoint=os.environ.get("HF_ENDPOINT") or None,
+                                          local_files_only=hub_offline()))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
             raise AdapterError(f"adapter {self.name!r}: {self.source} could not be fetched from the hub "
                                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

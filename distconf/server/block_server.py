@@ -155,7 +155,7 @@ class BlockServer(SpanMoves):
         if self.config is None:
             from distconf.sources import open_source
 
-            self.source = open_source(o.model_dir, dht_prefix=o.dht_prefix)
+            self.source = open_source(o.model_dir, dht_prefix=o.dht_prefix, hub=o.hub)
             self.config, self.checkpoint_dir = self.source.config, str(self.source.checkpoint_dir)
         self.dtype_name, why = resolve_compute_dtype(o.dtype, self.config, self.device)
         self.dtype = getattr(torch, self.dtype_name)
@@ -188,7 +188,8 @@ class BlockServer(SpanMoves):
 
             seen = available_memory(self.device)
             memory = seen.usable
-        self.adapters = ServedAdapters(parse_adapters(o.adapters), config, self.dtype)
+        self.adapters = ServedAdapters(parse_adapters(o.adapters), config, self.dtype, token=o.token,
+                                       cache_dir=o.cache_dir)
         span = plan_span(config, memory, dtype_name, dht=self.dht, blocks=o.blocks, num_blocks=o.num_blocks,
                          attn_cache_tokens=o.attn_cache_tokens, quant=self.quant, device_type=self.device.type,
                          adapter_bytes_per_block=self.adapters.bytes_per_block())
@@ -277,6 +278,8 @@ class BlockServer(SpanMoves):
         """Load blocks ``start..end-1`` as this server serves them (source, dtype, quant, device)."""
         from distconf.server.loading import load_blocks
 
+        if self.source is not None and self.source.hub is not None:  # a hub id: the shards of these blocks only
+            self.source.hub.fetch_layers(self.config, [model_layer(self.config, i) for i in range(start, end)])
         modules = load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
                               quant=self.quant, device=self.device)
         if self.adapters is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distconf.dht.addresses import NetworkOptions
+from distconf.sources.hub_fetch import HubOptions
 
 __all__ = ["ServeOptions"]
 
@@ -62,6 +63,16 @@ class ServeOptions:
     max_forward_tokens: int | None = None  # batch x length of one forward/backward (default: `default_forward_tokens`)
     max_peer_cache_share: float = 0.5  # fraction of the cache budget one peer's sessions may hold together
     adapters: tuple[str, ...] = ()  # Petals' --adapters: LoRA adapter folders or hub ids (NAME=SOURCE to rename)
+    revision: str | None = None  # Petals' --revision: of a hub id (and of hub adapters)
+    token: str | None = None  # Petals' --token: for private or gated hub ids (default HF_TOKEN)
+    cache_dir: str | None = None  # Petals' --cache_dir: the Hugging Face cache downloads go to
+    max_disk_space: int | None = None  # Petals' --max_disk_space: bytes the cache may hold (LRU files evicted)
+
+    @property
+    def hub(self) -> HubOptions:
+        """The hub options of ``model_dir`` (and hub adapters)."""
+        return HubOptions(revision=self.revision, token=self.token, cache_dir=self.cache_dir,
+                          max_disk_space=self.max_disk_space)
 
     @property
     def network(self) -> NetworkOptions:

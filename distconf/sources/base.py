@@ -22,6 +22,7 @@ from distconf.loader.auto import AutoDistributedConfig
 from distconf.loader.config_protocol import DistributedConfig
 from distconf.loader.layer_stack import model_layer
 from distconf.loader.naming import check_dht_prefix, config_num_blocks, derive_dht_prefix
+from distconf.sources.hub_fetch import HubFetcher
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,8 @@ class ModelSource:
     origin: Path
     checkpoint_dir: Path
     config: DistributedConfig
+    hub: HubFetcher | None = None
+    """For a hub id: fetches the files a server's blocks or a client need, on demand (None: all files are here)."""
 
     @property
     def dht_prefix(self) -> str:
@@ -178,7 +181,7 @@ def _check_weights(name: str, folder: Path, config: DistributedConfig) -> None:
 
 
 def open_checkpoint(name: str, kind: str, origin: Path, folder: Path, *, dht_prefix: str | None = None,
-                    derive_from: str | None = None) -> ModelSource:
+                    derive_from: str | None = None, hub: HubFetcher | None = None) -> ModelSource:
     """Check a local safetensors folder and return it as a `ModelSource`.
 
     ``dht_prefix`` overrides any prefix; without it ``config.json``'s ``dht_prefix`` is
@@ -197,4 +200,4 @@ def open_checkpoint(name: str, kind: str, origin: Path, folder: Path, *, dht_pre
     _check_weights(name, folder, config)
     logger.info("model source %s (%s): %s, %d blocks, dht_prefix %s", name, kind, type(config).__name__,
                 config_num_blocks(config), config.dht_prefix)
-    return ModelSource(name=name, kind=kind, origin=origin, checkpoint_dir=folder, config=config)
+    return ModelSource(name=name, kind=kind, origin=origin, checkpoint_dir=folder, config=config, hub=hub)

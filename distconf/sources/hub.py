@@ -1,4 +1,11 @@
-"""A hub id already in the local Hugging Face cache; nothing is ever downloaded."""
+"""A hub id: the files a server or a client needs, downloaded on demand into the Hugging Face cache.
+
+`open_hub` fetches the config (and the shard index; a checkpoint of one file, that file) and returns a
+`distconf.sources.ModelSource` whose ``hub`` fetches the rest when it is known what is needed: a server the shards
+of its blocks (`distconf.sources.hub_fetch.HubFetcher.fetch_layers`), a client its tokenizer and the shards of the
+tensors outside the blocks (`HubFetcher.fetch_client`). With ``HF_HUB_OFFLINE=1`` only the cache is read. A
+repository without ``config.json`` (one ``.gguf`` file) is read from the cache only.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from pathlib import Path
 from distconf.errors import ModelSourceError
 from distconf.sources.base import ModelSource, open_checkpoint
 from distconf.sources.gguf import open_gguf
+from distconf.sources.hub_fetch import SINGLE, HubFetcher, HubOptions, hub_offline
 
 __all__ = ["open_hub", "hub_snapshot"]
 
@@ -30,21 +38,46 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None,
     except (LocalEntryNotFoundError, FileNotFoundError):
         where = f"revision {revision!r} of it" if revision else "it"
         raise ModelSourceError(repo_id, f"not a local file or folder, and {where} is not in the local Hugging "
-                                        "Face cache (distconf never downloads: fetch it first, e.g. "
-                                        f"`hf download {repo_id}`)") from None
+                                        "Face cache") from None
 
 
 def open_hub(repo_id: str, *, revision: str | None = None, dht_prefix: str | None = None,
              cache_dir: str | os.PathLike[str] | None = None,
-             gguf_cache_dir: str | os.PathLike[str] | None = None) -> ModelSource:
-    """Open a cached hub model: a safetensors snapshot as a folder, else a snapshot holding one ``.gguf``.
+             gguf_cache_dir: str | os.PathLike[str] | None = None, options: HubOptions | None = None) -> ModelSource:
+    """Open a hub model: its config fetched (the rest on demand, see the module), else a cached ``.gguf`` snapshot.
 
     The DHT prefix is derived by the family's rule from ``repo_id`` (unless ``dht_prefix``
-    is given or the snapshot's ``config.json`` has one).
+    is given or ``config.json`` has one). ``options`` (revision, token, cache, disk budget) wins over
+    ``revision`` and ``cache_dir``.
     """
-    snapshot = hub_snapshot(repo_id, revision=revision, cache_dir=cache_dir)
-    if (snapshot / "config.json").is_file():
-        return open_checkpoint(repo_id, "hub", snapshot, snapshot, dht_prefix=dht_prefix, derive_from=repo_id)
-    if any(p.suffix == ".gguf" for p in snapshot.iterdir()):
-        return open_gguf(snapshot, dht_prefix=dht_prefix, cache_dir=gguf_cache_dir, name=repo_id)
-    raise ModelSourceError(repo_id, f"its cached snapshot {snapshot} holds neither config.json nor a .gguf file")
+    from huggingface_hub.errors import HFValidationError
+
+    options = options or HubOptions(revision=revision, cache_dir=os.fspath(cache_dir) if cache_dir else None)
+    fetcher = HubFetcher(repo_id, options)
+    try:
+        config = fetcher.fetch("config.json", required=False)
+    except HFValidationError as exc:
+        raise ModelSourceError(repo_id, f"not a file, a folder or a valid hub id ({str(exc)[:200]})") from None
+    if config is None:
+        snapshot = _cached_snapshot(repo_id, options)
+        if any(p.suffix == ".gguf" for p in snapshot.iterdir()):
+            return open_gguf(snapshot, dht_prefix=dht_prefix, cache_dir=gguf_cache_dir, name=repo_id)
+        raise ModelSourceError(repo_id, f"its snapshot {snapshot} holds neither config.json nor a .gguf file")
+    snapshot = fetcher.fetch_config()
+    if not fetcher.has_index:
+        fetcher.fetch(SINGLE)  # one file holds the blocks and the rest
+    return open_checkpoint(repo_id, "hub", snapshot, snapshot, dht_prefix=dht_prefix, derive_from=repo_id,
+                           hub=fetcher)
+
+
+def _cached_snapshot(repo_id: str, options: HubOptions) -> Path:
+    """The cached snapshot of a repository without ``config.json`` (its ``.gguf`` is not downloaded)."""
+    try:
+        return hub_snapshot(repo_id, revision=options.revision, cache_dir=options.cache)
+    except ModelSourceError:
+        if hub_offline():
+            raise ModelSourceError(repo_id, "offline (HF_HUB_OFFLINE=1) and it is not in the local Hugging Face "
+                                            "cache") from None
+        raise ModelSourceError(repo_id, "the hub has no config.json for it, and it is not in the local Hugging "
+                                        "Face cache (a .gguf repository is read from the cache: fetch it first, "
+                                        f"e.g. `hf download {repo_id}`)") from None
