@@ -186,3 +186,46 @@ def test_generate_with_adapter_prints_the_adapters_answer(swarm: Swarm, trained:
                         "nobody-serves-this", "--max-new-tokens", "2")
     assert missing.returncode == 1 and "do not serve adapter 'nobody-serves-this'" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_the_api_serves_the_adapter_as_a_model_id_to_the_openai_client(swarm: Swarm, trained: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    import socket
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    log = tmp_path / "api.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "distconf", "api", str(rm.gguf_path()), "--initial-peers",
+                                 *swarm.peers, "--port", str(port), "--model-id", "smol", "--adapters", NAME],
+                                stdout=out, stderr=out, env=swarm.env, cwd=REPO)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def listed() -> list[str] | None:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                return [m.id for m in client.models.list().data]
+            except openai.APIConnectionError:
+                return None
+
+        from dhthelpers import wait_for
+
+        assert wait_for(listed, timeout=240, interval=0.5) == ["smol", f"smol:{NAME}"]
+        tokenizer = trained["tokenizer"]
+        for model_id, tokens in (("smol", trained["base"]), (f"smol:{NAME}", trained["adapter"])):
+            done = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+            assert done.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True), model_id
+            assert done.model == model_id
+        with pytest.raises(openai.NotFoundError, match="this server serves 'smol', 'smol:secret'"):
+            client.completions.create(model="smol:other", prompt=PROMPT, max_tokens=2)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -223,7 +223,7 @@ def test_cli_help_examples_parse() -> None:
     parser = build_parser()
     epilog = parser._subparsers._group_actions[0].choices["manifest"].epilog  # type: ignore[union-attr]
     lines = [line.strip() for line in epilog.splitlines()[1:]]
-    assert len(lines) == 3
+    assert len(lines) == 4
     for line in lines:
         command = line.split("  ")[0]
         args = parser.parse_args(shlex.split(command)[1:])
@@ -287,3 +287,38 @@ def test_cli_ctrl_c_leaves_no_file(tmp_path: Path, pytestconfig: pytest.Config) 
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ LoRA adapters in the manifest
+
+
+def test_the_manifest_lists_adapter_digests_and_a_server_is_judged_by_them(tmp_path: Path, model_dir: Path,
+                                                                           digests: list[str]) -> None:
+    """`distconf manifest --adapters` lists what a server of the adapter announces (``adapter_sha256``); a client
+    using the adapter refuses a server whose adapter digests differ, or an adapter the manifest does not list,
+    and keeps accepting the same server's base weights."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from distconf.server.adapters import ServedAdapters, parse_adapters
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+                        ).save_pretrained(str(tmp_path / "lora"))
+    out = tmp_path / "with-adapter.json"
+    assert main(["manifest", str(model_dir), "-o", str(out), "--dtype", "fp32", "--adapters",
+                 f"mine={tmp_path / 'lora'}"]) == 0
+    manifest = read_manifest(out)
+    served = ServedAdapters(parse_adapters([f"mine={tmp_path / 'lora'}"]), _config(model_dir), torch.float32)
+    announced = served.digests(1, LAYERS)
+    assert list(manifest.adapters["mine"][1:]) == announced["mine"] and len(set(manifest.adapters["mine"])) == LAYERS
+    info = {**_info(digests[1:], start=1), "adapter_sha256": announced}
+    assert check_server(manifest, info, 1, LAYERS, "mine") is None
+    assert check_server(manifest, info, 1, LAYERS) is None
+    assert "lists no digests for adapter 'other'" in check_server(manifest, info, 1, LAYERS, "other")
+    tampered = {**info, "adapter_sha256": {"mine": ["0" * 64] * (LAYERS - 1)}}
+    assert "block 1: its announced sha256 of adapter 'mine'" in check_server(manifest, tampered, 1, LAYERS, "mine")
+    assert "announces no digests of adapter 'mine'" in check_server(manifest, _info(digests[1:], start=1), 1,
+                                                                     LAYERS, "mine")
+    assert read_manifest(write_manifest(manifest, tmp_path / "again.json")).adapters == manifest.adapters

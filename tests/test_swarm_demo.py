@@ -21,20 +21,23 @@ def test_swarm_demo_runs_end_to_end(tmp_path, request):
     """Block servers in separate processes place themselves and load real weights; a client routes, then
     generates through them while one is stopped, and gets exactly the local model's tokens; then it trains deep
     prompts through the swarm (the loss at least halves) and every server's weights are unchanged at stop.
-    The real model, served from its GGUF by two more servers, answers the chat question through the swarm
-    exactly as the local transformers model does."""
+    The real models, each served from its GGUF by two more servers, answer through the swarm exactly as the local
+    transformers model does: SmolLM2 the chat question, Gemma 3 270M a raw prompt."""
     summary_path = tmp_path / "summary.json"
     workdir = tmp_path / "work"
     workdir.mkdir()
     env = {**os.environ, "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}  # the real tests' copy
     proc = subprocess.run(
-        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "400", "--workdir", str(workdir),
+        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "600", "--workdir", str(workdir),
          "--json", str(summary_path)],
-        capture_output=True, text=True, timeout=480, env=env,
+        capture_output=True, text=True, timeout=720, env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(summary_path.read_text())
-    assert summary["ok"] is True and summary["clean_stop"] is True and summary["exit_codes"] == [0] * 5
+    assert summary["ok"] is True and summary["clean_stop"] is True and summary["exit_codes"] == [0] * 7
+    gemma = summary["real_models"][1]
+    assert gemma["model"] == "Gemma 3 270M" and gemma["identical"] is True and gemma["spans"] == [[0, 9], [9, 18]]
+    assert gemma["swarm_answer"].startswith(" the capital of the country of France."), gemma
     real = summary["real_model"]
     assert real["swarm_tokens"] == real["local_tokens"] and real["identical"] is True, real
     assert real["swarm_answer"] == real["local_answer"] == real["known_answer"] == "The capital of France is Paris."
@@ -64,7 +67,7 @@ def test_swarm_demo_runs_end_to_end(tmp_path, request):
     assert tuned and float(tuned.group(2)) <= 0.5 * float(tuned.group(1)), out
     assert re.search(r"^  next token after the prompt: \d+ before, \d+ after$", out, re.M), out
     assert "trainable on the client: 2,304 prompt values (no block weight is local)" in out
-    assert "stopped 3 tiny-model servers and 2 real-model servers (cleanly)" in out
+    assert "stopped 3 tiny-model servers and 4 real-model servers (cleanly)" in out
     assert "server weights unchanged (sha256 at load = at stop): 3 of 3 servers" in out
     assert "  through the swarm:        'The capital of France is Paris.'" in out  # what the user reads
     assert len(list(workdir.glob("distconf-demo-tiny-*/model.safetensors"))) == 1

@@ -20,7 +20,7 @@ import json
 import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "LoraAdapter", "LoraWeights", "adapter_rows",
-           "attach", "check_targets", "lora_bytes_per_block", "read_lora"]
+           "attach", "check_targets", "layer_digest", "lora_bytes_per_block", "read_lora"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -66,6 +66,9 @@ class LoraAdapter:
     alpha: float
     target_modules: tuple[str, ...]
     layers: Mapping[int, Mapping[str, LoraWeights]]
+    digests: Mapping[int, str] = field(default_factory=dict)
+    """Model layer -> sha256 of the adapter's tensors for it, as stored in the file (`layer_digest`): what a server
+    announces (``adapter_sha256``) and a weights manifest lists."""
 
     @property
     def nbytes(self) -> int:
@@ -92,12 +95,12 @@ def _config(name: str, folder: Path) -> dict[str, Any]:
     for flag in ("use_dora", "fan_in_fan_out", "use_qalora"):
         if config.get(flag):
             problems.append(f"{flag} is set; plain LoRA only")
-    for field in ("modules_to_save", "trainable_token_indices", "layer_replication"):
-        if config.get(field):
-            problems.append(f"{field} is set: it changes modules outside the LoRA matrices")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if config.get(field):
-            problems.append(f"{field} is set: one rank and one alpha for every module only")
+    for key in ("modules_to_save", "trainable_token_indices", "layer_replication"):
+        if config.get(key):
+            problems.append(f"{key} is set: it changes modules outside the LoRA matrices")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            problems.append(f"{key} is set: one rank and one alpha for every module only")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         problems.append(f"r is {rank!r}, not a positive integer")
@@ -157,6 +160,7 @@ def read_lora(source: str | Path, name: str, config: Any, layers: Sequence[int],
     except Exception as exc:  # safetensors raises its own error types for a broken file
         raise AdapterError(f"adapter {name!r}: {weights} is not a readable safetensors file ({exc})") from None
     modules: dict[int, dict[str, LoraWeights]] = {}
+    digests = {layer: layer_digest(found.get(layer, {})) for layer in wanted}
     for layer, paths in found.items():
         for path, pair in paths.items():
             if set(pair) != {"A", "B"}:
@@ -169,7 +173,24 @@ def read_lora(source: str | Path, name: str, config: Any, layers: Sequence[int],
             modules.setdefault(layer, {})[path] = LoraWeights(a.to(dtype), b.to(dtype), scale)
     targets = settings.get("target_modules")
     target_modules = tuple(targets) if isinstance(targets, list) else (str(targets),) if targets else ()
-    return LoraAdapter(name, rank, alpha, target_modules, modules)
+    return LoraAdapter(name, rank, alpha, target_modules, modules, digests)
+
+
+def layer_digest(paths: Mapping[str, Mapping[str, Any]]) -> str:
+    """sha256 of one layer's LoRA tensors as stored (``{module path: {"A": tensor, "B": tensor}}``): each tensor's
+    path, kind, dtype, shape and bytes, in path order (a layer the adapter leaves alone: the digest of nothing)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        for kind in sorted(paths[path]):
+            tensor = paths[path][kind].detach().contiguous().cpu()
+            header = f"{path}.lora_{kind}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|"
+            digest.update(header.encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def lora_bytes_per_block(source: str | Path, config: Any, dtype: torch.dtype) -> int:

@@ -36,10 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="family of the tiny model the swarm serves (default: the first built-in family "
                         "with a tiny_config); any family works, the servers use only its family file")
     p.add_argument("--servers", type=positive_int, default=3, help="server processes in the swarm (default: 3)")
-    p.add_argument("--swarm-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="hard bound on the swarm part (default: 300; raise it on a busy machine)")
+    p.add_argument("--swarm-timeout", type=float, default=480.0, metavar="SECONDS",
+                   help="hard bound on the swarm part (default: 480; raise it on a busy machine)")
     p.add_argument("--no-real-model", action="store_true",
-                   help="skip the real model (its GGUF served through the swarm)")
+                   help="skip the real models (SmolLM2 and Gemma 3, each GGUF served through the swarm)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write a JSON summary of the swarm part to FILE (the answers, tokens, exit codes, ok)")
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ from typing import Any
 from distconf.blocks.device import DTYPE_CHOICES
 from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command
+from distconf.loader.layer_stack import model_layer
 from distconf.loader.naming import config_num_blocks
 
 __all__ = ["register", "run", "build_manifest"]
@@ -35,7 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                   ("distconf manifest ./model -o model.manifest.json --dtype fp32 bf16",
                    "two forms in one file"),
                   ("distconf manifest ./SmolLM2-135M-Instruct.Q4_1.gguf --dtype float32 --quant none int8",
-                   "a GGUF file; plain and int8 blocks")],
+                   "a GGUF file; plain and int8 blocks"),
+                  ("distconf manifest ./model --adapters support=./support-lora",
+                   "with the digests of a LoRA adapter, under the name servers announce it by")],
     )
     p.add_argument("model", metavar="MODEL",
                    help="a model folder (safetensors), a .gguf file or a folder holding one, or a cached hub id")
@@ -48,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", "--quant-type", dest="quants", nargs="+", default=["none"], choices=QUANT_TYPES,
                    metavar="Q", help="weight quantizations, combined with each dtype (default none); choices: "
                                      + ", ".join(QUANT_TYPES))
+    p.add_argument("--adapters", nargs="+", default=(), metavar="ADAPTER",
+                   help="LoRA adapters to list too, as `distconf serve --adapters` takes them (a folder or hub id, "
+                        "or NAME=SOURCE): a client using one refuses servers whose adapter digests differ")
     p.add_argument("--dht-prefix", "--dht_prefix", dest="dht_prefix", default=None,
                    help="the model's prefix on the DHT, when servers are started with --dht-prefix")
     p.set_defaults(func=run)
@@ -70,22 +76,26 @@ def _forms(config: Any, dtypes: list[str], quants: list[str]) -> dict[str, tuple
     return forms
 
 
-def build_manifest(source: Any, dtypes: list[str], quants: list[str]) -> Any:
+def build_manifest(source: Any, dtypes: list[str], quants: list[str], adapters: Any = ()) -> Any:
     """The `distconf.client.commitments.WeightsManifest` of an opened model ``source``.
 
     Blocks are loaded one at a time per form with the server's `distconf.server.loading.load_blocks`
     (so memory holds one block), hashed with `distconf.server.integrity.block_digests`, and
-    progress is reported by its `distconf.server.loading.Progress`.
+    progress is reported by its `distconf.server.loading.Progress`. ``adapters`` (``--adapters`` arguments) are
+    read for every block and listed by the name servers announce (`distconf.blocks.lora.layer_digest`).
     """
     import torch
 
     from distconf.blocks.sizing import block_size_bytes
     from distconf.client.commitments import WeightsManifest
+    from distconf.server.adapters import ServedAdapters, parse_adapters
     from distconf.server.integrity import block_digests
     from distconf.server.loading import Progress, load_blocks
 
     config = source.config
     n = config_num_blocks(config)
+    if source.hub is not None:  # a hub id: every block's shards
+        source.hub.fetch_layers(config, [model_layer(config, i) for i in range(n)])
     forms = _forms(config, dtypes, quants)
     total = sum(block_size_bytes(config, dtype, quant, layer_idx=i, device_type="cpu")
                 for dtype, quant in forms.values() for i in range(n))
@@ -99,8 +109,10 @@ def build_manifest(source: Any, dtypes: list[str], quants: list[str]) -> Any:
             digests[form].extend(block_digests([block], first_block=i))
             del block
     model = Path(source.name).name if source.kind != "hub" else source.name
+    served = ServedAdapters(parse_adapters(adapters), config, torch.float32)
     return WeightsManifest(dht_prefix=str(config.dht_prefix), num_blocks=n,
-                           forms={form: tuple(d) for form, d in digests.items()}, model=model)
+                           forms={form: tuple(d) for form, d in digests.items()}, model=model,
+                           adapters={name: tuple(d) for name, d in served.digests(0, n).items()})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
         if not output.parent.is_dir():
             print(f"distconf manifest: the output folder {output.parent} does not exist", file=sys.stderr)
             return 1
-        manifest = build_manifest(source, args.dtypes, args.quants)
+        manifest = build_manifest(source, args.dtypes, args.quants, args.adapters)
     except (ModelSourceError, BlockWeightsError, ValueError) as exc:
         print(f"distconf manifest: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     path = write_manifest(manifest, output)
     forms = ", ".join(manifest.forms)
-    print(f"wrote {path}: {manifest.num_blocks} blocks of {manifest.dht_prefix}, forms {forms}")
+    listed = f", adapters {', '.join(manifest.adapters)}" if manifest.adapters else ""
+    print(f"wrote {path}: {manifest.num_blocks} blocks of {manifest.dht_prefix}, forms {forms}{listed}")
     return 0

@@ -6,7 +6,10 @@
 Servers announce the same digests in ``rpc_info`` (``block_sha256``, ``weights_form``).
 A client whose ``weights_manifest`` names such a file refuses, for its lifetime, every server
 whose announced digests for the form it serves differ from the manifest's on a block of its
-span, or that announces no digests or a form the manifest lacks (`check_server`, `Commitments`).
+span, or that announces no digests or a form the manifest lacks (`check_server`, `Commitments`). A manifest may
+also list LoRA adapters (``adapters``: name -> the sha256 of its tensors for every block,
+`distconf.blocks.lora.layer_digest`); a client using an adapter refuses, for that adapter, servers whose announced
+``adapter_sha256`` differ, and every server when the manifest does not list the adapter.
 
 An announced digest is a claim a server makes about itself: a server that lies about its
 weights passes this check; the client's spot checks (``verify_fraction``) are what catch it.
@@ -56,12 +59,17 @@ class WeightsManifest:
     forms: Mapping[str, tuple[str, ...]]
     model: str = ""
     path: str | None = field(default=None, compare=False)
+    adapters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """LoRA adapter name -> the sha256 of its tensors for every block (any weights form)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest's JSON object."""
-        return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": self.model,
-                "dht_prefix": self.dht_prefix, "num_blocks": self.num_blocks,
-                "forms": {form: list(digests) for form, digests in sorted(self.forms.items())}}
+        out = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "model": self.model,
+               "dht_prefix": self.dht_prefix, "num_blocks": self.num_blocks,
+               "forms": {form: list(digests) for form, digests in sorted(self.forms.items())}}
+        if self.adapters:
+            out["adapters"] = {name: list(digests) for name, digests in sorted(self.adapters.items())}
+        return out
 
 
 def _problem(path: str | os.PathLike[str], what: str) -> ManifestError:
@@ -103,7 +111,17 @@ def parse_manifest(data: Any, path: str | os.PathLike[str]) -> WeightsManifest:
                 raise _problem(path, f"form {form!r}, block {i}: {str(digest)[:80]!r} is not a sha256 hex digest "
                                      "(64 lowercase hex digits)")
         parsed[form] = tuple(digests)
-    return WeightsManifest(dht_prefix=prefix, num_blocks=num_blocks, forms=parsed, model=model, path=os.fspath(path))
+    adapters = data.get("adapters", {})
+    if not isinstance(adapters, dict):
+        raise _problem(path, "'adapters' must be an object (adapter name -> list of block digests)")
+    parsed_adapters: dict[str, tuple[str, ...]] = {}
+    for name, digests in adapters.items():
+        if not name or not isinstance(digests, list) or len(digests) != num_blocks or not all(
+                isinstance(d, str) and _HEX.fullmatch(d) for d in digests):
+            raise _problem(path, f"adapter {str(name)[:80]!r}: expected a list of {num_blocks} sha256 hex digests")
+        parsed_adapters[name] = tuple(digests)
+    return WeightsManifest(dht_prefix=prefix, num_blocks=num_blocks, forms=parsed, model=model, path=os.fspath(path),
+                           adapters=parsed_adapters)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> WeightsManifest:
@@ -144,12 +162,34 @@ def write_manifest(manifest: WeightsManifest, path: str | os.PathLike[str]) -> P
     return target
 
 
-def check_server(manifest: WeightsManifest, info: Mapping[str, Any], start: int, end: int) -> str | None:
-    """Why a server whose ``rpc_info`` is ``info`` is refused for blocks ``start..end-1``, or None if it is not.
+def check_server(manifest: WeightsManifest, info: Mapping[str, Any], start: int, end: int,
+                 adapter: str | None = None) -> str | None:
+    """Why a server whose ``rpc_info`` is ``info`` is refused for blocks ``start..end-1`` (through the LoRA
+    ``adapter``), or None if it is not.
 
     Refused: no weights form or no block digests announced, a form the manifest lacks,
-    digests that do not cover the span, or one block's digest unlike the manifest's.
+    digests that do not cover the span, or one block's digest unlike the manifest's; with an adapter, the same
+    for its digests (``adapter_sha256``), and an adapter the manifest does not list.
     """
+    reason = _check_blocks(manifest, info, start, end)
+    if reason is not None or adapter is None:
+        return reason
+    if adapter not in manifest.adapters:
+        return f"the manifest lists no digests for adapter {adapter!r}"
+    announced = info.get("adapter_sha256")
+    digests = announced.get(adapter) if isinstance(announced, dict) else None
+    first = info.get("start_block")
+    if not isinstance(digests, (list, tuple)) or not _is_int(first) or not first <= start < end <= first + len(digests):
+        return f"it announces no digests of adapter {adapter!r} for blocks {start}..{end - 1} (adapter_sha256)"
+    for i in range(start, end):
+        if digests[i - first] != manifest.adapters[adapter][i]:
+            return (f"block {i}: its announced sha256 of adapter {adapter!r} {str(digests[i - first])[:16]}... "
+                    f"differs from the manifest's {manifest.adapters[adapter][i][:16]}...")
+    return None
+
+
+def _check_blocks(manifest: WeightsManifest, info: Mapping[str, Any], start: int, end: int) -> str | None:
+    """`check_server`'s judgement of the base weights."""
     form = info.get("weights_form")
     if not isinstance(form, str) or not form:
         return "it announces no weights form (a server without per-block weight digests)"
@@ -197,7 +237,9 @@ class Commitments:
         self.manifest = manifest
         self.refused: dict[str, str] = {}
         """Refused peer id -> the reason (never forgotten)."""
-        self._accepted: set[tuple[str, int, int]] = set()
+        self.refused_for: dict[str, dict[str, str]] = {}
+        """LoRA adapter -> {peer refused for sessions of that adapter: the reason} (its base weights may be fine)."""
+        self._accepted: set[tuple[str, int, int, str | None]] = set()
         self._unreadable: dict[str, float] = {}  # peer -> when to try its rpc_info again
         self._lock = threading.Lock()
 
@@ -214,9 +256,11 @@ class Commitments:
         cache is filled, its ``swarm`` reached, its ``usable`` filter and config applied.
         """
         now = time.monotonic()
+        adapter = manager.adapter
+        refused_here = self.refusals(adapter)
         with self._lock:
-            todo = [s for s in spans if manager.usable(s) and s.peer_id not in self.refused
-                    and (s.peer_id, s.start, s.end) not in self._accepted]
+            todo = [s for s in spans if manager.usable(s) and s.peer_id not in refused_here
+                    and (s.peer_id, s.start, s.end, adapter) not in self._accepted]
             stale = [s for s in todo if s.peer_id in manager.rpc_infos
                      and not _covers(manager.rpc_infos[s.peer_id], s.start, s.end)]
             for span in stale:  # the server moved since its info was read
@@ -231,8 +275,16 @@ class Commitments:
                     skipped.add(span.peer_id)
                     continue
                 reason = check_server(self.manifest, info, span.start, span.end)
+                if reason is None and adapter is not None:
+                    adapter_reason = check_server(self.manifest, info, span.start, span.end, adapter)
+                    if adapter_reason is not None:
+                        self.refused_for.setdefault(adapter, {})[span.peer_id] = adapter_reason
+                        logger.warning("refusing server %s (blocks %d..%d) for adapter %r: %s (weights manifest %s)",
+                                       span.peer_id, span.start, span.end - 1, adapter, adapter_reason,
+                                       self.manifest.path)
+                        continue
                 if reason is None:
-                    self._accepted.add((span.peer_id, span.start, span.end))
+                    self._accepted.add((span.peer_id, span.start, span.end, adapter))
                 elif not _covers(info, span.start, span.end):
                     skipped.add(span.peer_id)  # its records and its info disagree: judged once they agree
                 else:
@@ -240,7 +292,11 @@ class Commitments:
                     logger.warning("refusing server %s (blocks %d..%d) for this client's lifetime: %s "
                                    "(weights manifest %s)", span.peer_id, span.start, span.end - 1, reason,
                                    self.manifest.path)
-            return set(self.refused) | skipped
+            return self.refusals(adapter) | skipped
+
+    def refusals(self, adapter: str | None) -> set[str]:
+        """Peers refused for sessions of ``adapter`` (None: the base model): for their weights, or the adapter's."""
+        return set(self.refused) | set(self.refused_for.get(adapter, {}) if adapter is not None else ())
 
     def _fetch(self, manager: Any, spans: list[Any]) -> dict[str, dict[str, Any]]:
         """``rpc_info`` of each span's server, read in parallel; an unreadable one is retried after

@@ -95,7 +95,7 @@ class SequenceManager:
         peer_id = span.peer_id
         if span.state != ServerState.ONLINE or peer_id in self.blocked:
             return False
-        if self.commitments is not None and peer_id in self.commitments.refused:  # never a route or a checker
+        if self.commitments is not None and peer_id in self.commitments.refusals(self.adapter):  # nor a checker
             return False
         if not self._holds_adapter(span):
             return False

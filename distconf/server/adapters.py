@@ -104,6 +104,15 @@ class ServedAdapters:
                         ", ".join(adapter.target_modules) or "?", adapter.nbytes / 2**20, start, end - 1)
         return nbytes
 
+    def digests(self, start: int, end: int) -> dict[str, list[str]]:
+        """``{adapter name: [sha256 of its tensors for each block start..end-1]}`` (announced as
+        ``adapter_sha256``; `distconf manifest --adapters` lists the same)."""
+        if not self.sources:
+            return {}
+        if self._read_for is None or not self._read_for[0] <= start <= end <= self._read_for[1]:
+            self.read(start, end)
+        return {a.name: [a.digests[model_layer(self.config, i)] for i in range(start, end)] for a in self.adapters}
+
     def attach(self, modules: Sequence[Any], start: int) -> None:
         """Attach every adapter to ``modules`` (blocks ``start..``): `AdapterError` when one does not fit."""
         if not self.sources:

@@ -318,6 +318,7 @@ class BlockServer(SpanMoves):
             weights_form=self.weights_form, max_peer_cache_share=o.max_peer_cache_share,
             compression=compression_code(o.compression),
             adapters=self.adapters.names if self.adapters is not None else (),
+            adapter_sha256=self.adapters.digests(start, start + len(modules)) if self.adapters is not None else None,
             max_forward_tokens=o.max_forward_tokens or default_forward_tokens(
                 default_max_length(config), self.forward_rps, o.request_timeout, len(modules)))
         limits = BatchLimits(max_batch_size=o.max_batch_size, prefill_chunk=o.prefill_chunk,

@@ -141,6 +141,8 @@ class BlockHandler(BlockServicer):
             result["block_sha256"] = list(s.block_sha256)
         if s.weights_form is not None:
             result["weights_form"] = s.weights_form
+        if s.adapter_sha256:
+            result["adapter_sha256"] = {name: list(d) for name, d in s.adapter_sha256.items()}
         if request.uid:
             (block,) = self.check_uids(request.uid)[:1]
             result.update(self.block_info(block))

