@@ -229,3 +229,33 @@ def test_the_api_serves_the_adapter_as_a_model_id_to_the_openai_client(swarm: Sw
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def test_deep_prompt_tuning_through_the_adapter_equals_local_autograd(swarm: Swarm, trained: dict[str, Any]) -> None:
+    """Prompts trained with an adapter active: logits and prompt gradients through the servers (forward and
+    backward carry ``active_adapter``) equal the local ``peft`` model's with the same prompts."""
+    from test_client_ptune import local_logits, randomize, rel_err
+
+    from distconf.client import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(trained["source"], initial_peers=swarm.peers,
+                                                            max_retries=2, tuning_mode="deep_ptune", pre_seq_len=2,
+                                                            active_adapter=NAME)
+    try:
+        prompts = model.prompts
+        randomize(prompts)
+        x = torch.tensor([trained["ids"]])
+        weights = torch.randn(1, x.shape[1], model.config.vocab_size, generator=torch.Generator().manual_seed(3))
+        logits = model(x, use_cache=False).logits
+        (logits * weights).sum().backward()
+        local = peft.PeftModel.from_pretrained(rm.local_model(trained["source"].checkpoint_dir),
+                                               str(trained["folder"])).eval().base_model.model
+        prompt = prompts.prompt_embeddings.detach().clone().requires_grad_(True)
+        deep = prompts.deep_prompt_embeddings.detach().clone().requires_grad_(True)
+        expected = local_logits(local, x, prompt, deep)
+        (expected * weights).sum().backward()
+        assert rel_err(logits.detach(), expected.detach()) < 1e-4
+        assert rel_err(prompts.deep_prompt_embeddings.grad, deep.grad) < 1e-4
+        assert rel_err(prompts.prompt_embeddings.grad, prompt.grad) < 1e-4
+    finally:
+        model.shutdown()
