@@ -81,7 +81,7 @@ def test_wrong_mask_on_a_pattern_family_fails_when_the_tiny_config_skips_a_kind(
     assert result.full_diff is not None and result.full_diff <= 1e-5  # the layers it ran do match
     assert not result.ok and result.failure.field == "tiny_config"
     message = str(result.failure)
-    assert "layer_types=full_attention" in message and "tiny config at 48 layers" in message
+    assert "layer_types=full_attention" in message and "preset google/gemma-3-270m" in message
     assert str(path) in message
     assert main(["check", str(path)]) == 1
     captured = capsys.readouterr()
@@ -96,7 +96,7 @@ def test_wrong_mask_on_a_pattern_family_fails_when_the_tiny_config_skips_a_kind(
     right.write_text(PATTERN.format(name="pattern_right", full="causal", layers=3))
     (result,) = check_family(right)
     assert result.ok, result.failure
-    assert result.kinds == "11/11 layer kinds of the tiny config at 48 layers covered"
+    assert result.kinds == "11/11 layer kinds of preset google/gemma-3-270m covered"
 
 
 def test_a_preset_kind_missing_from_the_tiny_config_fails(tmp_path, fresh_cache) -> None:

@@ -343,13 +343,13 @@ def test_gguf_no_family_serves_is_refused_from_its_header_before_any_conversion(
             cache_dir=tmp_path / "cache")
 
 
-@pytest.mark.parametrize(("arch", "name", "model_type"), [
-    ("llama", "SmolLM2", "llama"), ("llama", "mistral", "mistral"), ("gemma3", "Gemma 3 270m", "gemma3_text"),
-    ("qwen2moe", None, "qwen2_moe"), ("gpt-oss", None, "gpt_oss"), ("minimax-m2", None, "minimax_m2"),
+@pytest.mark.parametrize(("arch", "family"), [
+    ("llama", "llama"), ("gemma3", "gemma3_text"), ("qwen3", "qwen3"), ("falcon-h1", "falcon_h1"),
 ])
-def test_a_gguf_header_names_the_model_type_transformers_converts_it_to(arch: str, name: str | None,
-                                                                        model_type: str) -> None:
-    from distconf.sources.gguf_header import GGUFHeader
+def test_a_gguf_architecture_finds_its_family_by_model_type_or_the_familys_gguf_architectures(arch: str,
+                                                                                             family: str) -> None:
+    from distconf.sources.gguf import family_for_architecture
 
-    metadata = {"general.architecture": arch, **({"general.name": name} if name else {})}
-    assert GGUFHeader(3, metadata).model_type == model_type
+    assert family_for_architecture("x.gguf", arch).family_spec.family == family
+    with pytest.raises(ModelSourceError, match="no family file serves model_type 'stablelm'"):
+        family_for_architecture("x.gguf", "stablelm")

@@ -112,7 +112,8 @@ class RemoteCache(Cache):
     def step(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Run new hidden states ``[batch, new_tokens, hidden]`` through every block of the swarm."""
         if self.session is None:
-            self.session = self.remote.inference_session(self.max_length + self.prefix, self.adapter)
+            of = {"adapter": self.adapter} if self.adapter else {}  # stand-ins for the swarm take no adapter
+            self.session = self.remote.inference_session(self.max_length + self.prefix, **of)
         if self._rewind is not None:
             self.session.rewind(min(self._rewind + self.prefix, self.session.position))
             self._rewind = None

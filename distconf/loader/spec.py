@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -96,6 +96,11 @@ class FamilySpec(StrictModel):
     )
     model_type: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$",
                             description="The HF model_type this family serves (AutoDistributedConfig dispatch).")
+    gguf_architectures: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$", max_length=64)]] = Field(
+        default_factory=list, max_length=16,
+        description="The GGUF general.architecture names GGUF files give this family's models, where they differ "
+                    "from model_type beyond '-' and '_': a GGUF file is checked against the families by its header "
+                    "before it is converted.")
     config_class: ClassPath = Field(description="The Hugging Face config class to extend.")
     block: BlockSpec
     kv_groups: IntOrFormula | None = Field(

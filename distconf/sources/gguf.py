@@ -88,6 +88,27 @@ def _check_header(name: str, header: GGUFHeader) -> None:
                                      "(through gguf) cannot dequantize them")
 
 
+def _squashed(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def family_for_architecture(name: str, architecture: str) -> type:
+    """The family serving a GGUF of ``architecture`` (its header's ``general.architecture``): the one whose
+    ``model_type`` is that name up to ``-`` and ``_``, or which lists it in ``gguf_architectures``; else
+    `ModelSourceError` (the same one line as after a conversion)."""
+    from distconf.loader import list_families, load_family
+
+    wanted = _squashed(architecture)
+    for family in list_families():
+        try:
+            spec = load_family(family).family_spec
+        except (ValueError, LookupError):  # an invalid user family serves nothing; `distconf validate` says why
+            continue
+        if wanted in {_squashed(spec.model_type), *map(_squashed, spec.gguf_architectures)}:
+            return family_class_for(name, spec.model_type)
+    return family_class_for(name, architecture)
+
+
 def open_gguf(path: str | Path, *, dht_prefix: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
               name: str | None = None) -> ModelSource:
     """Open a GGUF file (or a folder holding one), converting it into the cache on first use.
@@ -108,7 +129,7 @@ def open_gguf(path: str | Path, *, dht_prefix: str | None = None, cache_dir: str
     entry = entry_name(file, key)
     if not (root / entry / MANIFEST).is_file():
         _check_header(shown, header)
-        family_class_for(shown, header.model_type or "")  # no family: said before a conversion of minutes
+        family_for_architecture(shown, header.architecture or "")  # none: said before a conversion of minutes
 
     def check_config(config: Any) -> None:
         family_class_for(shown, str(config.model_type))

