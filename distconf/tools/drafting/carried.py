@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import is_int
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["carried_values", "draft_carried_arguments"]
@@ -26,31 +26,13 @@ _CANDIDATES = 8
 def carried_values(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
                    index: int) -> list[Any] | None:
     """Output ``index`` of every layer of the tiny model on ``_TOKENS`` token ids (None when it does not run)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=True, tokens=_TOKENS, seed=0))
+    if record.error is not None:
         return None
-    seen: list[Any] = []
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        seen.append(output[index] if isinstance(output, (tuple, list)) and len(output) > index else None)
-
-    handles = [layer.register_forward_hook(hook) for layer in layers]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(0)), use_cache=True)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
+    return [call.output[index] if isinstance(call.output, (tuple, list)) and len(call.output) > index else None
+            for call in record.calls]
 
 
 def _every_key(values: list[Any]) -> bool:

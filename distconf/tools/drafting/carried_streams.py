@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import is_int
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["carried_places", "carried_width_seen", "draft_carried_streams"]
@@ -53,27 +53,17 @@ def carried_width_seen(config_class: type, tiny: Mapping[str, Any], attn_impleme
     """The last dimension of the tiny model's first layer's output ``index`` (None: no tensor or no run)."""
     import torch
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
+    from distconf.tools.drafting.probe import UNCACHED_RUN, observe
 
-    seen: list[int] = []
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
-        if isinstance(value, torch.Tensor) and not seen:
-            seen.append(int(value.shape[-1]))
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        handle = layers[0].register_forward_hook(hook)
-        try:
-            with torch.no_grad(), quiet_transformers():
-                model(torch.randint(0, 8, (1, 5)), use_cache=False)
-        finally:
-            handle.remove()
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, UNCACHED_RUN)
+    if record.error is not None:
         return None
-    return seen[0] if seen else None
+    for call in record.of_layer(0):
+        output = call.output
+        value = output[index] if isinstance(output, (tuple, list)) and len(output) > index else None
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[-1])
+    return None
 
 
 def draft_carried_streams(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any],

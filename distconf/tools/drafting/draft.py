@@ -30,7 +30,7 @@ from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.per_layer import at_layer, explained_by_layer_configs
 from distconf.tools.drafting.positions import draft_computed_positions
-from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
+from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, probe_session, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, layer_section, meta_model, scan_model
@@ -109,6 +109,11 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     ``model_type``, no causal-LM class, no layer list). Everything else that needs a
     human is listed in the draft's ``review`` notes.
     """
+    with probe_session():  # each tiny config is built, and each of its probe runs made, once
+        return _draft_family(family, config, run_tiny=run_tiny)
+
+
+def _draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool) -> FamilyDraft:
     check_family_name(family)
     config_class = _config_class(config)
     config = copy.deepcopy(dict(config))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_fresh_arguments", "shared_containers"]
@@ -20,41 +19,17 @@ __all__ = ["draft_fresh_arguments", "shared_containers"]
 _TRUSTED = ("transformers.", "distconf.")  # class paths a family file may name (spec_types.ClassPath)
 
 
-def _is_container(value: Any) -> bool:
-    from collections import UserDict
-
-    return isinstance(value, (Mapping, UserDict)) and not hasattr(value, "shape")
-
-
 def shared_containers(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> dict[str, type]:
     """Keyword -> class of the containers the tiny model hands every layer as one object, empty at the first
     layer (empty when the model does not build or run)."""
-    import torch
+    from distconf.tools.drafting.probe import CACHED_RUN, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, CACHED_RUN)
+    if record.error is not None:
         return {}
-    seen: list[dict[str, tuple[int, int, type]]] = [{} for _ in layers]
-
-    def hook(index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-            seen[index] = {k: (id(v), len(v), type(v)) for k, v in kwargs.items() if _is_container(v)}
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=True)
-    except Exception:
-        return {}
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen: list[dict[str, tuple[int, int, type]]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        seen[call.index] = call.containers
     found = {}
     for name, (identity, size, cls) in seen[0].items():
         if size == 0 and all(calls.get(name, (None,))[0] == identity for calls in seen) \

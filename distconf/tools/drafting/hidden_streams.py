@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["StreamsSeen", "streams_seen", "draft_hidden_state"]
@@ -41,44 +41,23 @@ def streams_seen(config_class: type, tiny: Mapping[str, Any], attn_implementatio
     """Run the tiny model on token ids and look at its first layer's input (None when it does not run)."""
     import torch
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
+    from distconf.tools.drafting.probe import Forward, observe
 
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        prefix, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=False, batch=_BATCH, tokens=_SEQ))
+    if record.error is not None:
         return None
-    hidden = field_value(config, "hidden_size")
+    model, calls = record.model, record.outside
+    hidden = field_value(record.config, "hidden_size")
     seen: dict[str, Any] = {}
-    calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-
-    def first_input(module: Any, args: Any, kwargs: Any) -> None:
-        value = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(value, torch.Tensor) and "shape" not in seen:
+    for call in record.of_layer(0):
+        value = call.args[0] if call.args else call.kwargs.get("hidden_states")
+        if isinstance(value, torch.Tensor):
             seen["shape"] = tuple(value.shape)
-
-    def outside(name: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                calls.append((name, tuple(args[0].shape), tuple(output.shape)))
-        return hook
-
-    def after_last(module: Any, args: Any, output: Any) -> None:
-        seen.setdefault("after_last", len(calls))
-
-    handles = [layers[0].register_forward_pre_hook(first_input, with_kwargs=True),
-               layers[-1].register_forward_hook(after_last)]
-    handles += [module.register_forward_hook(outside(name)) for name, module in model.named_modules()
-                if name and not (name == prefix or name.startswith(prefix + "."))]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (_BATCH, _SEQ)), use_cache=False)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
+            break
+    last = next((call for call in sorted(record.of_layer(record.layer_count - 1), key=lambda c: c.outside_before)),
+                None)
+    if last is not None:
+        seen["after_last"] = last.outside_before
     shape = seen.get("shape")
     if shape is None or len(shape) != 4 or shape[-1] != hidden or (_BATCH, _SEQ) not in (shape[:2], shape[1:3]):
         return StreamsSeen(1, None)

@@ -48,35 +48,16 @@ class _Observed:
 def layer_calls(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> _Run | None:
     """The tiny config, its model and each of its layers' calls ``(hidden input, hidden output)`` in one forward pass on
     ``_TOKENS`` ids without a cache (None when it does not build or run)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        name, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=False, tokens=_TOKENS, seed=0))
+    if record.error is not None:
         return None
-    calls: list[list[tuple[Any, Any]]] = [[] for _ in layers]
-
-    def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(hidden, torch.Tensor) and isinstance(out, torch.Tensor):
-            calls[i].append((hidden.detach().clone(), out.detach().clone()))
-
-    handles = [layer.register_forward_hook(lambda m, a, k, o, i=i: hook(m, a, k, o, i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(0)), use_cache=False)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return _Run(config, model, name, calls)
+    calls: list[list[tuple[Any, Any]]] = [[] for _ in range(record.layer_count)]
+    for call in record.calls:
+        if call.io is not None:
+            calls[call.index].append(call.io)
+    return _Run(record.config, record.model, record.layer_list, calls)
 
 
 def _observe(calls: list[list[tuple[Any, Any]]]) -> _Observed | str | None:
@@ -176,10 +157,10 @@ def _cache_exact(config_class: type, tiny: Mapping[str, Any], attn_implementatio
     does not run)."""
     import torch
 
-    from distconf.tools.drafting.probe import build_tiny_model
+    from distconf.tools.drafting.probe import tiny_model
 
     try:
-        _, model = build_tiny_model(config_class, tiny, attn_implementation)
+        _, model = tiny_model(config_class, tiny, attn_implementation)
         ids = torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(1))
         with torch.no_grad(), quiet_transformers():
             full = model(ids, use_cache=False).logits

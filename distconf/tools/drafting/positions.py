@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import field_value
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_computed_positions"]
@@ -202,34 +202,16 @@ def _layer_calls(config_class: type, tiny: Mapping[str, Any],
                  attn_implementation: str) -> tuple[Any, list[dict[str, Any]], Any] | None:
     """The tiny config, the keyword arguments each layer got in one cached forward and the input ids it ran on
     (None if it fails)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    # ids unlike any positions, so a layer's copy of them is recognized
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=True, ids=((5, 1, 7, 2, 6),)))
+    if record.error is not None:
         return None
-    calls: list[dict[str, Any]] = [{} for _ in layers]
-
-    def hook(index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-            calls[index] = dict(kwargs)
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    input_ids = torch.tensor([[5, 1, 7, 2, 6]])  # unlike any positions, so a layer's copy of them is recognized
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(input_ids, use_cache=True)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return config, calls, input_ids
+    calls: list[dict[str, Any]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        calls[call.index] = call.kwargs
+    return record.config, calls, record.input_ids
 
 
 def _relative_distances(calls: list[dict[str, Any]], name: str) -> bool:

@@ -1,9 +1,18 @@
-"""Building and running a tiny model (`run_tiny`): what it caches and which kinds of layers it has."""
+"""The one place the drafter builds and runs tiny models.
+
+`tiny_model` builds a tiny config's float32 model; inside `probe_session` (one per `draft_family`) each config is
+built once and every caller gets a pristine copy, with torch's global generator as the build left it, so what a
+caller sees does not depend on who asked first. `observe` runs one instrumented forward pass (a `Forward`: its
+input) and keeps a `ProbeRecord` of every layer call, shared by every rule reading that pass. `run_tiny` is the
+cached 12-token run that decides sizes, kinds of layers and the cache layout (`TinyRun`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Hashable, Mapping
+import json
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +27,9 @@ from distconf.tools.drafting.state_list import StateListFound, find_state_list, 
 from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
 from distconf.tools.drafting.state_returned import ReturnedStateFound, returned_states, run_returning_states
 
-__all__ = ["TinyRun", "build_tiny_model", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
-           "MAX_TINY_PARAMETERS"]
+__all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
+           "MAX_TINY_PARAMETERS", "probe_session", "tiny_model", "Forward", "LayerCall",
+           "ProbeRecord", "observe", "CACHED_RUN", "UNCACHED_RUN"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
 _MAX_VALUES_PER_KIND = 4
@@ -92,23 +102,238 @@ def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str
         return config, causal_lm_from_config(config, dtype=torch.float32).eval()
 
 
-def build_tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> tuple[Any, Any]:
-    """(config, float32 model in eval mode) of the tiny config, with seeded random weights."""
-    return _build(config_class, tiny, attn_implementation, meta=False)
+_session: list[dict[Any, Any]] = []
+
+
+@contextlib.contextmanager
+def probe_session() -> Iterator[None]:
+    """Within it, each tiny config is built once and each `Forward` of it is run once."""
+    _session.append({})
+    try:
+        yield
+    finally:
+        _session.pop()
+
+
+def _key(*parts: Any) -> Any:
+    try:
+        return tuple(json.dumps(p, sort_keys=True, default=repr) if isinstance(p, Mapping) else p for p in parts)
+    except (TypeError, ValueError):  # keys JSON cannot sort: not cached
+        return None
+
+
+def _cached(key: Any, make: Any) -> Any:
+    """``make()``, once per ``key`` within the `probe_session` (every time outside one)."""
+    if not _session or key is None:
+        return make()
+    cache = _session[-1]
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> tuple[Any, Any]:
+    """(config, float32 model in eval mode) of the tiny config, with seeded random weights: a copy of the one build
+    of the `probe_session`, torch's global generator set as that build left it (raises what the build raises)."""
+    import torch
+
+    def build() -> tuple[Any, Any, Any] | BaseException:
+        try:
+            config, model = _build(config_class, tiny, attn_implementation, meta=False)
+        except Exception as exc:  # transformers' code on untried values raises anything; raised to each caller
+            return exc
+        return config, model, torch.get_rng_state()
+
+    built = _cached(_key("model", config_class, tiny, attn_implementation), build)
+    if isinstance(built, BaseException):
+        raise built
+    config, model, rng = built
+    if not _session:
+        return config, model
+    try:
+        copied = copy.deepcopy((config, model))
+    except (TypeError, RuntimeError, copy.Error):  # a model holding what cannot be copied is built again
+        copied = _build(config_class, tiny, attn_implementation, meta=False)
+    torch.set_rng_state(rng)
+    return copied
+
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward pass of a tiny model: token ids ``[batch, tokens]`` drawn from ``[low, 8)`` by torch's global
+    generator as the build left it (``seed``: by a generator of that seed; ``ids``: these instead), row 0's first
+    ``padded`` tokens masked by an attention_mask (None: no mask), with or without a cache."""
+
+    use_cache: bool
+    batch: int = 1
+    tokens: int = 5
+    low: int = 0
+    seed: int | None = None
+    ids: tuple[tuple[int, ...], ...] | None = None
+    padded: int | None = None
+
+
+CACHED_RUN = Forward(use_cache=True)
+"""Five token ids with a cache: what the layers get besides the hidden states, which of them run."""
+UNCACHED_RUN = Forward(use_cache=False)
+"""Five token ids without a cache: what the layers get and return, and the modules outside them."""
+
+
+@dataclass
+class LayerCall:
+    """One call of one layer in a probe run."""
+
+    index: int
+    module: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    containers: dict[str, tuple[int, int, type]]
+    """Keyword -> (identity, length, class) of the mapping arguments as the call began."""
+    output: Any = None
+    stored: dict[str, Any] = field(default_factory=dict)
+    """Keyword -> ``{key: K shape + V last dim}`` of what a mapping argument held after the call (or the error
+    reading it raised)."""
+    outside_before: int = 0
+    """How many outside modules had run when this call returned."""
+    io: tuple[Any, Any] | None = None
+    """Copies of the hidden states the layer got and of those it returned, as the call returned (None: not
+    tensors)."""
+
+
+@dataclass
+class ProbeRecord:
+    """What one instrumented forward pass of a tiny model showed: every layer call in order (``calls``), the
+    calls of the modules outside the layer list (name, input shape, output shape), and the model's output; or
+    ``error``, why it did not build or run."""
+
+    config: Any = None
+    model: Any = None
+    layer_list: str = ""
+    layer_count: int = 0
+    input_ids: Any = None
+    calls: list[LayerCall] = field(default_factory=list)
+    outside: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    result: Any = None
+    error: str | None = None
+    built: bool = False
+    """Whether the model was built (``error`` then says why the forward pass failed)."""
+
+    def of_layer(self, index: int) -> list[LayerCall]:
+        """The calls of layer ``index``, in order."""
+        return [call for call in self.calls if call.index == index]
+
+
+def _mapping_summary(value: Any) -> dict[str, tuple[int, ...]]:
+    container = value or {}
+    return {str(k): (*v[0].shape, v[1].shape[-1]) for k, v in container.items()
+            if isinstance(v, (tuple, list)) and len(v) >= 2 and hasattr(v[0], "shape")}
+
+
+def observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, forward: Forward) -> ProbeRecord:
+    """The record of ``forward`` on the tiny config's model (once per `probe_session`)."""
+    return _cached(_key("observe", config_class, tiny, attn_implementation, forward),
+                   lambda: _observe(config_class, tiny, attn_implementation, forward))
+
+
+def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, forward: Forward) -> ProbeRecord:
+    import torch
+
+    record = ProbeRecord()
+    try:
+        record.config, record.model = tiny_model(config_class, tiny, attn_implementation)
+        record.layer_list, layers = find_layer_list(record.model, field_value(record.config, "num_hidden_layers"))
+    except Exception as exc:  # the record says why
+        record.error = f"the tiny model does not build: {type(exc).__name__}: {exc}"
+        return record
+    record.built, record.layer_count = True, len(layers)
+    open_calls: dict[int, list[LayerCall]] = {}
+
+    def before(index: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            call = LayerCall(index, module, tuple(args), dict(kwargs), {
+                k: (id(v), len(v), type(v)) for k, v in kwargs.items() if _is_container(v)})
+            record.calls.append(call)
+            open_calls.setdefault(index, []).append(call)
+        return hook
+
+    def after(index: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            call = open_calls[index].pop()
+            call.output, call.outside_before = output, len(record.outside)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(hidden, torch.Tensor) and isinstance(out, torch.Tensor):
+                call.io = (hidden.detach().clone(), out.detach().clone())
+            for name, value in kwargs.items():
+                if _is_container(value):
+                    try:
+                        call.stored[name] = _mapping_summary(value)
+                    except Exception as exc:  # kept for the rule that reads it
+                        # (a hook that raised would end the pass for every rule)
+                        call.stored[name] = exc
+        return hook
+
+    def outside(name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                record.outside.append((name, tuple(args[0].shape), tuple(output.shape)))
+        return hook
+
+    handles = [layer.register_forward_pre_hook(before(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.register_forward_hook(after(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    prefix = record.layer_list
+    handles += [module.register_forward_hook(outside(name)) for name, module in record.model.named_modules()
+                if name and not (name == prefix or name.startswith(prefix + "."))]
+    if forward.ids is not None:
+        ids = torch.tensor(forward.ids)
+    else:
+        shape = (forward.batch, forward.tokens)
+        generator = torch.Generator().manual_seed(forward.seed) if forward.seed is not None else None
+        ids = torch.randint(forward.low, 8, shape, generator=generator)
+    record.input_ids = ids
+    extra: dict[str, Any] = {}
+    if forward.padded is not None:
+        extra["attention_mask"] = torch.ones(forward.batch, forward.tokens, dtype=torch.long)
+        extra["attention_mask"][0, :forward.padded] = 0
+    try:
+        with torch.no_grad(), quiet_transformers():
+            record.result = record.model(ids, use_cache=forward.use_cache, **extra)
+    except Exception as exc:  # the record says why
+        record.error = f"the tiny model does not run: {type(exc).__name__}: {exc}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return record
+
+
+def _is_container(value: Any) -> bool:
+    from collections import UserDict
+
+    return isinstance(value, (Mapping, UserDict)) and not hasattr(value, "shape")
 
 
 def meta_layer_kinds(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[Hashable] | None:
     """Kinds of layers of the tiny model built on the meta device (None when it cannot be built)."""
-    try:
-        config, model = _build(config_class, tiny, attn_implementation, meta=True)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        return layer_kinds(layers, config)
-    except Exception:  # the real run reports why
-        return None
+    def kinds() -> set[Hashable] | None:
+        try:
+            config, model = _build(config_class, tiny, attn_implementation, meta=True)
+            _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
+            return layer_kinds(layers, config)
+        except Exception:  # the real run reports why
+            return None
+
+    return _cached(_key("meta kinds", config_class, tiny, attn_implementation), kinds)
 
 
 def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> TinyRun | str:
-    """Build the tiny model and run 12 tokens through it with a cache; the error text when it fails."""
+    """Build the tiny model and run 12 tokens through it with a cache; the error text when it fails (once per
+    `probe_session`)."""
+    return _cached(_key("run", config_class, tiny, attn_implementation),
+                   lambda: _run_tiny(config_class, tiny, attn_implementation))
+
+
+def _run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> TinyRun | str:
     import torch
 
     try:
@@ -117,7 +342,7 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
         if parameters > MAX_TINY_PARAMETERS:
             return (f"it would have {parameters:,} parameters (a size field of the real model was not "
                     "shrunk), so it was not built")
-        config, model = _build(config_class, tiny, attn_implementation, meta=False)
+        config, model = tiny_model(config_class, tiny, attn_implementation)
         vocab = int(field_value(config, "vocab_size", 0) or 256)
         ids = torch.randint(0, min(vocab, 256), (1, TINY_TEST_TOKENS))
         _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
@@ -161,7 +386,7 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
     import torch
 
     try:
-        config, model = _build(config_class, tiny, attn_implementation, meta=False)
+        config, model = tiny_model(config_class, tiny, attn_implementation)
         model = model.to(torch.bfloat16)
         with torch.no_grad():
             result = model(torch.randint(0, 8, (1, 4)), use_cache=True)

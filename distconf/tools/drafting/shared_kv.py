@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.loader.spec_kv import SharedKVSpec
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import field_value
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_shared_kv"]
@@ -44,35 +44,18 @@ def _modes_field(config: Any, layers: int) -> str | None:
 def _stored(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, argument: str,
             ) -> tuple[Any, list[dict[str, tuple[int, ...]]]] | None:
     """The tiny config and, after each layer, ``{key: K shape + V last dim}`` of what the container holds."""
-    import torch
+    from distconf.tools.drafting.probe import UNCACHED_RUN, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, UNCACHED_RUN)
+    if record.error is not None:
         return None
-    after: list[dict[str, tuple[int, ...]]] = [{} for _ in layers]
-
-    def hook(index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            container = kwargs.get(argument) or {}
-            after[index] = {str(k): (*v[0].shape, v[1].shape[-1]) for k, v in container.items()
-                            if isinstance(v, (tuple, list)) and len(v) >= 2 and hasattr(v[0], "shape")}
-        return record
-
-    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=False)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return config, after
+    after: list[dict[str, tuple[int, ...]]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        stored = call.stored.get(argument, {})
+        if isinstance(stored, Exception):  # the container did not hold what it is read as
+            return None
+        after[call.index] = stored
+    return record.config, after
 
 
 def draft_shared_kv(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:

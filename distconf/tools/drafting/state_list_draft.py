@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, field_value
-from distconf.tools.drafting.probe import build_tiny_model
+from distconf.tools.drafting.probe import tiny_model
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import find_layer_list
 from distconf.tools.drafting.state_list import StateListFound
@@ -33,7 +33,7 @@ def _first_layer_state(config_class: type, tiny: Mapping[str, Any], attn_impleme
             seen.extend(t.detach().clone() for t in kwargs[name])
 
     try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        config, model = tiny_model(config_class, tiny, attn_implementation)
         model = model.to(dtype)
         _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
         hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
@@ -81,7 +81,7 @@ def _rows_together(config_class: type, tiny: Mapping[str, Any], attn_implementat
     generator = torch.Generator().manual_seed(0)
     ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
     try:
-        _, model = build_tiny_model(config_class, tiny, attn_implementation)
+        _, model = tiny_model(config_class, tiny, attn_implementation)
         with torch.no_grad():
             state = model(ids, use_cache=True).get(name)
             rows = [model(nxt[r:r + 1], **{name: model(ids[r:r + 1], use_cache=True).get(name)},

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import field_value, module_path
-from distconf.tools.drafting.probe import build_tiny_model
+from distconf.tools.drafting.probe import tiny_model
 from distconf.tools.drafting.scan import find_layer_list
 from distconf.tools.drafting.state_returned import ReturnedStateFound, run_returning_states
 
@@ -25,7 +25,7 @@ def _bfloat16_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implement
     import torch
 
     try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
+        config, model = tiny_model(config_class, tiny, attn_implementation)
         model = model.to(torch.bfloat16)
         _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
         _, found = run_returning_states(model, layers, torch.randint(0, 8, (1, 4)))
