@@ -47,11 +47,11 @@ from distconf.tools.drafting.shared_kv import draft_shared_kv
 from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
 from distconf.tools.drafting.skipped import draft_skipped_layers
 from distconf.tools.drafting.stacks import draft_growing_stacks, stack_places
-from distconf.tools.drafting.state import state_layout
-from distconf.tools.drafting.state_attributes import apply_module_states
-from distconf.tools.drafting.state_list_draft import apply_state_list
-from distconf.tools.drafting.state_returned_draft import apply_returned_state
-from distconf.tools.drafting.statedraft import (
+from distconf.tools.drafting.state_layer_list import apply_state_list
+from distconf.tools.drafting.state_layout import state_layout
+from distconf.tools.drafting.state_module_attributes import apply_module_states
+from distconf.tools.drafting.state_returned_tuple import apply_returned_state
+from distconf.tools.drafting.state_section import (
     apply_state,
     attention_by_type,
     cache_module_class,

@@ -21,11 +21,11 @@ from distconf.tools.drafting.indexer import find_indexers
 from distconf.tools.drafting.layer_state import LayerState, layer_states
 from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
-from distconf.tools.drafting.state import foreign_cache_class, foreign_state
-from distconf.tools.drafting.state_attributes import ModuleStatesFound, module_states, run_handing_cache
-from distconf.tools.drafting.state_list import StateListFound, find_state_list, list_states
-from distconf.tools.drafting.state_methods import StateMethodsFound, find_state_methods, with_method_states
-from distconf.tools.drafting.state_returned import ReturnedStateFound, returned_states, run_returning_states
+from distconf.tools.drafting.state_layer_list import StateListFound, find_state_list, list_states
+from distconf.tools.drafting.state_layout import foreign_cache_class, foreign_state
+from distconf.tools.drafting.state_module_attributes import ModuleStatesFound, module_states, run_handing_cache
+from distconf.tools.drafting.state_recurrent_methods import StateMethodsFound, find_state_methods, with_method_states
+from distconf.tools.drafting.state_returned_tuple import ReturnedStateFound, returned_states, run_returning_states
 
 __all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS", "probe_session", "tiny_model", "Forward", "LayerCall",

@@ -10,7 +10,7 @@ from distconf.tools.drafting.continuation import draft_continuation
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, find_attention
 from distconf.tools.drafting.sections import mask_kind_of
-from distconf.tools.drafting.state import StateLayout
+from distconf.tools.drafting.state_layout import StateLayout
 
 __all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention",
            "refuse_foreign_state"]

@@ -1,22 +1,57 @@
-"""Writing a state list (`distconf.tools.drafting.state_list.StateListFound`) into a draft's ``state.layer_list``.
+"""A state the model hands its layers as a list of per-layer tensors (``state.layer_list`` of a draft).
 
-The entries' split (leading entries kept in the model's dtype form the conv state, the float32
-rest the recurrent one), their initial values (read as the first layer receives them), whether
-one-token steps of several rows need running row by row, and the layer's keyword.
+Some models keep their whole state as a list of ``[batch, size, num_hidden_layers]`` tensors,
+returned under a model output key and passed to every layer under the same keyword; each
+layer reads and writes its own slice ``[..., layer_idx]``. `find_state_list` recognises that
+structure on the tiny model's output; `apply_state_list` writes it into the draft: the entries'
+split (leading entries kept in the model's dtype form the conv state, the float32 rest the
+recurrent one), their initial values (read as the first layer receives them), whether one-token
+steps of several rows need running row by row, and the layer's keyword.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, field_value
-from distconf.tools.drafting.probe import tiny_model
+from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import find_layer_list
-from distconf.tools.drafting.state_list import StateListFound
 
-__all__ = ["apply_state_list"]
+__all__ = ["StateListFound", "find_state_list", "list_states", "apply_state_list"]
+
+_STATE_OUTPUTS = ("state", "states", "cache_params")
+
+
+@dataclass(frozen=True)
+class StateListFound:
+    """The model output key (and layer keyword) of the state list, and each entry's size."""
+
+    name: str
+    sizes: tuple[int, ...]
+
+
+def find_state_list(result: Any, layers: int) -> StateListFound | None:
+    """The list of ``[batch, size, layers]`` tensors a tiny model's output holds as its state (None: none)."""
+    import torch
+
+    get = getattr(result, "get", None)
+    if not callable(get):
+        return None
+    for name in _STATE_OUTPUTS:
+        value = get(name)
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == layers for t in value):
+            return StateListFound(name, tuple(int(t.shape[1]) for t in value))
+    return None
+
+
+def list_states(found: StateListFound, layers: int) -> list[LayerState]:
+    """One `LayerState` per layer: the entries' common size as its recurrent shape (the entry count is added
+    by `apply_state_list`, which refuses entries of different sizes)."""
+    return [LayerState(recurrent=(found.sizes[0],), recurrent_dtype="float32") for _ in range(layers)]
 
 _NO_CACHE_NOTES = ("forward takes no cache",)
 
@@ -25,6 +60,8 @@ def _first_layer_state(config_class: type, tiny: Mapping[str, Any], attn_impleme
                        name: str, dtype: Any) -> tuple[list[Any], list[Any]] | None:
     """(the state list as the first layer receives it, as the model returns it), in ``dtype``; None if it fails."""
     import torch
+
+    from distconf.tools.drafting.probe import tiny_model
 
     seen: list[Any] = []
 
@@ -77,6 +114,8 @@ def _rows_together(config_class: type, tiny: Mapping[str, Any], attn_implementat
     """Whether the model's one-token step after a state of two rows equals each row's own (some layers broadcast
     their state's rows against their input's in that step); True when it cannot tell."""
     import torch
+
+    from distconf.tools.drafting.probe import tiny_model
 
     generator = torch.Generator().manual_seed(0)
     ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
