@@ -23,13 +23,13 @@ from distconf.tools.drafting.profile import TINY_TEST_TOKENS
 from distconf.tools.drafting.scan import find_layer_list, layer_signature
 from distconf.tools.drafting.state_layer_list import StateListFound, find_state_list, list_states
 from distconf.tools.drafting.state_layout import foreign_cache_class, foreign_state
-from distconf.tools.drafting.state_module_attributes import ModuleStatesFound, module_states, run_handing_cache
+from distconf.tools.drafting.state_module_attributes import ModuleStatesFound, handed_cache, module_states
 from distconf.tools.drafting.state_recurrent_methods import StateMethodsFound, find_state_methods, with_method_states
-from distconf.tools.drafting.state_returned_tuple import ReturnedStateFound, returned_states, run_returning_states
+from distconf.tools.drafting.state_returned_tuple import ReturnedStateFound, returned_state, returned_states
 
 __all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS", "probe_session", "tiny_model", "Forward", "LayerCall",
-           "ProbeRecord", "observe", "CACHED_RUN", "UNCACHED_RUN"]
+           "ProbeRecord", "observe", "failed_probes", "CACHED_RUN", "UNCACHED_RUN"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
 _MAX_VALUES_PER_KIND = 4
@@ -169,13 +169,20 @@ class Forward:
     batch: int = 1
     tokens: int = 5
     low: int = 0
+    high: int = 8
     seed: int | None = None
     ids: tuple[tuple[int, ...], ...] | None = None
     padded: int | None = None
+    dtype: str = "float32"
+    """The model's dtype for this pass (it is built in float32)."""
+    quiet: bool = True
+    """Silence transformers' warnings (the run whose failures the user reads keeps them)."""
 
 
 CACHED_RUN = Forward(use_cache=True)
 """Five token ids with a cache: what the layers get besides the hidden states, which of them run."""
+BFLOAT16_RUN = Forward(use_cache=True, tokens=4, dtype="bfloat16", quiet=False)
+"""Four token ids through the model in bfloat16, with a cache: the dtypes its states are kept in."""
 UNCACHED_RUN = Forward(use_cache=False)
 """Five token ids without a cache: what the layers get and return, and the modules outside them."""
 
@@ -190,6 +197,8 @@ class LayerCall:
     kwargs: dict[str, Any]
     containers: dict[str, tuple[int, int, type]]
     """Keyword -> (identity, length, class) of the mapping arguments as the call began."""
+    lists: dict[str, list[Any]]
+    """Keyword -> copies of the tensors of the list (or tuple) arguments as the call began."""
     output: Any = None
     stored: dict[str, Any] = field(default_factory=dict)
     """Keyword -> ``{key: K shape + V last dim}`` of what a mapping argument held after the call (or the error
@@ -205,11 +214,12 @@ class LayerCall:
 class ProbeRecord:
     """What one instrumented forward pass of a tiny model showed: every layer call in order (``calls``), the
     calls of the modules outside the layer list (name, input shape, output shape), and the model's output; or
-    ``error``, why it did not build or run."""
+    ``error`` (``"ExceptionType: message"``), why it did not build or run."""
 
     config: Any = None
     model: Any = None
     layer_list: str = ""
+    layers: Any = ()
     layer_count: int = 0
     input_ids: Any = None
     calls: list[LayerCall] = field(default_factory=list)
@@ -231,9 +241,23 @@ def _mapping_summary(value: Any) -> dict[str, tuple[int, ...]]:
 
 
 def observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, forward: Forward) -> ProbeRecord:
-    """The record of ``forward`` on the tiny config's model (once per `probe_session`)."""
-    return _cached(_key("observe", config_class, tiny, attn_implementation, forward),
-                   lambda: _observe(config_class, tiny, attn_implementation, forward))
+    """The record of ``forward`` on the tiny config's model (once per `probe_session`; a failed one is also listed
+    by `failed_probes`)."""
+    record = _cached(_key("observe", config_class, tiny, attn_implementation, forward),
+                     lambda: _observe(config_class, tiny, attn_implementation, forward))
+    if record.error is not None and _session:
+        _session[-1].setdefault(_FAILED, []).append((forward, record))
+    return record
+
+
+_FAILED = "failed probe runs"
+
+
+def failed_probes() -> list[tuple[Forward, ProbeRecord]]:
+    """The failed runs `observe` handed out in this `probe_session` since the last call (which clears them)."""
+    if not _session:
+        return []
+    return _session[-1].pop(_FAILED, [])
 
 
 def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, forward: Forward) -> ProbeRecord:
@@ -244,15 +268,17 @@ def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
         record.config, record.model = tiny_model(config_class, tiny, attn_implementation)
         record.layer_list, layers = find_layer_list(record.model, field_value(record.config, "num_hidden_layers"))
     except Exception as exc:  # the record says why
-        record.error = f"the tiny model does not build: {type(exc).__name__}: {exc}"
+        record.error = f"{type(exc).__name__}: {exc}"
         return record
-    record.built, record.layer_count = True, len(layers)
+    record.built, record.layers, record.layer_count = True, layers, len(layers)
     open_calls: dict[int, list[LayerCall]] = {}
 
     def before(index: int) -> Any:
         def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
             call = LayerCall(index, module, tuple(args), dict(kwargs), {
-                k: (id(v), len(v), type(v)) for k, v in kwargs.items() if _is_container(v)})
+                k: (id(v), len(v), type(v)) for k, v in kwargs.items() if _is_container(v)}, {
+                k: [t.detach().clone() for t in v] for k, v in kwargs.items()
+                if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v)})
             record.calls.append(call)
             open_calls.setdefault(index, []).append(call)
         return hook
@@ -290,17 +316,19 @@ def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     else:
         shape = (forward.batch, forward.tokens)
         generator = torch.Generator().manual_seed(forward.seed) if forward.seed is not None else None
-        ids = torch.randint(forward.low, 8, shape, generator=generator)
+        ids = torch.randint(forward.low, forward.high, shape, generator=generator)
     record.input_ids = ids
     extra: dict[str, Any] = {}
     if forward.padded is not None:
         extra["attention_mask"] = torch.ones(forward.batch, forward.tokens, dtype=torch.long)
         extra["attention_mask"][0, :forward.padded] = 0
     try:
-        with torch.no_grad(), quiet_transformers():
+        if forward.dtype != "float32":
+            record.model = record.model.to(getattr(torch, forward.dtype))
+        with torch.no_grad(), quiet_transformers() if forward.quiet else contextlib.nullcontext():
             record.result = record.model(ids, use_cache=forward.use_cache, **extra)
     except Exception as exc:  # the record says why
-        record.error = f"the tiny model does not run: {type(exc).__name__}: {exc}"
+        record.error = f"{type(exc).__name__}: {exc}"
     finally:
         for handle in handles:
             handle.remove()
@@ -334,25 +362,25 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
 
 
 def _run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> TinyRun | str:
-    import torch
-
     try:
         config, meta_model = _build(config_class, tiny, attn_implementation, meta=True)
         parameters = sum(p.numel() for p in meta_model.parameters())
         if parameters > MAX_TINY_PARAMETERS:
             return (f"it would have {parameters:,} parameters (a size field of the real model was not "
                     "shrunk), so it was not built")
-        config, model = tiny_model(config_class, tiny, attn_implementation)
-        vocab = int(field_value(config, "vocab_size", 0) or 256)
-        ids = torch.randint(0, min(vocab, 256), (1, TINY_TEST_TOKENS))
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        own_cache, returned, handed = foreign_cache_class(type(model)), None, None
-        if own_cache is not None:  # its cache may not fit the tiny sizes: the layers' own states are read
-            result, returned = run_returning_states(model, layers, ids)
-        else:
-            result, handed = run_handing_cache(model, layers, ids)
+        own_cache = foreign_cache_class(type(meta_model))
     except Exception as exc:  # any failure is reported to the user, never hidden
         return f"{type(exc).__name__}: {exc}"
+    vocab = int(field_value(config, "vocab_size", 0) or 256)
+    # a model with a cache of its own runs without it (it may not fit the tiny sizes): the layers' states are read
+    record = observe(config_class, tiny, attn_implementation, Forward(
+        use_cache=own_cache is None, tokens=TINY_TEST_TOKENS, high=min(vocab, 256), quiet=False))
+    if record.error is not None:
+        return record.error
+    config, layers, result, ids = record.config, record.layers, record.result, record.input_ids
+    model = record.model
+    returned = returned_state(record.calls, len(layers), int(ids.shape[0])) if own_cache is not None else None
+    handed = handed_cache(record.calls) if own_cache is None else None
     cache = getattr(result, "past_key_values", None)
     held, held_states = (None, []) if cache is not None or own_cache is not None else \
         module_states(layers, int(ids.shape[0]), layer_states(handed))
@@ -383,17 +411,11 @@ def state_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementatio
                  ) -> dict[str, set[str]] | None:
     """The dtypes of the ``recurrent`` and of the ``conv`` states a bfloat16 tiny model keeps (None when it cannot
     run in bfloat16)."""
-    import torch
-
-    try:
-        config, model = tiny_model(config_class, tiny, attn_implementation)
-        model = model.to(torch.bfloat16)
-        with torch.no_grad():
-            result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
-        cache = getattr(result, "past_key_values", None)
-        layers = find_layer_list(model, field_value(config, "num_hidden_layers"))[1] if cache is None else []
-    except Exception:  # the float32 run has reported anything wrong with the config
+    record = observe(config_class, tiny, attn_implementation, BFLOAT16_RUN)
+    if record.error is not None:  # the float32 run has reported anything wrong with the config
         return None
+    cache = getattr(record.result, "past_key_values", None)
+    layers = record.layers if cache is None else []
     states = _states(cache, find_state_methods(cache)) if cache is not None else module_states(layers, 1, [])[1]
     return {"recurrent": {s.recurrent_dtype for s in states if s.recurrent_dtype},
             "conv": {s.conv_dtype for s in states if s.conv_dtype}}

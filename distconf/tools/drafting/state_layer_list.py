@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import DraftingError, field_value
+from distconf.tools.drafting.common import DraftingError
 from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.scan import find_layer_list
 
 __all__ = ["StateListFound", "find_state_list", "list_states", "apply_state_list"]
 
@@ -59,28 +58,14 @@ _NO_CACHE_NOTES = ("forward takes no cache",)
 def _first_layer_state(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
                        name: str, dtype: Any) -> tuple[list[Any], list[Any]] | None:
     """(the state list as the first layer receives it, as the model returns it), in ``dtype``; None if it fails."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import tiny_model
-
-    seen: list[Any] = []
-
-    def capture(module: Any, args: Any, kwargs: Any) -> None:
-        if not seen and isinstance(kwargs.get(name), (list, tuple)):
-            seen.extend(t.detach().clone() for t in kwargs[name])
-
-    try:
-        config, model = tiny_model(config_class, tiny, attn_implementation)
-        model = model.to(dtype)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
-        finally:
-            hook.remove()
-    except Exception:  # the float32 run has reported anything wrong with the config
+    record = observe(config_class, tiny, attn_implementation,
+                     Forward(use_cache=True, tokens=4, dtype=str(dtype).removeprefix("torch."), quiet=False))
+    if record.error is not None:  # the float32 run has reported anything wrong with the config
         return None
+    seen = next((call.lists[name] for call in record.of_layer(0) if name in call.lists), [])
+    result = record.result
     returned = result.get(name) if callable(getattr(result, "get", None)) else None
     return (seen, list(returned)) if seen and returned else None
 
