@@ -14,12 +14,12 @@ def refuse_non_causal(config_class: type, tiny: Mapping[str, Any], attn_implemen
     """Raise `DraftingError` when the tiny model's first tokens' outputs depend on later tokens."""
     from distconf.tools.checker.causal import non_causal_cause
     from distconf.tools.checker.reference import perturb_weights
-    from distconf.tools.drafting.probe import tiny_model
+    from distconf.tools.drafting.probe import try_tiny_model
 
-    try:
-        config, model = tiny_model(config_class, tiny, attn_implementation)
-    except Exception:  # the tiny run reports why the config does not build
+    built = try_tiny_model(config_class, tiny, attn_implementation)
+    if built is None:  # the tiny run reports why the config does not build
         return
+    config, model = built
     perturb_weights(model)  # as the check does: an initializer's equal values would tie in top-k choices
     with quiet_transformers():
         cause = non_causal_cause(model, field_value(config, "vocab_size", 2) or 2)

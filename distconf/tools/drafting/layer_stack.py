@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_layer_stack", "layer_calls"]
@@ -155,27 +155,9 @@ def _choices(config_class: type) -> dict[str, tuple[str, ...]]:
 def _cache_exact(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> bool | None:
     """Whether the tiny model's decoding with its own cache gives its full forward pass's logits (None when it
     does not run)."""
-    import torch
+    from distconf.tools.drafting.probe import decodes_as_forward
 
-    from distconf.tools.drafting.probe import tiny_model
-
-    try:
-        _, model = tiny_model(config_class, tiny, attn_implementation)
-        ids = torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad(), quiet_transformers():
-            full = model(ids, use_cache=False).logits
-            out = model(ids[:, :-2], use_cache=True)
-            keyword = "cache" if hasattr(out, "cache") else "past_key_values"
-            cache = getattr(out, keyword)
-            steps = [out.logits]
-            for t in range(_TOKENS - 2, _TOKENS):
-                out = model(ids[:, t:t + 1], use_cache=True, **{keyword: cache})
-                cache = getattr(out, keyword)
-                steps.append(out.logits)
-        scale = float(full.abs().max()) or 1.0  # relative: a tiny model's logits may all be small
-        return float((torch.cat(steps, dim=1) - full).abs().max()) <= _TOLERANCE * scale
-    except Exception:
-        return None
+    return decodes_as_forward(config_class, tiny, attn_implementation, _TOKENS, _TOLERANCE)
 
 
 def _requires(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
 from distconf.tools.drafting.indexer import find_indexers
@@ -29,7 +29,8 @@ from distconf.tools.drafting.state_returned_tuple import ReturnedStateFound, ret
 
 __all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS", "probe_session", "tiny_model", "Forward", "LayerCall",
-           "ProbeRecord", "observe", "failed_probes", "CACHED_RUN", "UNCACHED_RUN"]
+           "ProbeRecord", "observe", "failed_probes", "try_tiny_model", "decodes_as_forward",
+           "rows_step_together", "CACHED_RUN", "UNCACHED_RUN"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
 _MAX_VALUES_PER_KIND = 4
@@ -103,6 +104,27 @@ def _build(config_class: type, tiny: Mapping[str, Any], attn_implementation: str
 
 
 _session: list[dict[Any, Any]] = []
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What building or running a tiny model raised."""
+
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+def _attempt(make: Callable[[], _T]) -> _T | _Failed:
+    """``make()``, or what it raised. Transformers' code on values it was never run with raises anything (its
+    asserts, shape and index errors, missing attributes, its own exception types); a probe never stops the draft
+    for it: the caller records or reports the failure."""
+    try:
+        return make()
+    except Exception as exc:  # the probe's one catch-all, see above
+        return _Failed(exc)
 
 
 @contextlib.contextmanager
@@ -137,16 +159,13 @@ def tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation:
     of the `probe_session`, torch's global generator set as that build left it (raises what the build raises)."""
     import torch
 
-    def build() -> tuple[Any, Any, Any] | BaseException:
-        try:
-            config, model = _build(config_class, tiny, attn_implementation, meta=False)
-        except Exception as exc:  # transformers' code on untried values raises anything; raised to each caller
-            return exc
-        return config, model, torch.get_rng_state()
+    def build() -> tuple[Any, Any, Any] | _Failed:
+        built = _attempt(lambda: _build(config_class, tiny, attn_implementation, meta=False))
+        return built if isinstance(built, _Failed) else (*built, torch.get_rng_state())
 
     built = _cached(_key("model", config_class, tiny, attn_implementation), build)
-    if isinstance(built, BaseException):
-        raise built
+    if isinstance(built, _Failed):
+        raise built.error  # to each caller, as a build of its own would
     config, model, rng = built
     if not _session:
         return config, model
@@ -264,12 +283,16 @@ def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     import torch
 
     record = ProbeRecord()
-    try:
-        record.config, record.model = tiny_model(config_class, tiny, attn_implementation)
-        record.layer_list, layers = find_layer_list(record.model, field_value(record.config, "num_hidden_layers"))
-    except Exception as exc:  # the record says why
-        record.error = f"{type(exc).__name__}: {exc}"
+
+    def build() -> tuple[Any, Any, str, Any]:
+        config, model = tiny_model(config_class, tiny, attn_implementation)
+        return (config, model, *find_layer_list(model, field_value(config, "num_hidden_layers")))
+
+    built = _attempt(build)
+    if isinstance(built, _Failed):
+        record.error = str(built)
         return record
+    record.config, record.model, record.layer_list, layers = built
     record.built, record.layers, record.layer_count = True, layers, len(layers)
     open_calls: dict[int, list[LayerCall]] = {}
 
@@ -295,9 +318,8 @@ def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
                 if _is_container(value):
                     try:
                         call.stored[name] = _mapping_summary(value)
-                    except Exception as exc:  # kept for the rule that reads it
-                        # (a hook that raised would end the pass for every rule)
-                        call.stored[name] = exc
+                    except (AttributeError, TypeError, IndexError, KeyError) as exc:  # not K/V pairs
+                        call.stored[name] = exc  # for the rule reading it: a hook raising ends every rule's run
         return hook
 
     def outside(name: str) -> Any:
@@ -322,16 +344,20 @@ def _observe(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
     if forward.padded is not None:
         extra["attention_mask"] = torch.ones(forward.batch, forward.tokens, dtype=torch.long)
         extra["attention_mask"][0, :forward.padded] = 0
-    try:
+
+    def run() -> Any:
         if forward.dtype != "float32":
             record.model = record.model.to(getattr(torch, forward.dtype))
         with torch.no_grad(), quiet_transformers() if forward.quiet else contextlib.nullcontext():
-            record.result = record.model(ids, use_cache=forward.use_cache, **extra)
-    except Exception as exc:  # the record says why
-        record.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        for handle in handles:
-            handle.remove()
+            return record.model(ids, use_cache=forward.use_cache, **extra)
+
+    result = _attempt(run)
+    for handle in handles:
+        handle.remove()
+    if isinstance(result, _Failed):
+        record.error = str(result)
+    else:
+        record.result = result
     return record
 
 
@@ -344,12 +370,13 @@ def _is_container(value: Any) -> bool:
 def meta_layer_kinds(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[Hashable] | None:
     """Kinds of layers of the tiny model built on the meta device (None when it cannot be built)."""
     def kinds() -> set[Hashable] | None:
-        try:
+        def read() -> set[Hashable]:
             config, model = _build(config_class, tiny, attn_implementation, meta=True)
             _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
             return layer_kinds(layers, config)
-        except Exception:  # the real run reports why
-            return None
+
+        found = _attempt(read)
+        return None if isinstance(found, _Failed) else found  # the real run reports why
 
     return _cached(_key("meta kinds", config_class, tiny, attn_implementation), kinds)
 
@@ -362,15 +389,15 @@ def run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: s
 
 
 def _run_tiny(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> TinyRun | str:
-    try:
-        config, meta_model = _build(config_class, tiny, attn_implementation, meta=True)
-        parameters = sum(p.numel() for p in meta_model.parameters())
-        if parameters > MAX_TINY_PARAMETERS:
-            return (f"it would have {parameters:,} parameters (a size field of the real model was not "
-                    "shrunk), so it was not built")
-        own_cache = foreign_cache_class(type(meta_model))
-    except Exception as exc:  # any failure is reported to the user, never hidden
-        return f"{type(exc).__name__}: {exc}"
+    meta = _attempt(lambda: _build(config_class, tiny, attn_implementation, meta=True))
+    if isinstance(meta, _Failed):  # any failure is reported to the user, never hidden
+        return str(meta)
+    config, meta_model = meta
+    parameters = sum(p.numel() for p in meta_model.parameters())
+    if parameters > MAX_TINY_PARAMETERS:
+        return (f"it would have {parameters:,} parameters (a size field of the real model was not "
+                "shrunk), so it was not built")
+    own_cache = foreign_cache_class(type(meta_model))
     vocab = int(field_value(config, "vocab_size", 0) or 256)
     # a model with a cache of its own runs without it (it may not fit the tiny sizes): the layers' states are read
     record = observe(config_class, tiny, attn_implementation, Forward(
@@ -440,3 +467,64 @@ def _last_cache(cache: Any) -> tuple[Any, Any]:
         return last.keys, last.values
     except (AttributeError, IndexError, TypeError):
         return None, None
+
+
+def try_tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> tuple[Any, Any] | None:
+    """`tiny_model`, or None when it does not build (the run of the tiny config reports why)."""
+    built = _attempt(lambda: tiny_model(config_class, tiny, attn_implementation))
+    return None if isinstance(built, _Failed) else built
+
+
+def decodes_as_forward(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, tokens: int,
+                       tolerance: float) -> bool | None:
+    """Whether the tiny model's decoding of ``tokens`` ids (the last two one at a time) with its own cache gives its
+    full forward pass's logits, within ``tolerance`` relative to the largest (None when it does not run)."""
+    import torch
+
+    def run() -> bool:
+        _, model = tiny_model(config_class, tiny, attn_implementation)
+        ids = torch.randint(0, 8, (1, tokens), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), quiet_transformers():
+            full = model(ids, use_cache=False).logits
+            out = model(ids[:, :-2], use_cache=True)
+            keyword = "cache" if hasattr(out, "cache") else "past_key_values"
+            cache = getattr(out, keyword)
+            steps = [out.logits]
+            for t in range(tokens - 2, tokens):
+                out = model(ids[:, t:t + 1], use_cache=True, **{keyword: cache})
+                cache = getattr(out, keyword)
+                steps.append(out.logits)
+        scale = float(full.abs().max()) or 1.0  # relative: a tiny model's logits may all be small
+        return float((torch.cat(steps, dim=1) - full).abs().max()) <= tolerance * scale
+
+    exact = _attempt(run)
+    return None if isinstance(exact, _Failed) else exact
+
+
+def rows_step_together(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, name: str) -> bool:
+    """Whether the model's one-token step after a state list ``name`` of two rows equals each row's own (some
+    layers broadcast their state's rows against their input's in that step); True when it cannot tell."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
+
+    def run() -> tuple[Any, list[Any]] | None:
+        _, model = tiny_model(config_class, tiny, attn_implementation)
+        with torch.no_grad():
+            state = model(ids, use_cache=True).get(name)
+            rows = [model(nxt[r:r + 1], **{name: model(ids[r:r + 1], use_cache=True).get(name)},
+                          use_cache=True).get("logits") for r in range(2)]
+            try:
+                return model(nxt, **{name: state}, use_cache=True).get("logits"), rows
+            except RuntimeError:  # the rows do not broadcast: the step is wrong for several rows
+                return None
+
+    ran = _attempt(run)
+    if isinstance(ran, _Failed):  # the float32 run has reported anything wrong with the config
+        return True
+    if ran is None:
+        return False
+    batched, rows = ran
+    expected = torch.cat(rows)
+    return batched.shape == expected.shape and torch.allclose(batched, expected, rtol=1e-4, atol=1e-5)

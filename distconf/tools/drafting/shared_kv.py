@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.loader.spec_kv import SharedKVSpec
-from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.common import MISSING, field_value
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_shared_kv"]
@@ -32,9 +32,8 @@ def _modes_field(config: Any, layers: int) -> str | None:
     for name in names:
         if name.startswith("_"):
             continue
-        try:
-            value = getattr(config, name)
-        except Exception:  # a property that does not apply to this config
+        value = field_value(config, name, MISSING)  # a property may not apply to this config
+        if value is MISSING:
             continue
         if isinstance(value, (list, tuple)) and len(value) == layers and _STORE in value and _REUSE in value:
             return name

@@ -95,36 +95,13 @@ def _conv_entries(dtypes: list[Any]) -> int:
     return count
 
 
-def _rows_together(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, name: str) -> bool:
-    """Whether the model's one-token step after a state of two rows equals each row's own (some layers broadcast
-    their state's rows against their input's in that step); True when it cannot tell."""
-    import torch
-
-    from distconf.tools.drafting.probe import tiny_model
-
-    generator = torch.Generator().manual_seed(0)
-    ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
-    try:
-        _, model = tiny_model(config_class, tiny, attn_implementation)
-        with torch.no_grad():
-            state = model(ids, use_cache=True).get(name)
-            rows = [model(nxt[r:r + 1], **{name: model(ids[r:r + 1], use_cache=True).get(name)},
-                          use_cache=True).get("logits") for r in range(2)]
-            try:
-                batched = model(nxt, **{name: state}, use_cache=True).get("logits")
-            except RuntimeError:  # the rows do not broadcast: the step is wrong for several rows
-                return False
-    except Exception:  # the float32 run has reported anything wrong with the config
-        return True
-    expected = torch.cat(rows)
-    return batched.shape == expected.shape and torch.allclose(batched, expected, rtol=1e-4, atol=1e-5)
-
-
 def apply_state_list(draft: FamilyDraft, layout: Any, found: StateListFound, config_class: type,
                      tiny: Mapping[str, Any]) -> bool:
     """Write ``layout.state`` for a state list (shapes, ``layer_list``) and the layer's keyword into ``draft``;
     whether the recurrent entries are float32. Raises `DraftingError` when the list cannot be declared."""
     import torch
+
+    from distconf.tools.drafting.probe import rows_step_together
 
     if len(set(found.sizes)) > 1:
         raise DraftingError(f"the layers keep a per-sequence state, but the entries of the model's state list have "
@@ -150,7 +127,7 @@ def apply_state_list(draft: FamilyDraft, layout: Any, found: StateListFound, con
     if conv < len(initial):
         state["recurrent_shape"] = [len(initial) - conv, *size]
     state["layer_list"] = {"conv_entries": conv, "initial": initial}
-    if not _rows_together(config_class, tiny, draft.attn_implementation, found.name):
+    if not rows_step_together(config_class, tiny, draft.attn_implementation, found.name):
         state["one_token_rows"] = "one_at_a_time"
         draft.facts.append("the model's one-token step after a state of several rows differs from each row's own: "
                            "blocks run such steps one row at a time")
