@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["layer_call_arguments", "draft_call_inputs"]
@@ -84,9 +85,10 @@ def _mask_argument(calls: list[dict[str, Any]], drafted: str | None) -> str | No
     return next(iter(names)) if len(names) == 1 else None
 
 
-def draft_call_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_call_inputs(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.call.layer_idx_argument``, the embeddings carried to every layer (``hidden_state.carried``,
     ``initial: hidden``) and the mask argument, from what the tiny model's layers receive."""
+    config_class, tiny = facts.config_class, facts.tiny
     config, calls = layer_call_arguments(config_class, tiny, draft.attn_implementation)
     if not calls:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["dict_mask_entries", "draft_dict_mask"]
@@ -47,8 +48,9 @@ def dict_mask_entries(config_class: type, tiny: Mapping[str, Any], attn_implemen
     return {} if None in entries.values() else entries  # type: ignore[return-value]
 
 
-def draft_dict_mask(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_dict_mask(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.mask.as_dict`` when the tiny model hands its layers the mask as a dict."""
+    config_class, tiny = facts.config_class, facts.tiny
     mask_argument = draft.call.get("mask_argument", "attention_mask")
     if not mask_argument:
         return

@@ -9,7 +9,7 @@ from typing import Any
 from distconf.blocks.hf_compat import supports_sdpa
 from distconf.loader.layer_section import sectioned_config_class
 from distconf.loader.per_layer import layer_config
-from distconf.tools.drafting.carried_streams import carried_places
+from distconf.tools.drafting.carried import carried_places
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["refuse_layer_inputs", "positional_inputs", "computing_method"]
@@ -57,9 +58,11 @@ def _sized_by(config: Any, name: str, size: int) -> str | None:
     return fields[0] if fields else None
 
 
-def refuse_layer_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any], layer_class: type) -> None:
+def refuse_layer_inputs(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Raise `DraftingError` when the model hands each layer a tensor besides the hidden states that the block
     does not pass itself (positionally: a per-layer input computed outside the layers)."""
+    config_class, tiny = facts.config_class, facts.tiny
+    layer_class = facts.layer_class
     config, inputs = positional_inputs(config_class, tiny, draft.attn_implementation, layer_class)
     handled = {draft.call.get(k, default) for k, default in _HANDLED.items()} | set(draft.call.get("extra", {}))
     handled |= set(draft.position.get("computed_arguments", {})) | set(draft.call.get("fresh_arguments", {}))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconf.tools.drafting.common import field_value, is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_layer_stack", "layer_calls"]
@@ -176,9 +177,10 @@ def _requires(config_class: type, tiny: Mapping[str, Any], attn_implementation: 
     return pinned
 
 
-def draft_layer_stack(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_layer_stack(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.layer_stack.loop`` when the tiny model loops a range of its layers (a review note when it
     loops them otherwise or no entry module explains a pass's input)."""
+    config_class, tiny = facts.config_class, facts.tiny
     run = layer_calls(config_class, tiny, draft.attn_implementation)
     if run is None:
         return

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_computed_positions"]
@@ -26,10 +27,11 @@ _HANDLED = {"cache_argument": "cache", "mask_argument": "attention_mask", "posit
 """Keywords the block passes itself (block.call's fields and their defaults)."""
 
 
-def draft_computed_positions(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any],
-                             layer_class: type, vocab_size: int | None = None) -> None:
+def draft_computed_positions(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Add the position knobs the tiny model's layer calls show (nothing when all layers get the same), and what
     a layer taking ``**kwargs`` gets through them (`_kwargs_inputs`); ``vocab_size``: the real config's."""
+    config_class, tiny = facts.config_class, facts.tiny
+    layer_class, vocab_size = facts.layer_class, facts.vocab_size
     seen = _layer_calls(config_class, tiny, draft.attn_implementation)
     if seen is None:
         return

@@ -29,7 +29,7 @@ from distconf.tools.drafting.state_returned_tuple import ReturnedStateFound, ret
 
 __all__ = ["TinyRun", "run_tiny", "state_dtypes", "layer_kinds", "meta_layer_kinds",
            "MAX_TINY_PARAMETERS", "probe_session", "tiny_model", "Forward", "LayerCall",
-           "ProbeRecord", "observe", "failed_probes", "try_tiny_model", "decodes_as_forward",
+           "ProbeRecord", "TinyFacts", "observe", "failed_probes", "try_tiny_model", "decodes_as_forward",
            "rows_step_together", "CACHED_RUN", "UNCACHED_RUN"]
 
 MAX_TINY_PARAMETERS = 100_000_000  # a tiny model above this missed a size: it is not built for real
@@ -70,6 +70,28 @@ class TinyRun:
             return None
         return (int(self.key.shape[1]), int(self.key.shape[-1]), int(self.value.shape[1]),
                 int(self.value.shape[-1]))
+
+
+@dataclass(frozen=True)
+class TinyFacts:
+    """What the rules get besides the draft: the tiny config (without its variants) and its config class, and
+    what the static scan of the model found that a rule confirms on the probe runs."""
+
+    config_class: type
+    tiny: Mapping[str, Any]
+    layer_class: type
+    vocab_size: Any = None
+    stacks: Mapping[str, Any] = field(default_factory=dict)
+    """Growing stacks the model's forward passes its layers (`stacks.stack_places`)."""
+    owner: str = ""
+    """The class name of the module holding the layer list."""
+    carried_places: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    """Values carried from layer to layer, not handed by keyword (`carried_streams.carried_places`)."""
+    carried_keywords: Mapping[str, Any] = field(default_factory=dict)
+    """Values carried from layer to layer by keyword (`streams.carried_keywords`)."""
+    attention_by_type: Mapping[str, type] = field(default_factory=dict)
+    mixer: type | None = None
+    """The layers' cache-taking module when no attention module was found (`state_section.cache_module_class`)."""
 
 
 def layer_kinds(layers: Any, config: Any) -> set[Hashable]:

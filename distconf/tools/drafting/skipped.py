@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_skipped_layers", "layers_not_run"]
@@ -30,8 +31,9 @@ def layers_not_run(config_class: type, tiny: Mapping[str, Any], attn_implementat
     return record.config, [i for i in range(record.layer_count) if i not in ran]
 
 
-def draft_skipped_layers(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_skipped_layers(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Name the layer types (of ``block.mask.layer_index_fields``) whose layers the tiny model never runs."""
+    config_class, tiny = facts.config_class, facts.tiny
     fields = draft.mask.get("layer_index_fields")
     if not fields:
         return

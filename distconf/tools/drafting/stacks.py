@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.tools.drafting.common import is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["stack_places", "stack_lengths", "draft_growing_stacks"]
@@ -90,13 +91,14 @@ def _every(lengths: list[int]) -> int | None:
     return fits[0] if len(fits) == 1 else None
 
 
-def draft_growing_stacks(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any],
-                         places: Mapping[str, tuple[str, str | None]], owner: str) -> None:
+def draft_growing_stacks(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``hidden_state.carried`` with ``grows`` for each stack the loop grows from its layers' inputs whose
     ``every`` field is confirmed by setting it to 1; the tiny config keeps that field at 2 when it can.
 
     :raises DraftingError: a stack whose growth no config field explains (``owner``: the model's class name).
     """
+    config_class, tiny = facts.config_class, facts.tiny
+    places, owner = facts.stacks, facts.owner
     from distconf.tools.drafting.common import DraftingError
 
     layers = tiny.get("num_hidden_layers")
