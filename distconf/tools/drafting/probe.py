@@ -3,8 +3,12 @@
 `tiny_model` builds a tiny config's float32 model; inside `probe_session` (one per `draft_family`) each config is
 built once and every caller gets a pristine copy, with torch's global generator as the build left it, so what a
 caller sees does not depend on who asked first. `observe` runs one instrumented forward pass (a `Forward`: its
-input) and keeps a `ProbeRecord` of every layer call, shared by every rule reading that pass. `run_tiny` is the
-cached 12-token run that decides sizes, kinds of layers and the cache layout (`TinyRun`).
+input) and keeps a `ProbeRecord` of every layer call, shared by every rule reading that pass. `run_tiny` is each
+variant's 12-token run (one `observe` pass) that decides sizes, kinds of layers and the cache layout (`TinyRun`).
+The few checks that need passes of other shapes run here too (`decodes_as_forward`, `rows_step_together`).
+Whatever a tiny model raises is caught in one place (`_attempt`) and reported by the caller: in the review notes
+for a variant's run, in the draft's ``undecided`` notes for a rule's probe (`distconf.tools.drafting.rules`).
+`TinyFacts` is what the rules get besides the draft.
 """
 
 from __future__ import annotations
@@ -199,10 +203,9 @@ def tiny_model(config_class: type, tiny: Mapping[str, Any], attn_implementation:
     return copied
 
 
-
 @dataclass(frozen=True)
 class Forward:
-    """One forward pass of a tiny model: token ids ``[batch, tokens]`` drawn from ``[low, 8)`` by torch's global
+    """One forward pass of a tiny model: token ids ``[batch, tokens]`` drawn from ``[low, high)`` by torch's global
     generator as the build left it (``seed``: by a generator of that seed; ``ids``: these instead), row 0's first
     ``padded`` tokens masked by an attention_mask (None: no mask), with or without a cache."""
 
