@@ -12,8 +12,8 @@ from distconf.tools.drafting import draft_family
 from distconf.tools.drafting.common import DraftingError
 from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.state import StateLayout, state_layout
-from distconf.tools.drafting.statedraft import apply_state
+from distconf.tools.drafting.state_layout import StateLayout, state_layout
+from distconf.tools.drafting.state_section import apply_state
 
 
 def _preset(hub_id: str) -> dict:

@@ -109,7 +109,7 @@ def test_inputs_per_layer_from_the_token_ids_fail_new_in_one_line(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # gemma4_text (heterogeneous like gemma4_unified_text) also hands each layer a slice of per_layer_inputs, made
     # from the token ids for the whole model: the drafter carries it on the wire when it finds the method computing
-    # it (tests/test_sweep_fixes_hgemma.py); a model whose forward reads otherwise is refused in one line
+    # it (tests/test_carried_per_layer_inputs.py); a model whose forward reads otherwise is refused in one line
     from sweephelpers import new_fails
 
     from distconf.tools.drafting import layer_inputs

@@ -105,7 +105,7 @@ def test_layers_keeping_different_attributes_are_not_drafted() -> None:
     then refuses the model in one line, as before)."""
     import torch
 
-    from distconf.tools.drafting.state_attributes import module_states
+    from distconf.tools.drafting.state_module_attributes import module_states
 
     first, second = torch.nn.Module(), torch.nn.Module()
     first.conv_state, second.rnn_state = torch.zeros(1, 4, 3), torch.zeros(1, 4)

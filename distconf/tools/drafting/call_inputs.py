@@ -17,7 +17,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["layer_call_arguments", "draft_call_inputs"]
@@ -27,39 +28,24 @@ def layer_call_arguments(config_class: type, tiny: Mapping[str, Any], attn_imple
                          ) -> tuple[Any, list[dict[str, Any]]]:
     """(tiny config, each layer's arguments by name in one cached run of a batch with a padded row); ([] when the
     model does not run)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    # a padded row: the model materializes every mask it builds
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=True, batch=2, padded=1))
+    if not record.built:
         return None, []
+    if record.error is not None:
+        return record.config, []
     seen: dict[int, dict[str, Any]] = {}
-    handles = []
-    for i, layer in enumerate(layers):
-        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
-            try:
-                bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments
-            except (TypeError, ValueError):
-                return
-            seen.setdefault(i, {k: v for k, v in bound.items() if k != "self"})
-        handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
-    padding = torch.ones(2, 5, dtype=torch.long)
-    padding[0, 0] = 0  # a padded row: the model materializes every mask it builds
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (2, 5)), attention_mask=padding, use_cache=True)
-    except Exception:
-        return config, []
-    finally:
-        for handle in handles:
-            handle.remove()
-    if len(seen) != len(layers):
-        return config, []
-    return config, [seen[i] for i in range(len(layers))]
+    for call in record.calls:
+        try:
+            bound = inspect.signature(type(call.module).forward).bind(call.module, *call.args, **call.kwargs)
+        except (TypeError, ValueError):
+            continue
+        seen.setdefault(call.index, {k: v for k, v in bound.arguments.items() if k != "self"})
+    if len(seen) != record.layer_count:
+        return record.config, []
+    return record.config, [seen[i] for i in range(record.layer_count)]
 
 
 def _layer_index_argument(calls: list[dict[str, Any]]) -> str | None:
@@ -99,9 +85,10 @@ def _mask_argument(calls: list[dict[str, Any]], drafted: str | None) -> str | No
     return next(iter(names)) if len(names) == 1 else None
 
 
-def draft_call_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_call_inputs(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.call.layer_idx_argument``, the embeddings carried to every layer (``hidden_state.carried``,
     ``initial: hidden``) and the mask argument, from what the tiny model's layers receive."""
+    config_class, tiny = facts.config_class, facts.tiny
     config, calls = layer_call_arguments(config_class, tiny, draft.attn_implementation)
     if not calls:
         return

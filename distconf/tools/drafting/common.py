@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["DraftingError", "FAMILY_NAME_PATTERN", "check_family_name", "read_config_json", "class_path",
-           "module_path", "is_int", "quiet_transformers", "field_value", "MISSING", "one_line", "crash_line"]
+           "module_path", "is_int", "quiet_transformers", "field_value", "MISSING", "one_line", "crash_line",
+           "try_config"]
 
 MISSING = object()
 
@@ -42,6 +44,16 @@ def field_value(config: Any, name: str, default: Any = None) -> Any:
         return getattr(config, name)
     except Exception:
         return default
+
+
+def try_config(config_class: type, values: Mapping[str, Any] | None = None) -> Any:
+    """``config_class(**values)`` built quietly from a deep copy (classes edit nested dicts in place); `MISSING`
+    when the class refuses the values (config classes validate with exception types of their own)."""
+    try:
+        with quiet_transformers():
+            return config_class(**copy.deepcopy(dict(values or {})))
+    except Exception:  # any type: the run of the tiny config reports a refusal that matters
+        return MISSING
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["dict_mask_entries", "draft_dict_mask"]
@@ -35,37 +35,22 @@ def dict_mask_entries(config_class: type, tiny: Mapping[str, Any], attn_implemen
                       mask_argument: str) -> dict[str, str]:
     """Key -> what it holds (``attention``, ``padding``, ``none``) of the dict the tiny model's first layer
     gets as ``mask_argument`` for a padded batch (empty: not a dict, an entry of another kind, or no run)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    seen: list[Any] = []
-
-    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if not seen:
-            seen.append(kwargs.get(mask_argument))
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        padding = torch.ones(_BATCH, _TOKENS, dtype=torch.long)
-        padding[0, :_PADDED] = 0
-        handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
-        try:
-            with torch.no_grad(), quiet_transformers():
-                model(torch.randint(1, 8, (_BATCH, _TOKENS)), attention_mask=padding, use_cache=False)
-        finally:
-            handle.remove()
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation,
+                     Forward(use_cache=False, batch=_BATCH, tokens=_TOKENS, low=1, padded=_PADDED))
+    if record.error is not None:
         return {}
+    seen = [call.kwargs.get(mask_argument) for call in record.of_layer(0)][:1]
     if not seen or not isinstance(seen[0], dict):
         return {}
     entries = {str(key): _entry(value) for key, value in seen[0].items()}
     return {} if None in entries.values() else entries  # type: ignore[return-value]
 
 
-def draft_dict_mask(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_dict_mask(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.mask.as_dict`` when the tiny model hands its layers the mask as a dict."""
+    config_class, tiny = facts.config_class, facts.tiny
     mask_argument = draft.call.get("mask_argument", "attention_mask")
     if not mask_argument:
         return

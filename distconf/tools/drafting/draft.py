@@ -9,30 +9,22 @@ from typing import Any
 from distconf.blocks.hf_compat import supports_sdpa
 from distconf.loader.layer_section import sectioned_config_class
 from distconf.loader.per_layer import layer_config
-from distconf.tools.drafting.call_inputs import draft_call_inputs
-from distconf.tools.drafting.carried import draft_carried_arguments
-from distconf.tools.drafting.carried_streams import carried_places, draft_carried_streams
-from distconf.tools.drafting.causality import refuse_non_causal
+from distconf.tools.drafting.carried import carried_places
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
-from distconf.tools.drafting.dict_mask import draft_dict_mask
 from distconf.tools.drafting.fields import FieldNames
-from distconf.tools.drafting.fresh_arguments import draft_fresh_arguments
-from distconf.tools.drafting.hidden_streams import draft_hidden_state
 from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
 from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
 from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters, settle_attention_classes
-from distconf.tools.drafting.layer_inputs import refuse_layer_inputs
-from distconf.tools.drafting.layer_stack import draft_layer_stack
 from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.per_layer import at_layer, explained_by_layer_configs
-from distconf.tools.drafting.positions import draft_computed_positions
-from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, run_tiny, state_dtypes
+from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, probe_session, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
+from distconf.tools.drafting.rules import TINY_RULES, TinyFacts, apply_rules
 from distconf.tools.drafting.scan import ModelScan, layer_section, meta_model, scan_model
 from distconf.tools.drafting.sections import (
     draft_call,
@@ -43,19 +35,16 @@ from distconf.tools.drafting.sections import (
     draft_position,
     map_layer_kinds,
 )
-from distconf.tools.drafting.shared_kv import draft_shared_kv
 from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
-from distconf.tools.drafting.skipped import draft_skipped_layers
-from distconf.tools.drafting.stacks import draft_growing_stacks, stack_places
-from distconf.tools.drafting.state import state_layout
-from distconf.tools.drafting.state_attributes import apply_module_states
-from distconf.tools.drafting.state_list_draft import apply_state_list
-from distconf.tools.drafting.state_returned_draft import apply_returned_state
-from distconf.tools.drafting.statedraft import (
+from distconf.tools.drafting.stacks import stack_places
+from distconf.tools.drafting.state_layer_list import apply_state_list
+from distconf.tools.drafting.state_layout import state_layout
+from distconf.tools.drafting.state_module_attributes import apply_module_states
+from distconf.tools.drafting.state_returned_tuple import apply_returned_state
+from distconf.tools.drafting.state_section import (
     apply_state,
     attention_by_type,
     cache_module_class,
-    finish_state,
     refuse_foreign_state,
 )
 from distconf.tools.drafting.streams import carried_keywords, note_carried_streams, refuse_stacked_streams
@@ -109,6 +98,11 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     ``model_type``, no causal-LM class, no layer list). Everything else that needs a
     human is listed in the draft's ``review`` notes.
     """
+    with probe_session():  # each tiny config is built, and each of its probe runs made, once
+        return _draft_family(family, config, run_tiny=run_tiny)
+
+
+def _draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool) -> FamilyDraft:
     check_family_name(family)
     config_class = _config_class(config)
     config = copy.deepcopy(dict(config))
@@ -170,21 +164,9 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     if run_tiny:
         _verify_tiny(draft, variants)
         base_tiny = {k: v for k, v in draft.tiny_config.items() if k != "variants"}
-        draft_layer_stack(draft, plan.config_class, base_tiny)
-        refuse_non_causal(plan.config_class, base_tiny, draft.attn_implementation)
-        draft_computed_positions(draft, plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"))
-        draft_fresh_arguments(draft, plan.config_class, base_tiny)
-        draft_shared_kv(draft, plan.config_class, base_tiny)
-        draft_call_inputs(draft, plan.config_class, base_tiny)
-        draft_dict_mask(draft, plan.config_class, base_tiny)
-        draft_growing_stacks(draft, plan.config_class, base_tiny, stacks, owner)
-        refuse_layer_inputs(draft, plan.config_class, base_tiny, layer_class)
-        draft_skipped_layers(draft, plan.config_class, base_tiny)
-        draft_hidden_state(draft, plan.config_class, base_tiny)
-        draft_carried_streams(draft, plan.config_class, base_tiny,
-                              {k: v for k, v in places.items() if k not in carried})
-        draft_carried_arguments(draft, plan.config_class, base_tiny, carried)
-        finish_state(draft, by_type, mixer, layer_class)
+        facts = TinyFacts(plan.config_class, base_tiny, layer_class, field_value(text, "vocab_size"), stacks, owner,
+                          places, carried, by_type, mixer)
+        apply_rules(TINY_RULES, facts, draft)
     settle_attention_classes(draft)
     finish_sublayers(draft, sublayers)
     return draft

@@ -16,7 +16,8 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import DraftingError, field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import DraftingError, is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["refuse_layer_inputs", "positional_inputs", "computing_method"]
@@ -32,33 +33,20 @@ def positional_inputs(config_class: type, tiny: Mapping[str, Any], attn_implemen
     the hidden states ({} when the model does not build or run)."""
     import torch
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
+    from distconf.tools.drafting.probe import CACHED_RUN, observe
 
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, CACHED_RUN)
+    if not record.built:
         return None, {}
-    seen: list[tuple[Any, ...]] = []
-
-    def record(module: Any, args: tuple[Any, ...]) -> None:
-        seen.append(tuple(args))
-
-    handle = layers[0].register_forward_pre_hook(record)
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=True)
-    except Exception:
-        return config, {}
-    finally:
-        handle.remove()
+    if record.error is not None:
+        return record.config, {}
+    seen = [call.args for call in record.of_layer(0)]
     try:
         names = [n for n in inspect.signature(layer_class.forward).parameters if n != "self"]
     except (TypeError, ValueError):
-        return config, {}
+        return record.config, {}
     args = seen[0] if seen else ()
-    return config, {names[i]: value for i, value in enumerate(args) if 0 < i < len(names)
+    return record.config, {names[i]: value for i, value in enumerate(args) if 0 < i < len(names)
                     and isinstance(value, torch.Tensor)}
 
 
@@ -70,9 +58,11 @@ def _sized_by(config: Any, name: str, size: int) -> str | None:
     return fields[0] if fields else None
 
 
-def refuse_layer_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any], layer_class: type) -> None:
+def refuse_layer_inputs(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Raise `DraftingError` when the model hands each layer a tensor besides the hidden states that the block
     does not pass itself (positionally: a per-layer input computed outside the layers)."""
+    config_class, tiny = facts.config_class, facts.tiny
+    layer_class = facts.layer_class
     config, inputs = positional_inputs(config_class, tiny, draft.attn_implementation, layer_class)
     handled = {draft.call.get(k, default) for k, default in _HANDLED.items()} | set(draft.call.get("extra", {}))
     handled |= set(draft.position.get("computed_arguments", {})) | set(draft.call.get("fresh_arguments", {}))
@@ -108,12 +98,14 @@ def refuse_layer_inputs(draft: FamilyDraft, config_class: type, tiny: Mapping[st
 
 def _owner_class(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, owner_path: str) -> Any:
     """The tiny model's module holding the layer list (None when it does not build)."""
-    from distconf.tools.drafting.probe import build_tiny_model
+    from distconf.tools.drafting.probe import CACHED_RUN, observe
 
+    model = observe(config_class, tiny, attn_implementation, CACHED_RUN).model
+    if model is None:
+        return None
     try:
-        _, model = build_tiny_model(config_class, tiny, attn_implementation)
         return model.get_submodule(owner_path) if owner_path else model
-    except Exception:  # the tiny run reports why the config does not build
+    except AttributeError:  # no such module: the layer list's path was read on another model
         return None
 
 

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import field_value, is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_layer_stack", "layer_calls"]
@@ -48,35 +49,16 @@ class _Observed:
 def layer_calls(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> _Run | None:
     """The tiny config, its model and each of its layers' calls ``(hidden input, hidden output)`` in one forward pass on
     ``_TOKENS`` ids without a cache (None when it does not build or run)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        name, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=False, tokens=_TOKENS, seed=0))
+    if record.error is not None:
         return None
-    calls: list[list[tuple[Any, Any]]] = [[] for _ in layers]
-
-    def hook(module: Any, args: Any, kwargs: Any, output: Any, i: int) -> None:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(hidden, torch.Tensor) and isinstance(out, torch.Tensor):
-            calls[i].append((hidden.detach().clone(), out.detach().clone()))
-
-    handles = [layer.register_forward_hook(lambda m, a, k, o, i=i: hook(m, a, k, o, i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(0)), use_cache=False)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return _Run(config, model, name, calls)
+    calls: list[list[tuple[Any, Any]]] = [[] for _ in range(record.layer_count)]
+    for call in record.calls:
+        if call.io is not None:
+            calls[call.index].append(call.io)
+    return _Run(record.config, record.model, record.layer_list, calls)
 
 
 def _observe(calls: list[list[tuple[Any, Any]]]) -> _Observed | str | None:
@@ -174,27 +156,9 @@ def _choices(config_class: type) -> dict[str, tuple[str, ...]]:
 def _cache_exact(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> bool | None:
     """Whether the tiny model's decoding with its own cache gives its full forward pass's logits (None when it
     does not run)."""
-    import torch
+    from distconf.tools.drafting.probe import decodes_as_forward
 
-    from distconf.tools.drafting.probe import build_tiny_model
-
-    try:
-        _, model = build_tiny_model(config_class, tiny, attn_implementation)
-        ids = torch.randint(0, 8, (1, _TOKENS), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad(), quiet_transformers():
-            full = model(ids, use_cache=False).logits
-            out = model(ids[:, :-2], use_cache=True)
-            keyword = "cache" if hasattr(out, "cache") else "past_key_values"
-            cache = getattr(out, keyword)
-            steps = [out.logits]
-            for t in range(_TOKENS - 2, _TOKENS):
-                out = model(ids[:, t:t + 1], use_cache=True, **{keyword: cache})
-                cache = getattr(out, keyword)
-                steps.append(out.logits)
-        scale = float(full.abs().max()) or 1.0  # relative: a tiny model's logits may all be small
-        return float((torch.cat(steps, dim=1) - full).abs().max()) <= _TOLERANCE * scale
-    except Exception:
-        return None
+    return decodes_as_forward(config_class, tiny, attn_implementation, _TOKENS, _TOLERANCE)
 
 
 def _requires(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
@@ -213,9 +177,10 @@ def _requires(config_class: type, tiny: Mapping[str, Any], attn_implementation: 
     return pinned
 
 
-def draft_layer_stack(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_layer_stack(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``block.layer_stack.loop`` when the tiny model loops a range of its layers (a review note when it
     loops them otherwise or no entry module explains a pass's input)."""
+    config_class, tiny = facts.config_class, facts.tiny
     run = layer_calls(config_class, tiny, draft.attn_implementation)
     if run is None:
         return

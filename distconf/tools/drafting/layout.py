@@ -9,11 +9,10 @@ layout the instance holds shrinks like any other, and the class takes it back un
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import MISSING, field_value, is_int, try_config
 from distconf.tools.drafting.fields import Anchors, FieldNames
 
 __all__ = ["held_layout"]
@@ -34,10 +33,8 @@ def held_layout(raw: Mapping[str, Any], config_class: type) -> Mapping[str, Any]
     Only when the instance holds another number of layers than the file says, and the class
     built from the held values holds the same layers again; otherwise ``raw`` unchanged.
     """
-    try:
-        with quiet_transformers():
-            held = config_class(**copy.deepcopy(dict(raw)))
-    except Exception:  # the drafting reports what the class rejects
+    held = try_config(config_class, raw)
+    if held is MISSING:  # the drafting reports what the class rejects
         return raw
     layers = field_value(held, "num_hidden_layers")
     written = Anchors.read(raw, FieldNames.of(config_class)).layers
@@ -49,11 +46,7 @@ def held_layout(raw: Mapping[str, Any], config_class: type) -> Mapping[str, Any]
         if now is not None and _plain(value) is not None and now != _plain(value):
             changed[key] = now
     candidate = {**raw, **changed}
-    try:
-        with quiet_transformers():
-            again = config_class(**copy.deepcopy(candidate))
-    except Exception:
-        return raw
-    if field_value(again, "num_hidden_layers") != layers:
+    again = try_config(config_class, candidate)
+    if again is MISSING or field_value(again, "num_hidden_layers") != layers:
         return raw
     return candidate

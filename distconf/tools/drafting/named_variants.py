@@ -11,12 +11,11 @@ chunked type also gets the tiny window, and the class's switches of that window
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import MISSING, field_value, try_config
 from distconf.tools.drafting.profile import TINY
 
 __all__ = ["named_type_variants"]
@@ -26,11 +25,10 @@ _WINDOW_FIELDS = {"sliding_attention": "sliding_window", "chunked_attention": "a
 
 
 def _built_types(config_class: type, values: Mapping[str, Any]) -> list[str] | None:
-    try:
-        with quiet_transformers():
-            types = field_value(config_class(**copy.deepcopy(dict(values))), _LAYER_TYPES)  # it edits nested dicts
-    except Exception:  # the class refuses these values; the run of the tiny config says why
+    held = try_config(config_class, values)
+    if held is MISSING:  # the class refuses these values; the run of the tiny config says why
         return None
+    types = field_value(held, _LAYER_TYPES)
     return [str(t) for t in types] if isinstance(types, (list, tuple)) and types else None
 
 

@@ -16,7 +16,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_computed_positions"]
@@ -26,10 +27,11 @@ _HANDLED = {"cache_argument": "cache", "mask_argument": "attention_mask", "posit
 """Keywords the block passes itself (block.call's fields and their defaults)."""
 
 
-def draft_computed_positions(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any],
-                             layer_class: type, vocab_size: int | None = None) -> None:
+def draft_computed_positions(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Add the position knobs the tiny model's layer calls show (nothing when all layers get the same), and what
     a layer taking ``**kwargs`` gets through them (`_kwargs_inputs`); ``vocab_size``: the real config's."""
+    config_class, tiny = facts.config_class, facts.tiny
+    layer_class, vocab_size = facts.layer_class, facts.vocab_size
     seen = _layer_calls(config_class, tiny, draft.attn_implementation)
     if seen is None:
         return
@@ -202,34 +204,16 @@ def _layer_calls(config_class: type, tiny: Mapping[str, Any],
                  attn_implementation: str) -> tuple[Any, list[dict[str, Any]], Any] | None:
     """The tiny config, the keyword arguments each layer got in one cached forward and the input ids it ran on
     (None if it fails)."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    # ids unlike any positions, so a layer's copy of them is recognized
+    record = observe(config_class, tiny, attn_implementation, Forward(use_cache=True, ids=((5, 1, 7, 2, 6),)))
+    if record.error is not None:
         return None
-    calls: list[dict[str, Any]] = [{} for _ in layers]
-
-    def hook(index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-            calls[index] = dict(kwargs)
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    input_ids = torch.tensor([[5, 1, 7, 2, 6]])  # unlike any positions, so a layer's copy of them is recognized
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(input_ids, use_cache=True)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return config, calls, input_ids
+    calls: list[dict[str, Any]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        calls[call.index] = call.kwargs
+    return record.config, calls, record.input_ids
 
 
 def _relative_distances(calls: list[dict[str, Any]], name: str) -> bool:

@@ -12,13 +12,12 @@ real model.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import quiet_transformers
+from distconf.tools.drafting.common import MISSING, try_config
 
 __all__ = ["architecture_fields"]
 
@@ -43,11 +42,10 @@ def _comparable(config: Any, base: set[str]) -> dict[str, Any]:
 
 def _changes_fields(config_class: type, key: str, value: Any, reference: dict[str, Any], base: set[str]) -> bool:
     """Passing ``key`` alone changes another field of the class: the class reads it."""
-    try:
-        with quiet_transformers():
-            changed = _comparable(config_class(**{key: copy.deepcopy(value)}), base)
-    except Exception:  # the class rejects it alone; it is about the architecture, keep it
+    alone = try_config(config_class, {key: value})
+    if alone is MISSING:  # the class rejects it alone; it is about the architecture, keep it
         return True
+    changed = _comparable(alone, base)
     changed.pop(key, None)
     return changed != reference
 
@@ -83,10 +81,8 @@ def architecture_fields(tiny: Mapping[str, Any], config_class: type, facts: list
     left out too (a family file cannot hold one): noted in ``facts`` when it is the
     class default, in ``review`` when it is not.
     """
-    try:
-        with quiet_transformers():
-            defaults = config_class()
-    except Exception:  # some classes need arguments; then keep everything
+    defaults = try_config(config_class)
+    if defaults is MISSING:  # some classes need arguments; then keep everything
         return dict(sorted(tiny.items()))
     base = _base_fields()
     fields = _class_fields(config_class, defaults) | model_reads

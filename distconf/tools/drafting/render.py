@@ -44,6 +44,9 @@ class FamilyDraft:
     dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
     facts: list[str] = field(default_factory=list)
     review: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
+    """Why a drafting rule decided nothing (its probe run failed); not written into the family file, where
+    the run of the tiny config reports the failure itself (`distconf.tools.drafting.rules`)."""
 
     def to_yaml(self, schema_path: str = DEFAULT_SCHEMA_REFERENCE) -> str:
         """The family file text: fields in the usual order, findings and TODOs as comments."""

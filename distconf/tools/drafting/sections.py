@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import MISSING, field_value, module_path, quiet_transformers
+from distconf.tools.drafting.common import MISSING, field_value, module_path, try_config
 from distconf.tools.drafting.constructor_args import constant_arguments
 from distconf.tools.drafting.layer_call import LayerCall, read_layer_call
 from distconf.tools.drafting.render import FamilyDraft
@@ -270,11 +270,8 @@ def _layer_types_rule(types: list[str], config: Any, review: list[str]) -> dict[
 def _declares(config: Any, name: str) -> bool:
     """Whether the config class itself has field ``name`` (a config.json may carry keys the class does not
     know; a formula can use only the class's fields)."""
-    try:
-        with quiet_transformers():
-            return hasattr(type(config)(), name)
-    except Exception:  # a class without a default instance: trust the config
-        return True
+    defaults = try_config(type(config))
+    return defaults is MISSING or hasattr(defaults, name)  # a class without a default instance: trust the config
 
 
 def draft_model_inputs(draft: FamilyDraft, scan: ModelScan, params: Mapping[str, inspect.Parameter]) -> None:

@@ -1,11 +1,17 @@
-"""``kv_cache.shared``: later layers attending with the K/V an earlier layer stored in a container all layers get.
+"""Containers the model hands all its layers: ``block.call.fresh_arguments``, and ``kv_cache.shared`` when
+later layers attend with the K/V an earlier layer stored there.
 
-The model hands every layer one container (`distconf.tools.drafting.fresh_arguments` finds it); the config lists
-each layer's mode in an attribute (a property, for Gemma 3n's ``kv_sharing_modes``) holding the schema's
-``store`` and ``reuse`` values. The drafter finds that attribute, confirms on a tiny run that every storing
-layer puts its keys and values in the container under its layer type, measures their values per token and
-writes the formula over the config's K/V fields that gives them (on each storing layer's own config, for a config
-with sizes per layer).
+Some models give every layer the same container (transformers' ``KVSharingDict``: a layer stores its keys
+and values there for later layers that share them). A block runs one layer, so it hands its layer an empty
+one of the same class on every call; the drafter finds such keywords on a tiny run (the same object for
+every layer, still empty when the first layer gets it), and `distconf check` proves that no layer of the
+tiny model reads what another stored.
+
+When layers do read what others stored, the config lists each layer's mode in an attribute (a property, for
+Gemma 3n's ``kv_sharing_modes``) holding the schema's ``store`` and ``reuse`` values. The drafter finds that
+attribute, confirms on a tiny run that every storing layer puts its keys and values in the container under its
+layer type, measures their values per token and writes the formula over the config's K/V fields that gives them
+(on each storing layer's own config, for a config with sizes per layer).
 """
 
 from __future__ import annotations
@@ -14,10 +20,44 @@ from collections.abc import Mapping
 from typing import Any
 
 from distconf.loader.spec_kv import SharedKVSpec
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import MISSING, field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
-__all__ = ["draft_shared_kv"]
+__all__ = ["draft_fresh_arguments", "shared_containers", "draft_shared_kv"]
+
+_TRUSTED = ("transformers.", "distconf.")  # class paths a family file may name (spec_types.ClassPath)
+
+
+def shared_containers(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> dict[str, type]:
+    """Keyword -> class of the containers the tiny model hands every layer as one object, empty at the first
+    layer (empty when the model does not build or run)."""
+    from distconf.tools.drafting.probe import CACHED_RUN, observe
+
+    record = observe(config_class, tiny, attn_implementation, CACHED_RUN)
+    if record.error is not None:
+        return {}
+    seen: list[dict[str, tuple[int, int, type]]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        seen[call.index] = call.containers
+    found = {}
+    for name, (identity, size, cls) in seen[0].items():
+        if size == 0 and all(calls.get(name, (None,))[0] == identity for calls in seen) \
+                and cls.__module__.startswith(_TRUSTED):
+            found[name] = cls
+    return found
+
+
+def draft_fresh_arguments(facts: TinyFacts, draft: FamilyDraft) -> None:
+    """Write ``block.call.fresh_arguments`` for the containers the tiny model hands all its layers."""
+    config_class, tiny = facts.config_class, facts.tiny
+    found = shared_containers(config_class, tiny, draft.attn_implementation)
+    if not found:
+        return
+    draft.call["fresh_arguments"] = {name: f"{cls.__module__}.{cls.__qualname__}" for name, cls in found.items()}
+    draft.facts.append(f"the model hands all its layers one empty {', '.join(c.__name__ for c in found.values())} "
+                       f"({', '.join(found)}): each block's layer gets a fresh one (block.call.fresh_arguments); "
+                       "right only while no layer reads what another stored")
 
 _STORE = SharedKVSpec.model_fields["store"].default
 _REUSE = SharedKVSpec.model_fields["reuse"].default
@@ -32,9 +72,8 @@ def _modes_field(config: Any, layers: int) -> str | None:
     for name in names:
         if name.startswith("_"):
             continue
-        try:
-            value = getattr(config, name)
-        except Exception:  # a property that does not apply to this config
+        value = field_value(config, name, MISSING)  # a property may not apply to this config
+        if value is MISSING:
             continue
         if isinstance(value, (list, tuple)) and len(value) == layers and _STORE in value and _REUSE in value:
             return name
@@ -44,39 +83,23 @@ def _modes_field(config: Any, layers: int) -> str | None:
 def _stored(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, argument: str,
             ) -> tuple[Any, list[dict[str, tuple[int, ...]]]] | None:
     """The tiny config and, after each layer, ``{key: K shape + V last dim}`` of what the container holds."""
-    import torch
+    from distconf.tools.drafting.probe import UNCACHED_RUN, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, UNCACHED_RUN)
+    if record.error is not None:
         return None
-    after: list[dict[str, tuple[int, ...]]] = [{} for _ in layers]
-
-    def hook(index: int) -> Any:
-        def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            container = kwargs.get(argument) or {}
-            after[index] = {str(k): (*v[0].shape, v[1].shape[-1]) for k, v in container.items()
-                            if isinstance(v, (tuple, list)) and len(v) >= 2 and hasattr(v[0], "shape")}
-        return record
-
-    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=False)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return config, after
+    after: list[dict[str, tuple[int, ...]]] = [{} for _ in range(record.layer_count)]
+    for call in record.calls:
+        stored = call.stored.get(argument, {})
+        if isinstance(stored, Exception):  # the container did not hold what it is read as
+            return None
+        after[call.index] = stored
+    return record.config, after
 
 
-def draft_shared_kv(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_shared_kv(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``kv_cache.shared`` when the tiny model's layers store K/V for later layers in a container."""
+    config_class, tiny = facts.config_class, facts.tiny
     from distconf.loader.formula import Formula
     from distconf.loader.per_layer import layer_config
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import field_value
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["draft_skipped_layers", "layers_not_run"]
@@ -21,31 +22,18 @@ __all__ = ["draft_skipped_layers", "layers_not_run"]
 def layers_not_run(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
                    ) -> tuple[Any, list[int]] | None:
     """The tiny config and the indices of the layers its model does not call on token ids (None if it fails)."""
-    import torch
+    from distconf.tools.drafting.probe import CACHED_RUN, observe
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-    except Exception:  # the tiny run reports why the config does not build
+    record = observe(config_class, tiny, attn_implementation, CACHED_RUN)
+    if record.error is not None:
         return None
-    ran: set[int] = set()
-    handles = [layer.register_forward_pre_hook(lambda *_, i=i: ran.add(i)) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), quiet_transformers():
-            model(torch.randint(0, 8, (1, 5)), use_cache=True)
-    except Exception:
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    return config, [i for i in range(len(layers)) if i not in ran]
+    ran = {call.index for call in record.calls}
+    return record.config, [i for i in range(record.layer_count) if i not in ran]
 
 
-def draft_skipped_layers(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any]) -> None:
+def draft_skipped_layers(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Name the layer types (of ``block.mask.layer_index_fields``) whose layers the tiny model never runs."""
+    config_class, tiny = facts.config_class, facts.tiny
     fields = draft.mask.get("layer_index_fields")
     if not fields:
         return

@@ -15,7 +15,8 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, is_int, quiet_transformers
+from distconf.tools.drafting.common import is_int
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 
 __all__ = ["stack_places", "stack_lengths", "draft_growing_stacks"]
@@ -65,29 +66,21 @@ def stack_lengths(config_class: type, tiny: Mapping[str, Any], attn_implementati
     run, or the argument is no ``[..., entries, width]`` tensor)."""
     import torch
 
-    from distconf.tools.drafting.probe import build_tiny_model
-    from distconf.tools.drafting.scan import find_layer_list
+    from distconf.tools.drafting.probe import UNCACHED_RUN, observe
 
+    record = observe(config_class, tiny, attn_implementation, UNCACHED_RUN)
+    if record.error is not None:
+        return None
     seen: list[tuple[int, int]] = []
-
-    def hook(module: Any, args: Any, kwargs: Any) -> None:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        value = bound.get(argument)
+    for call in record.calls:
+        try:
+            value = inspect.signature(call.module.forward).bind_partial(*call.args, **call.kwargs).arguments.get(
+                argument)
+        except (TypeError, ValueError):  # a call the layer's signature does not take: no stack read
+            return None
         if isinstance(value, torch.Tensor) and value.ndim >= 2:
             seen.append((int(value.shape[-2]), int(value.shape[-1])))
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
-        try:
-            with torch.no_grad(), quiet_transformers():
-                model(torch.randint(0, 8, (1, 5)), use_cache=False)
-        finally:
-            for handle in handles:
-                handle.remove()
-    except Exception:  # the tiny run reports why the config does not build
-        return None
-    if len(seen) != len(layers) or len({width for _, width in seen}) != 1:
+    if len(seen) != record.layer_count or len({width for _, width in seen}) != 1:
         return None
     return [entries for entries, _ in seen], seen[0][1]
 
@@ -98,13 +91,14 @@ def _every(lengths: list[int]) -> int | None:
     return fits[0] if len(fits) == 1 else None
 
 
-def draft_growing_stacks(draft: FamilyDraft, config_class: type, tiny: Mapping[str, Any],
-                         places: Mapping[str, tuple[str, str | None]], owner: str) -> None:
+def draft_growing_stacks(facts: TinyFacts, draft: FamilyDraft) -> None:
     """Write ``hidden_state.carried`` with ``grows`` for each stack the loop grows from its layers' inputs whose
     ``every`` field is confirmed by setting it to 1; the tiny config keeps that field at 2 when it can.
 
     :raises DraftingError: a stack whose growth no config field explains (``owner``: the model's class name).
     """
+    config_class, tiny = facts.config_class, facts.tiny
+    places, owner = facts.stacks, facts.owner
     from distconf.tools.drafting.common import DraftingError
 
     layers = tiny.get("num_hidden_layers")

@@ -3,7 +3,11 @@
 A candidate is a field, a product of up to three, a sum of two products, a quotient of two fields, a field minus
 one, a product split into heads (``a * b // c``) or a width times a float factor; the simplest that still gives
 the measured size on the second tiny model and on tiny models with one field doubled wins
-(`distconf.tools.drafting.state` measures the shapes).
+(`distconf.tools.drafting.state_layout` measures the shapes).
+
+Float factors: some layers size their heads from a width times a float field of the config, truncated, then
+divided by a count (``int(hidden_size * qk_dim_factor) // num_heads``); those forms are tried when no product,
+sum or quotient of integer fields gives a state's dimension.
 """
 
 from __future__ import annotations
@@ -16,9 +20,8 @@ from typing import Any
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import FieldNames, role_of
 from distconf.tools.drafting.layer_state import LayerState
-from distconf.tools.drafting.state_factors import evaluate_factor, factor_candidates, float_fields
 
-__all__ = ["Run", "Perturb", "dimension_formula"]
+__all__ = ["Run", "Perturb", "dimension_formula", "float_fields", "factor_candidates", "evaluate_factor"]
 
 _SKIPPED_ROLES = frozenset({"token_id", "vocab_size", "positions", "layer_count", "num_hidden_layers",
                             "max_position_embeddings", "layer_pattern"})
@@ -211,3 +214,41 @@ def _evaluate(text: str, fields: Mapping[str, int]) -> int | None:
             product *= int(factor) if factor.isdigit() else fields[factor]
         total += product
     return total
+
+_MAX_FACTOR = 64.0
+
+
+def float_fields(config: Any, raw: Mapping[str, Any]) -> dict[str, float]:
+    """Positive float fields of ``config`` that can scale a width (config.json's own first)."""
+    found: dict[str, float] = {}
+    for key in dict.fromkeys([*raw, *sorted(config.to_dict())]):
+        value = field_value(config, key)
+        if not key.startswith("_") and isinstance(value, float) and 0 < value <= _MAX_FACTOR:
+            found[key] = value
+    return found
+
+
+def factor_candidates(ints: Mapping[str, int], floats: Mapping[str, float], value: int,
+                      whole: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """Formulas ``int(a * f)`` and ``int(a * f) // b`` (``a``, ``b`` integer fields, ``f`` a float one) giving
+    ``value``; ``whole``: with factors of a whole value only (1.0, which doubling the factor tells apart)."""
+    found = []
+    for a, width in ints.items():
+        for f, factor in floats.items():
+            if whole and not factor.is_integer():
+                continue
+            scaled = int(width * factor)
+            if scaled == value:
+                found.append((f"int({a} * {f})", (a, f)))
+            found += [(f"int({a} * {f}) // {b}", (a, f, b)) for b, count in ints.items()
+                      if b != a and 1 < count < scaled and scaled // count == value]
+    return found
+
+
+def evaluate_factor(term: str, fields: Mapping[str, float]) -> int:
+    """A term ``int(a * f)`` or ``int(a * f) // b`` of `factor_candidates` evaluated on ``fields``."""
+    inner, _, rest = term.removeprefix("int(").partition(")")
+    a, f = inner.split(" * ")
+    scaled = int(fields[a] * fields[f])
+    divisor = rest.removeprefix(" // ").strip()
+    return scaled // int(fields[divisor]) if divisor else scaled

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distconf.tools.drafting.common import field_value, quiet_transformers
+from distconf.tools.drafting.common import MISSING, field_value, try_config
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.layers import LayerPlan
 from distconf.tools.drafting.layout import held_layout
@@ -83,11 +82,10 @@ def _typed_layers(plan: TinyPlan, tiny: Mapping[str, Any], layer_plan: LayerPlan
     real = plan.derived_layer_types
     if not layer_plan.keyed or not real or len(real) <= max(layer_plan.chosen):
         return None
-    try:
-        with quiet_transformers():
-            resolved = field_value(plan.config_class(**copy.deepcopy(dict(tiny))), "layer_types")
-    except Exception:  # the tiny run reports a config the class refuses
+    held = try_config(plan.config_class, tiny)
+    if held is MISSING:  # the tiny run reports a config the class refuses
         return None
+    resolved = field_value(held, "layer_types")
     if not isinstance(resolved, (list, tuple)) or len(resolved) != layer_plan.tiny_layers:
         return None
     chosen = list(layer_plan.chosen)

@@ -22,13 +22,6 @@ def zaya(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list[Any],
     return drafted_tiny_blocks("zaya", tmp_path_factory.mktemp("zaya"))
 
 
-def test_dict_mask_is_drafted_and_checked(zaya: tuple[Any, Any, list[Any], Path]) -> None:
-    # before: blocks gave the layer one tensor mask; its attention does `attention_mask or {}`, so every cached
-    # run crashed ("Boolean value of Tensor with more than one value is ambiguous")
-    text = zaya[3].read_text()
-    assert "    as_dict:\n      causal: attention\n      conv: padding\n" in text
-
-
 def test_padded_tokens_are_zeroed_before_the_convolution(zaya: tuple[Any, Any, list[Any], Path]) -> None:
     # a row left-padded within the call: its real tokens' outputs equal the row's alone only when the layer's
     # 'conv' entry zeroes the padding (otherwise the padded tokens' values reach them through the convolution)
@@ -46,14 +39,3 @@ def test_padded_tokens_are_zeroed_before_the_convolution(zaya: tuple[Any, Any, l
             together, _ = block(batch, rows=rows)
             single, _ = block(alone)
             torch.testing.assert_close(together[0, 2:], single[0], rtol=1e-5, atol=1e-5)
-
-
-def test_dict_mask_needs_the_mask_keyword() -> None:
-    from pydantic import ValidationError
-
-    from distconf.loader.spec_block import BlockSpec
-
-    with pytest.raises(ValidationError, match=r"mask\.as_dict needs call\.mask_argument"):
-        BlockSpec.model_validate({"layer_class": "transformers.A", "attention_class": "transformers.B",
-                                  "prefix": "model.layers", "call": {"mask_argument": None},
-                                  "mask": {"as_dict": {"causal": "attention"}}})

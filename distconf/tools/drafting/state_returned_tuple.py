@@ -2,22 +2,25 @@
 
 Some models keep their recurrent states in a cache class of their own (no transformers
 ``Cache``) and hand each layer its entry: the layer takes a tuple of state tensors (None without
-a cache) and returns ``(hidden_states, new_state_tuple)``. `run_returning_states` runs a tiny
-model without a cache, watching its layers, and recognises that structure: the layer's
+a cache) and returns ``(hidden_states, new_state_tuple)``. `returned_state` recognises that
+structure in the layer calls of a tiny model's run without a cache: the layer's
 parameter that was given None and the shapes and dtypes of the tuple it returned, so the
 state section is drafted as for any state (`returned_states` gives the per-layer states;
-`distconf.tools.drafting.state_returned_draft` writes the rest).
+`apply_returned_state` writes the rest: the layer's keyword for it, the module given it, and
+whether a bfloat16 model keeps the states in float32).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distconf.tools.drafting.common import module_path
 from distconf.tools.drafting.layer_state import LayerState
 
-__all__ = ["ReturnedStateFound", "run_returning_states", "returned_states"]
+__all__ = ["ReturnedStateFound", "returned_state", "returned_states", "apply_returned_state"]
 
 _STATE_WORDS = frozenset({"state", "states", "cache", "past"})
 
@@ -68,29 +71,18 @@ def _returned(output: Any, batch: int) -> tuple[Any, ...] | None:
     return None
 
 
-def run_returning_states(model: Any, layers: Any, ids: Any) -> tuple[Any, ReturnedStateFound | None]:
-    """(the model's output without a cache, the state tuple every layer takes and returns, None: not so)."""
-    import torch
-
-    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
-    hooks = [layer.register_forward_hook(
-        lambda module, args, kwargs, output: calls.append((module, args, kwargs, output)), with_kwargs=True)
-        for layer in layers]
-    try:
-        with torch.no_grad():
-            result = model(ids, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
+def returned_state(calls: list[Any], layers: int, batch: int) -> ReturnedStateFound | None:
+    """The state tuple every layer takes and returns, from the layer calls (`probe.LayerCall`) of a run of
+    ``batch`` rows without a cache (None: not so)."""
     found: set[ReturnedStateFound] = set()
-    for module, args, kwargs, output in calls:
-        state, name = _returned(output, ids.shape[0]), _state_parameter(module, args, kwargs)
+    for call in calls:
+        state, name = _returned(call.output, batch), _state_parameter(call.module, call.args, call.kwargs)
         if state is None or name is None:
-            return result, None
+            return None
         found.add(ReturnedStateFound(name, tuple(tuple(int(d) for d in t.shape[1:]) for t in state),
                                      tuple(str(t.dtype).removeprefix("torch.") for t in state),
-                                     _mixer(module, name)))
-    return result, (found.pop() if len(calls) == len(layers) and len(found) == 1 else None)
+                                     _mixer(call.module, name)))
+    return found.pop() if len(calls) == layers and len(found) == 1 else None
 
 
 def returned_states(found: ReturnedStateFound, layers: int) -> list[LayerState]:
@@ -99,3 +91,35 @@ def returned_states(found: ReturnedStateFound, layers: int) -> list[LayerState]:
     return [LayerState(recurrent=first, extra_recurrents=tuple(rest), recurrent_dtype=found.dtypes[0])
             for _ in range(layers)]
 
+_NO_CACHE_NOTES = ("forward takes no cache",)
+
+
+def _bfloat16_dtypes(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> set[str] | None:
+    """The dtypes of the states a bfloat16 tiny model's layers return (None when it cannot run in bfloat16)."""
+    from distconf.tools.drafting.probe import Forward, observe
+
+    record = observe(config_class, tiny, attn_implementation,
+                     Forward(use_cache=False, tokens=4, dtype="bfloat16", quiet=False))
+    if record.error is not None:  # the float32 run has reported anything wrong with the config
+        return None
+    found = returned_state(record.calls, record.layer_count, 1)
+    return set(found.dtypes) if found is not None else None
+
+
+def apply_returned_state(draft: Any, layout: Any, found: ReturnedStateFound, config_class: type,
+                         tiny: Mapping[str, Any]) -> bool:
+    """Write ``state.returned_tuple`` and the layer's state keyword into ``draft``; whether a bfloat16 model keeps
+    the states in float32."""
+    layout.state["returned_tuple"] = True
+    draft.call["cache_argument"] = found.argument
+    if found.mixer is not None:
+        draft.attention_class = module_path(found.mixer)
+        draft.review[:] = [note for note in draft.review if not note.startswith("no *Attention module")]
+    draft.facts[:] = [fact for fact in draft.facts if not any(note in fact for note in _NO_CACHE_NOTES)]
+    draft.review[:] = [note for note in draft.review if not any(n in note for n in _NO_CACHE_NOTES)]
+    draft.facts.append(f"each layer takes its {len(found.shapes)} states as a tuple ('{found.argument}') and "
+                       "returns the new tuple next to its hidden states; blocks keep it per session")
+    dtypes = _bfloat16_dtypes(config_class, tiny, draft.attn_implementation)
+    if dtypes is None:
+        draft.facts.append("the tiny model does not run in bfloat16 here: recurrent_dtype float32 is assumed")
+    return dtypes is None or "float32" in dtypes

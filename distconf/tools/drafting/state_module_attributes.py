@@ -3,7 +3,7 @@
 Some models keep no per-sequence state in a transformers ``Cache``: their recurrent modules store it
 as attributes (``self.conv1d_state``, ``self.rg_lru.recurrent_states``) and reuse it at the next call,
 while their attention layers write K/V into a cache the model builds and never returns.
-`run_handing_cache` runs the tiny model watching the cache it hands its layers; `module_states` reads,
+`handed_cache` finds the cache a tiny run handed its layers; `module_states` reads,
 per layer, the attributes named like a state (``state``, ``states``, ``cache``) that hold a
 ``[batch, ...]`` tensor after the run: their paths below the layer module (conv states when named
 ``conv*``, recurrent ones otherwise) and their shapes, so the state section is drafted as for any
@@ -19,7 +19,7 @@ from typing import Any
 
 from distconf.tools.drafting.layer_state import LayerState
 
-__all__ = ["ModuleStatesFound", "run_handing_cache", "module_states", "apply_module_states"]
+__all__ = ["ModuleStatesFound", "handed_cache", "module_states", "apply_module_states"]
 
 _STATE_WORDS = frozenset({"state", "states", "cache"})
 _POSITION_PARAMETERS = ("position_ids", "cache_position", "positions", "position")
@@ -36,24 +36,11 @@ class ModuleStatesFound:
     takes_use_cache: bool
 
 
-def run_handing_cache(model: Any, layers: Any, ids: Any) -> tuple[Any, Any]:
-    """(the model's output with ``use_cache=True``, the transformers Cache it handed its layers, None: none)."""
-    import torch
+def handed_cache(calls: list[Any]) -> Any:
+    """The transformers Cache a model handed its layers, from their calls (`probe.LayerCall`; None: none)."""
     from transformers.cache_utils import Cache
 
-    handed: list[Any] = []
-
-    def watch(module: Any, args: Any, kwargs: Any) -> None:
-        handed.extend(v for v in (*args, *kwargs.values()) if isinstance(v, Cache))
-
-    hooks = [layer.register_forward_pre_hook(watch, with_kwargs=True) for layer in layers]
-    try:
-        with torch.no_grad():
-            result = model(ids, use_cache=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return result, (handed[0] if handed else None)
+    return next((v for call in calls for v in (*call.args, *call.kwargs.values()) if isinstance(v, Cache)), None)
 
 
 def _held(layer: Any, batch: int) -> list[tuple[str, Any, Any]]:

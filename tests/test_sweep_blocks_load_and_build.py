@@ -53,20 +53,6 @@ def test_parameters_drawn_outside_the_device_context_stay_on_meta(tmp_path: Path
     assert any("lambda_q1" in name for name, _ in block.named_parameters())
 
 
-def test_positions_computed_outside_the_layers_are_drafted_and_proven(tmp_path: Path, fresh_cache,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    # before: beam's full-attention layers take no rotary (NoPE) but a query scaling the model computes
-    # from the position ids: the block called the rotary module for them (KeyError: 'full_attention')
-    import yaml
-
-    code, draft = draft_and_check("beam", tmp_path)
-    assert code == 0, capsys.readouterr().err
-    position = yaml.safe_load(draft)["block"]["position"]
-    assert position["rotary_layer_kinds"] == ["sliding_attention"]
-    scaling = position["computed_arguments"]["attention_scaling"]
-    assert scaling["function"].endswith(".compute_attention_scaling") and scaling["layer_kinds"] == ["full_attention"]
-
-
 @pytest.mark.parametrize("edit, message", [
     ({"rotary_layer_kinds": ["nope"]}, "block.position.rotary_layer_kinds names 'nope'"),
     ({"computed_arguments": {"scale": {"function": "transformers.models.beam.modeling_beam.compute_attention_scaling",
@@ -87,25 +73,3 @@ def test_position_layer_kinds_must_be_mapped_layer_types(tmp_path: Path, fresh_c
     with pytest.raises(FamilyValidationError) as info:
         load_family(path)
     assert message in str(info.value)
-
-
-def test_a_hybrids_sliding_layers_keep_their_window(tmp_path: Path, fresh_cache,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    # before: mapping a hybrid's layer types for its state turned lara_mini's sliding_attention layers causal
-    import yaml
-
-    code, draft = draft_and_check("lara_mini", tmp_path)
-    assert code == 0, capsys.readouterr().err
-    kinds = yaml.safe_load(draft)["block"]["mask"]["layer_kinds"]
-    assert kinds == {"linear_attention": "none", "sliding_attention": "sliding_window", "full_attention": "causal"}
-
-
-def test_constant_constructor_arguments_are_read_from_the_model(tmp_path: Path, fresh_cache,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    # before: MoshiDecoderLayer requires use_flexible_linear, which the model passes as a constant:
-    # the draft built the layer without it ("missing 1 required positional argument")
-    import yaml
-
-    code, draft = draft_and_check("moshi", tmp_path)
-    assert code == 0, capsys.readouterr().err
-    assert yaml.safe_load(draft)["block"]["constructor"]["extra"] == {"use_flexible_linear": "False"}

@@ -18,13 +18,12 @@ import torch
 import transformers  # noqa: F401  (first imported outside capsys: its log handler keeps the session's stderr)
 import yaml
 from blockhelpers import hf_model, save_checkpoint
-from sweephelpers import draft_and_check, new_from_defaults
+from sweephelpers import draft_and_check
 
 from distconf.blocks.weights import load_block
 from distconf.cli import main
 from distconf.loader import load_family
 from distconf.loader.registry import clear_cache
-from distconf.loader.spec_wire import CarriedStream
 from distconf.loader.wire_layout import wire_layout
 
 
@@ -113,24 +112,3 @@ def test_a_wrong_growth_rule_fails_at_its_field(drafted: tuple[int, Path], tmp_p
     clear_cache()
     line = next(x for x in (out.out + out.err).splitlines() if x.startswith("inkling2_text ["))
     assert "hidden_state.carried.0.grows.every" in line and "block_states after layer" in line, line
-
-
-def test_a_carried_value_is_a_layer_output_a_computed_value_or_a_growing_stack() -> None:
-    """Exactly one of output_index, computed_by and grows says where a carried value comes from."""
-    with pytest.raises(ValueError, match=r"exactly one of output_index .*, computed_by .* and grows"):
-        CarriedStream.model_validate({"argument": "s", "width": 4})
-    for two in ({"output_index": 1, "grows": {"every": 2}}, {"computed_by": "model.f", "grows": {"every": 2}},
-                {"output_index": 1, "computed_by": "model.f"}):
-        with pytest.raises(ValueError, match="exactly one"):
-            CarriedStream.model_validate({"argument": "s", "width": 4, **two})
-    assert CarriedStream.model_validate({"argument": "s", "width": 4, "grows": {"every": 2}}).grows.every == 2  # type: ignore[union-attr]
-
-
-def test_inkling2_loop_text_still_fails_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Its middle layers run three passes in one forward (no chain of blocks runs a layer twice): the stack is
-    drafted, then the loop's own state shapes stop the draft in one line."""
-    assert new_from_defaults("inkling2_loop_text", tmp_path) == 1
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("distconf new:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert "block_states" not in lines[0]

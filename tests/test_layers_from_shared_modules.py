@@ -90,17 +90,6 @@ def test_the_kinds_check_reads_layer_types_under_its_alias(zamba: tuple[int, dic
     assert "conv state" in refusal or "recurrent state" in refusal, refusal
 
 
-def test_zamba2_drafts_and_checks(tmp_path: Path) -> None:
-    # before: distconf new failed ("Zamba2HybridLayer(shared_transformer, linear, mamba) is not built from the
-    # config"); its shared blocks hold per-layer adapters picked by the layer index
-    code, text = draft_and_check("zamba2", tmp_path)
-    draft = yaml.safe_load(text)
-    assert draft["block"]["constructor"] == {"from_model": True}
-    assert draft["block"]["call"]["layer_idx_argument"] == "layer_idx"
-    assert draft["hidden_state"]["carried"][0]["initial"] == "hidden"
-    assert code == 0
-
-
 def test_untie_layer_list_lets_the_client_drop_the_layers() -> None:
     import torch
     from transformers import ZambaConfig, ZambaForCausalLM

@@ -18,7 +18,7 @@ from typing import Any
 from distconf.tools.drafting.common import field_value
 from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.state_formula import Perturb, Run, dimension_formula
-from distconf.tools.drafting.state_types import differing_run, listed_shapes, per_type_shapes
+from distconf.tools.drafting.state_layer_overrides import differing_run, listed_shapes, per_type_shapes
 
 __all__ = ["foreign_cache_class", "foreign_state", "StateLayout", "state_layout"]
 

@@ -7,10 +7,11 @@ from typing import Any
 
 from distconf.tools.drafting.common import DraftingError, module_path
 from distconf.tools.drafting.continuation import draft_continuation
+from distconf.tools.drafting.probe import TinyFacts
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.scan import ModelScan, find_attention
 from distconf.tools.drafting.sections import mask_kind_of
-from distconf.tools.drafting.state import StateLayout
+from distconf.tools.drafting.state_layout import StateLayout
 
 __all__ = ["apply_state", "attention_by_type", "cache_module_class", "finish_state", "kv_attention",
            "refuse_foreign_state"]
@@ -132,8 +133,9 @@ def _listed(note: str) -> list[str]:
         return []
 
 
-def finish_state(draft: FamilyDraft, by_type: dict[str, type], mixer: type | None, layer_class: type) -> None:
+def finish_state(facts: TinyFacts, draft: FamilyDraft) -> None:
     """After the tiny runs: the module given the cache (attention of the K/V layers, else the mixer), continuation."""
+    by_type, mixer, layer_class = dict(facts.attention_by_type), facts.mixer, facts.layer_class
     if not draft.state:
         return
     attention = kv_attention(draft, by_type, layer_class) if draft.keeps_kv else None

@@ -1,4 +1,4 @@
-"""Recurrent model types the architecture sweep refused, drafted and checked end to end (h4).
+"""Recurrent model types the architecture sweep refused, drafted and checked end to end.
 
 As the sweep does: a transformers config class's defaults are saved, ``distconf new`` drafts a
 family from them and ``distconf check`` proves the draft against transformers.

@@ -129,7 +129,7 @@ def test_several_states_of_a_layer_get_a_shape_each() -> None:
     from transformers import InklingTextConfig
 
     from distconf.tools.drafting.layer_state import LayerState
-    from distconf.tools.drafting.state import state_layout
+    from distconf.tools.drafting.state_layout import state_layout
 
     config = InklingTextConfig(**_TINY)
 

@@ -1,22 +1,56 @@
-"""Writing a state list (`distconf.tools.drafting.state_list.StateListFound`) into a draft's ``state.layer_list``.
+"""A state the model hands its layers as a list of per-layer tensors (``state.layer_list`` of a draft).
 
-The entries' split (leading entries kept in the model's dtype form the conv state, the float32
-rest the recurrent one), their initial values (read as the first layer receives them), whether
-one-token steps of several rows need running row by row, and the layer's keyword.
+Some models keep their whole state as a list of ``[batch, size, num_hidden_layers]`` tensors,
+returned under a model output key and passed to every layer under the same keyword; each
+layer reads and writes its own slice ``[..., layer_idx]``. `find_state_list` recognises that
+structure on the tiny model's output; `apply_state_list` writes it into the draft: the entries'
+split (leading entries kept in the model's dtype form the conv state, the float32 rest the
+recurrent one), their initial values (read as the first layer receives them), whether one-token
+steps of several rows need running row by row, and the layer's keyword.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from distconf.tools.drafting.common import DraftingError, field_value
-from distconf.tools.drafting.probe import build_tiny_model
+from distconf.tools.drafting.common import DraftingError
+from distconf.tools.drafting.layer_state import LayerState
 from distconf.tools.drafting.render import FamilyDraft
-from distconf.tools.drafting.scan import find_layer_list
-from distconf.tools.drafting.state_list import StateListFound
 
-__all__ = ["apply_state_list"]
+__all__ = ["StateListFound", "find_state_list", "list_states", "apply_state_list"]
+
+_STATE_OUTPUTS = ("state", "states", "cache_params")
+
+
+@dataclass(frozen=True)
+class StateListFound:
+    """The model output key (and layer keyword) of the state list, and each entry's size."""
+
+    name: str
+    sizes: tuple[int, ...]
+
+
+def find_state_list(result: Any, layers: int) -> StateListFound | None:
+    """The list of ``[batch, size, layers]`` tensors a tiny model's output holds as its state (None: none)."""
+    import torch
+
+    get = getattr(result, "get", None)
+    if not callable(get):
+        return None
+    for name in _STATE_OUTPUTS:
+        value = get(name)
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[-1] == layers for t in value):
+            return StateListFound(name, tuple(int(t.shape[1]) for t in value))
+    return None
+
+
+def list_states(found: StateListFound, layers: int) -> list[LayerState]:
+    """One `LayerState` per layer: the entries' common size as its recurrent shape (the entry count is added
+    by `apply_state_list`, which refuses entries of different sizes)."""
+    return [LayerState(recurrent=(found.sizes[0],), recurrent_dtype="float32") for _ in range(layers)]
 
 _NO_CACHE_NOTES = ("forward takes no cache",)
 
@@ -24,26 +58,14 @@ _NO_CACHE_NOTES = ("forward takes no cache",)
 def _first_layer_state(config_class: type, tiny: Mapping[str, Any], attn_implementation: str,
                        name: str, dtype: Any) -> tuple[list[Any], list[Any]] | None:
     """(the state list as the first layer receives it, as the model returns it), in ``dtype``; None if it fails."""
-    import torch
+    from distconf.tools.drafting.probe import Forward, observe
 
-    seen: list[Any] = []
-
-    def capture(module: Any, args: Any, kwargs: Any) -> None:
-        if not seen and isinstance(kwargs.get(name), (list, tuple)):
-            seen.extend(t.detach().clone() for t in kwargs[name])
-
-    try:
-        config, model = build_tiny_model(config_class, tiny, attn_implementation)
-        model = model.to(dtype)
-        _, layers = find_layer_list(model, field_value(config, "num_hidden_layers"))
-        hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                result = model(torch.randint(0, 8, (1, 4)), use_cache=True)
-        finally:
-            hook.remove()
-    except Exception:  # the float32 run has reported anything wrong with the config
+    record = observe(config_class, tiny, attn_implementation,
+                     Forward(use_cache=True, tokens=4, dtype=str(dtype).removeprefix("torch."), quiet=False))
+    if record.error is not None:  # the float32 run has reported anything wrong with the config
         return None
+    seen = next((call.lists[name] for call in record.of_layer(0) if name in call.lists), [])
+    result = record.result
     returned = result.get(name) if callable(getattr(result, "get", None)) else None
     return (seen, list(returned)) if seen and returned else None
 
@@ -73,34 +95,13 @@ def _conv_entries(dtypes: list[Any]) -> int:
     return count
 
 
-def _rows_together(config_class: type, tiny: Mapping[str, Any], attn_implementation: str, name: str) -> bool:
-    """Whether the model's one-token step after a state of two rows equals each row's own (some layers broadcast
-    their state's rows against their input's in that step); True when it cannot tell."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    ids, nxt = torch.randint(0, 8, (2, 4), generator=generator), torch.randint(0, 8, (2, 1), generator=generator)
-    try:
-        _, model = build_tiny_model(config_class, tiny, attn_implementation)
-        with torch.no_grad():
-            state = model(ids, use_cache=True).get(name)
-            rows = [model(nxt[r:r + 1], **{name: model(ids[r:r + 1], use_cache=True).get(name)},
-                          use_cache=True).get("logits") for r in range(2)]
-            try:
-                batched = model(nxt, **{name: state}, use_cache=True).get("logits")
-            except RuntimeError:  # the rows do not broadcast: the step is wrong for several rows
-                return False
-    except Exception:  # the float32 run has reported anything wrong with the config
-        return True
-    expected = torch.cat(rows)
-    return batched.shape == expected.shape and torch.allclose(batched, expected, rtol=1e-4, atol=1e-5)
-
-
 def apply_state_list(draft: FamilyDraft, layout: Any, found: StateListFound, config_class: type,
                      tiny: Mapping[str, Any]) -> bool:
     """Write ``layout.state`` for a state list (shapes, ``layer_list``) and the layer's keyword into ``draft``;
     whether the recurrent entries are float32. Raises `DraftingError` when the list cannot be declared."""
     import torch
+
+    from distconf.tools.drafting.probe import rows_step_together
 
     if len(set(found.sizes)) > 1:
         raise DraftingError(f"the layers keep a per-sequence state, but the entries of the model's state list have "
@@ -126,7 +127,7 @@ def apply_state_list(draft: FamilyDraft, layout: Any, found: StateListFound, con
     if conv < len(initial):
         state["recurrent_shape"] = [len(initial) - conv, *size]
     state["layer_list"] = {"conv_entries": conv, "initial": initial}
-    if not _rows_together(config_class, tiny, draft.attn_implementation, found.name):
+    if not rows_step_together(config_class, tiny, draft.attn_implementation, found.name):
         state["one_token_rows"] = "one_at_a_time"
         draft.facts.append("the model's one-token step after a state of several rows differs from each row's own: "
                            "blocks run such steps one row at a time")
