@@ -14,7 +14,7 @@ def refuse_non_causal(facts: TinyFacts, draft: FamilyDraft) -> None:
     config_class, tiny, attn_implementation = facts.config_class, facts.tiny, draft.attn_implementation
     from distconf.tools.checker.causal import non_causal_cause
     from distconf.tools.checker.reference import perturb_weights
-    from distconf.tools.drafting.probe import try_tiny_model
+    from distconf.tools.drafting.probe_runs import try_tiny_model
 
     built = try_tiny_model(config_class, tiny, attn_implementation)
     if built is None:  # the tiny run reports why the config does not build

@@ -21,7 +21,8 @@ from distconf.tools.drafting.model_buffers import draft_model_buffers
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.per_layer import at_layer, explained_by_layer_configs
-from distconf.tools.drafting.probe import TinyRun, meta_layer_kinds, probe_session, run_tiny, state_dtypes
+from distconf.tools.drafting.probe import meta_layer_kinds, probe_session
+from distconf.tools.drafting.probe_runs import TinyRun, run_tiny, state_dtypes
 from distconf.tools.drafting.profile import PROBE, TINY
 from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.rules import TINY_RULES, TinyFacts, apply_rules

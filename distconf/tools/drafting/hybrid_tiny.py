@@ -17,7 +17,7 @@ from typing import Any
 
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.named_variants import _built_types
-from distconf.tools.drafting.probe import TinyRun, run_tiny
+from distconf.tools.drafting.probe_runs import TinyRun, run_tiny
 
 __all__ = ["draft_layer_type_argument", "with_attention_layer"]
 

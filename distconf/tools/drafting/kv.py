@@ -19,7 +19,7 @@ from distconf.loader.formula import Formula, FormulaError, evaluate_on
 from distconf.tools.drafting.common import field_value, is_int
 from distconf.tools.drafting.fields import SIZE_WORDS, FieldNames, role_of
 from distconf.tools.drafting.indexer import indexer_kinds
-from distconf.tools.drafting.probe import TinyRun
+from distconf.tools.drafting.probe_runs import TinyRun
 
 __all__ = ["kv_groups_formula", "KVLayout", "kv_layout", "formula_value"]
 

@@ -156,7 +156,7 @@ def _choices(config_class: type) -> dict[str, tuple[str, ...]]:
 def _cache_exact(config_class: type, tiny: Mapping[str, Any], attn_implementation: str) -> bool | None:
     """Whether the tiny model's decoding with its own cache gives its full forward pass's logits (None when it
     does not run)."""
-    from distconf.tools.drafting.probe import decodes_as_forward
+    from distconf.tools.drafting.probe_runs import decodes_as_forward
 
     return decodes_as_forward(config_class, tiny, attn_implementation, _TOKENS, _TOLERANCE)
 
