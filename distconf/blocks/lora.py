@@ -46,15 +46,16 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """One adapted linear module: ``a`` ``[r, in]``, ``b`` ``[out, r]`` and the scale (``alpha / r``)."""
+    """One adapted linear module, as the hook uses it: ``down`` ``[in, r]`` (A transposed) and ``up`` ``[r, out]``
+    (B transposed, times the scale ``alpha / r``), so a row's output becomes ``addmm(output, x @ down, up)``."""
 
-    a: torch.Tensor
-    b: torch.Tensor
-    scale: float
+    down: torch.Tensor
+    up: torch.Tensor
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """What the adapter adds to the module's output for input ``x``."""
-        return (x.to(self.a.dtype) @ self.a.T) @ self.b.T * self.scale
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """(in_features, out_features) of the module it adapts."""
+        return int(self.down.shape[0]), int(self.up.shape[1])
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         """Bytes of the adapter's tensors held for the served layers."""
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
+        return sum(w.down.numel() * w.down.element_size() + w.up.numel() * w.up.element_size()
                    for modules in self.layers.values() for w in modules.values())
 
 
@@ -170,7 +171,8 @@ def read_lora(source: str | Path, name: str, config: Any, layers: Sequence[int],
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
                 raise AdapterError(f"adapter {name!r}: layer {layer} {path} has A {list(a.shape)} and B "
                                    f"{list(b.shape)}, not [r, in] and [out, r] with r={rank}")
-            modules.setdefault(layer, {})[path] = LoraWeights(a.to(dtype), b.to(dtype), scale)
+            modules.setdefault(layer, {})[path] = LoraWeights(a.to(dtype).T.contiguous(),
+                                                              (b.to(dtype) * scale).T.contiguous())
     targets = settings.get("target_modules")
     target_modules = tuple(targets) if isinstance(targets, list) else (str(targets),) if targets else ()
     return LoraAdapter(name, rank, alpha, target_modules, modules, digests)
@@ -226,9 +228,9 @@ def check_targets(adapter: LoraAdapter, block: Any, layer: int) -> None:
         if None in size:
             raise AdapterError(f"adapter {adapter.name!r}: layer {layer} {path} is a {type(module).__name__}, not a "
                                "linear module")
-        if (weights.a.shape[1], weights.b.shape[0]) != size:
+        if weights.sizes != size:
             raise AdapterError(f"adapter {adapter.name!r}: layer {layer} {path} maps {size[0]} to {size[1]} values, "
-                               f"the adapter {weights.a.shape[1]} to {weights.b.shape[0]} (made for another model?)")
+                               f"the adapter {weights.sizes[0]} to {weights.sizes[1]} (made for another model?)")
 
 
 def attach(adapter: LoraAdapter, block: Any, layer: int) -> None:
@@ -240,8 +242,8 @@ def attach(adapter: LoraAdapter, block: Any, layer: int) -> None:
         if table is None:
             table = _TABLES[module] = {}
             module.register_forward_hook(_add_deltas)
-        table[adapter.name] = weights.__class__(weights.a.to(_device(module)), weights.b.to(_device(module)),
-                                                weights.scale)
+        device = _device(module)
+        table[adapter.name] = LoraWeights(weights.down.to(device), weights.up.to(device))  # no copy on one device
 
 
 def _device(module: Any) -> Any:
@@ -264,18 +266,22 @@ def _add_deltas(module: Any, args: tuple[Any, ...], output: Any) -> Any:
     table = _TABLES.get(module)
     if rows is None or not table or not args:
         return None
-    x = args[0]
+    import torch
+
     named = [(table[name], span) for name, span in rows if name is not None and name in table]
     if not named:
         return None
-    total = rows[-1][1].stop
+    x = args[0].reshape(-1, args[0].shape[-1])
+    flat = output.reshape(-1, output.shape[-1])
     if len(named) == len(rows) == 1:
-        return output + named[0][0].delta(x).to(output.dtype)
+        served = named[0][0]
+        return torch.addmm(flat, x.to(served.down.dtype) @ served.down, served.up).view(output.shape)
+    total = rows[-1][1].stop
     per_row = x.shape[0] // total if total and x.shape[0] % total == 0 else 0
     if per_row == 0:
-        raise RuntimeError(f"a block call of {x.shape[0]} rows cannot serve adapters laid out for {total} rows")
-    delta = output.new_zeros(output.shape)
-    for weights, span in named:
+        raise RuntimeError(f"a block call of {args[0].shape[0]} rows cannot serve adapters laid out for {total} rows")
+    result = flat.clone()  # the base rows as they are; each adapter's rows with their own delta
+    for served, span in named:
         part = slice(span.start * per_row, span.stop * per_row)
-        delta[part] = weights.delta(x[part]).to(output.dtype)
-    return output + delta
+        result[part] = torch.addmm(flat[part], x[part].to(served.down.dtype) @ served.down, served.up)
+    return result.view(output.shape)
