@@ -9,12 +9,12 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
+from dhthelpers import wait_for
 from real_helpers import open_real_source
 from transformers import DynamicCache
 
@@ -229,9 +229,7 @@ def test_a_dropped_stream_closes_its_session(server: Any, caplog: pytest.LogCapt
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     conn.close()  # gone after the first chunk
-    deadline = time.monotonic() + 30
-    while _CountingCache.closed < _CountingCache.opened and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: _CountingCache.closed >= _CountingCache.opened, timeout=30, interval=0.02)
     assert _CountingCache.opened == opened + 1 and _CountingCache.closed == _CountingCache.opened
     line = next(r.getMessage() for r in caplog.records if "stream" in r.getMessage())
     assert "stream cancelled" in line and "status=200" in line, line
