@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from dhthelpers import wait_for
-from real_helpers import open_real_source
+from real_helpers import local_sessions
 from transformers import DynamicCache
 
 from distconf.api import ApiError, Backend, build_app, parse_chat, parse_completion
@@ -99,18 +99,16 @@ class _CountingCache(DynamicCache):
 
 
 @pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest) -> Any:
-    source = open_real_source(request.config)
-    model = rm.local_model(source.checkpoint_dir)
-    model.inference_session = lambda max_length: _CountingCache()
-    backend = Backend(model, source.load_tokenizer(), MODEL_ID, max_concurrent=2, verification_events=EVENTS,
-                      verify_fraction=0.25)
-    running = start_in_thread(build_app(backend, api_key=KEY, max_body_bytes=4096))
-    try:
-        yield running
-    finally:
-        running.stop()
-        backend.shutdown()
+def server(real_local: Any, real_tokenizer: Any) -> Any:
+    with local_sessions(real_local, _CountingCache) as model:
+        backend = Backend(model, real_tokenizer, MODEL_ID, max_concurrent=2, verification_events=EVENTS,
+                          verify_fraction=0.25)
+        running = start_in_thread(build_app(backend, api_key=KEY, max_body_bytes=4096))
+        try:
+            yield running
+        finally:
+            running.stop()
+            backend.shutdown()
 
 
 def _post(server: Any, path: str, body: Any, key: str | None = KEY) -> tuple[int, Any]:

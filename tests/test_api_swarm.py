@@ -118,9 +118,8 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    source = open_real_source(request.config)
-    return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+def local(real_local: Any, real_tokenizer: Any) -> tuple[Any, Any]:
+    return real_local, real_tokenizer
 
 
 def _greedy(local: tuple[Any, Any], question: str | None = None, prompt: str | None = None, n: int = 24) -> str:

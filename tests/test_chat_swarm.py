@@ -64,9 +64,8 @@ def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    source = open_real_source(request.config)
-    return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+def local(real_local: Any, real_tokenizer: Any) -> tuple[Any, Any]:
+    return real_local, real_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,7 @@ def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog):
         refreshing = threading.Event()
         announce = announcer.announce
         announcer.announce = lambda *a, **k: refreshing.set() or announce(*a, **k)  # the refresh thread's call
-        stall = node.run_coroutine(partial(_stall, seconds=20.0), return_future=True)
+        stall = node.run_coroutine(partial(_stall, seconds=10.0), return_future=True)
         assert wait_for(refreshing.is_set, timeout=10, interval=0.02)  # a refresh has started: it waits on the node
         with caplog.at_level(logging.WARNING, logger="distconf.dht.announce"):
             announcer.stop(offline=True, timeout=2.0)
