@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import prompts, stop_all
+from client_swarm import prompts
 from swarm_harness import Swarm, swarm_fixture
+
+from distconf.tools.serving import stop_all
 
 GROUPS = [("bloom", "llama"), ("falcon", "mixtral"), ("qwen3", "gemma2"), ("deepseek_v2",)]
 FAMILIES = [family for group in GROUPS for family in group]

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import stop_all
 from swarm_harness import Swarm as HarnessSwarm
 from swarm_harness import swarm_fixture
+
+from distconf.tools.serving import stop_all
 
 PRE = 3
 BATCH = 2
