@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from dhthelpers import wait_for_async
 from hostile_helpers import start_honest, start_hostile
 from swarm_harness import Swarm
 
@@ -179,6 +180,10 @@ def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
     sessions = [session_steps(harness, seed=10 + s, decode=9) for s in range(4)]
     before = {name: batched_rows(harness, name) for name in harness.servers}
 
+    async def forwards_started(peer: str) -> int:
+        """Forwards (and backwards) the server's compute thread has started running."""
+        return int((await call_info(harness.loop.p2p, peer, timeout=10))["stats"].get("training", 0))
+
     async def all_sessions(peer: str, busy: torch.Tensor) -> list[list[torch.Tensor]]:
         opened, go = asyncio.Barrier(len(sessions) + 1), asyncio.Event()
 
@@ -188,8 +193,13 @@ def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
 
         runs = asyncio.gather(*(session_outputs(harness, peer, steps, when_busy) for steps in sessions))
         await asyncio.wait_for(opened.wait(), timeout=30)  # every stream is open
+        started = await forwards_started(peer)
         forward = asyncio.ensure_future(call_forward(harness.loop.p2p, peer, harness.uid, busy, timeout=60))
-        await asyncio.sleep(0.05)  # the forward reaches the server first
+
+        async def forward_computing() -> bool:  # the forward reached the server first: its compute thread is busy
+            return forward.done() or await forwards_started(peer) > started
+
+        await wait_for_async(forward_computing, timeout=10, interval=0.01)
         go.set()
         outputs = await runs
         await forward
