@@ -84,9 +84,19 @@ SLOW_FIXTURES = frozenset({"real_local"})
 """Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
 
 
+LONGEST_FILES = ("test_verify_swarm.py", "test_chat_swarm.py", "test_lab_swarm.py", "test_swarm_demo.py",
+                 "test_unreachable_peers.py", "test_real_swarm.py", "test_hostile_runtime_crash.py", "test_cli.py",
+                 "test_api_swarm.py", "test_client_ptune.py", "test_client_swarm.py", "test_speculative_swarm.py",
+                 "test_verify_report_swarm.py", "test_sources.py", "test_roundtrip.py", "test_client_generate.py")
+"""The files of the longest wall time in ``make test`` (measured, longest first): collected first, so that
+``--dist loadfile`` starts them first and the run does not end waiting on one of them."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses a process-starting fixture as ``swarm``, and one that runs the real model as
-    ``slow`` (`make test-fast` deselects both)."""
+    ``slow`` (`make test-fast` deselects both); put the longest files first (see `LONGEST_FILES`)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         if SWARM_FIXTURES.intersection(fixtures) and item.get_closest_marker("swarm") is None:

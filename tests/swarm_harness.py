@@ -2,8 +2,8 @@
 
 A `Swarm` owns everything it starts and stops it in order on `Swarm.close` (client models,
 then servers all at once, then extra DHT nodes, then its bootstrap node), also when a start
-fails halfway (``with Swarm(...)``, `swarm_fixture`). `dht_node` / `dht_nodes` are the same
-guarantee for tests that need only DHT nodes.
+fails halfway (``with Swarm(...)``, `swarm_fixture`). `dht_node` is the same guarantee for a
+one-off DHT node.
 
 Typical use, a module-scoped swarm of a tiny llama (A holds blocks 0:2, B and C hold 2:4)::
 
@@ -29,7 +29,7 @@ from client_swarm import REPO, START_DEADLINE, make_model_dir
 
 from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
 
-__all__ = ["Swarm", "dht_node", "dht_nodes", "generate", "shutdown_nodes", "swarm_fixture"]
+__all__ = ["Swarm", "dht_node", "generate", "shutdown_nodes", "swarm_fixture"]
 
 
 def shutdown_nodes(nodes: Sequence[Any]) -> None:
@@ -50,21 +50,6 @@ def dht_node(initial_peers: Sequence[str] = (), **kwargs: Any) -> Iterator[Any]:
         yield node
     finally:
         shutdown_nodes([node])
-
-
-@contextlib.contextmanager
-def dht_nodes(count: int, **kwargs: Any) -> Iterator[list[Any]]:
-    """``count`` loopback DHT nodes, each joined through the first; all shut down on exit."""
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    nodes: list[Any] = []
-    try:
-        nodes.append(start_local_dht(**kwargs))
-        peers = visible_maddrs(nodes[0])
-        nodes.extend(start_local_dht(peers, **kwargs) for _ in range(count - 1))
-        yield nodes
-    finally:
-        shutdown_nodes(nodes)
 
 
 def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
@@ -123,9 +108,9 @@ class Swarm:
 
         return AutoDistributedConfig.from_pretrained(str(self.model_dir))
 
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
-        """The DHT prefix of `model_dir`."""
+        """The DHT prefix of `model_dir` (read once)."""
         return self.config.dht_prefix
 
     def start_server(self, model: str | Path, span: str | None, *args: str, log: str | None = None, dtype: str = "fp32",
