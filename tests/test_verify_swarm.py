@@ -43,6 +43,7 @@ CLIENTS = 3  # concurrent clients of the no-false-alarm tests
 ROUNDS = 4  # generations per client there
 BF16_PREFIX_SUFFIX = "-bf16"
 BAN = 600.0  # the liar stays banned through the test (well past the session that caught it)
+REPLY_TIMEOUT = 30.0  # the bad-reply tests' request_timeout
 
 
 class Swarm(HarnessSwarm):
@@ -183,11 +184,14 @@ def test_a_bad_reply_is_a_failed_server(swarm: Swarm, mode: str) -> None:
     the client bans the server and fails over, and the tokens and logits stay right."""
     liar = swarm.use_liar(mode)
     assert liar is not None
-    model = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)
+    # a reply over the daemon's unary limit never arrives: the client gives up at request_timeout (180 s by
+    # default; an honest reply of this tiny model takes well under a second even on a loaded machine)
+    patient = {"ban_timeout": BAN, "min_backoff": 0.05, "max_backoff": 0.1, "request_timeout": REPLY_TIMEOUT}
+    model = swarm.model(**patient)
     ids = prompts(2, 5, vocab=swarm.local.config.vocab_size, seed=300)
     assert generate(model, ids) == swarm.expected(ids)
     assert liar.peer_id in model.remote.manager.banned(), "the server of bad replies is not banned"
-    fresh = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)  # its first forward goes to the liar
+    fresh = swarm.model(**patient)  # its first forward goes to the liar
     with torch.no_grad():
         assert torch.allclose(fresh(ids).logits, swarm.local(ids).logits, atol=1e-4, rtol=1e-4)
     assert liar.peer_id in fresh.remote.manager.banned()
