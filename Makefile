@@ -39,7 +39,7 @@ test: setup lint
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not swarm and not slow"
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not swarm and not slow"
 
 test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest

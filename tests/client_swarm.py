@@ -1,18 +1,18 @@
 """Helpers for the client tests: tiny model folders and real ``distconf serve`` processes on 127.0.0.1.
 
-The processes are `distconf.tools.serving.ServerProcess` (the product's one harness).
+The processes are `distconf.tools.serving.ServerProcess` (the product's one harness); a test's swarm
+(DHT node, servers, client models, teardown) is `swarm_harness.Swarm`.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from blockhelpers import family_config, hf_model
 
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess, serve_command
 
 REPO = Path(__file__).resolve().parents[1]
 START_DEADLINE = 120.0
@@ -48,25 +48,6 @@ def start_server(model_dir: Path, peers: list[str], blocks: str, log: Path, *ext
     cmd = serve_command(model_dir, "--initial-peers", *peers, "--blocks", blocks, "--dtype", "fp32",
                         "--host", "127.0.0.1", *extra)
     return ServerProcess(cmd, log, name=model_dir.name, env={"PYTHONPATH": str(REPO)})
-
-
-def start_servers(jobs: list[tuple[Path, str]], peers: list[str], log_dir: Path, *extra: str
-                  ) -> list[ServerProcess]:
-    """Start one server per ``(model_dir, "A:B")`` job, all at once, and wait until all are ready."""
-    servers = [start_server(model_dir, peers, span, log_dir / f"{model_dir.name}-{i}.log", *extra)
-               for i, (model_dir, span) in enumerate(jobs)]
-    wait_all_ready(servers, time.monotonic() + START_DEADLINE)
-    return servers
-
-
-def close_swarm(models: Any, servers: list[ServerProcess], dht: Any) -> None:
-    """Shut the client models down, stop the servers, then release the DHT node."""
-    for model in models:
-        model.shutdown()
-    stop_all(servers)
-    from distconf.client.swarm import release_dht
-
-    release_dht(dht)
 
 
 def server_info(model: Any, peer_id: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import multiprocessing.process
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +50,32 @@ def family_text():
     return lambda name: (FAMILIES / f"{name}.yaml").read_text(encoding="utf-8")
 
 
+@pytest.fixture(scope="session")
+def real_source(request: pytest.FixtureRequest) -> Any:
+    """The real model's GGUF as a `ModelSource` (converted once per checkout; see real_helpers)."""
+    from real_helpers import open_real_source
+
+    return open_real_source(request.config)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_source: Any) -> Any:
+    """The real model's tokenizer, loaded once per test run."""
+    return real_source.load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def real_local(real_source: Any) -> Any:
+    """The real model run locally (float32, eval, no grad), loaded once per test run and shared.
+
+    A module that gives it an ``inference_session`` (a local cache standing for the swarm's session)
+    sets it in a module fixture and deletes it after (``real_helpers.local_sessions``).
+    """
+    from distconf.tools import real_model as rm
+
+    return rm.local_model(real_source.checkpoint_dir)
+
+
 SWARM_FIXTURES = frozenset({"swarm", "swarms", "served", "dht", "nodes", "live_swarm", "small_swarm", "browser"})
 """Fixtures that start processes (DHT nodes, ``distconf serve`` servers, Chromium): a test using one is ``swarm``.
 
@@ -56,11 +83,29 @@ A test that starts such processes itself carries ``@pytest.mark.swarm`` (or its 
 """
 
 
+SLOW_FIXTURES = frozenset({"real_local"})
+"""Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
+
+
+LONGEST_FILES = ("test_verify_swarm.py", "test_chat_swarm.py", "test_lab_swarm.py", "test_swarm_demo.py",
+                 "test_unreachable_peers.py", "test_real_swarm.py", "test_hostile_runtime_crash.py", "test_cli.py",
+                 "test_api_swarm.py", "test_client_ptune.py", "test_client_swarm.py", "test_speculative_swarm.py",
+                 "test_verify_report_swarm.py", "test_sources.py", "test_roundtrip.py", "test_client_generate.py")
+"""The files of the longest wall time in ``make test`` (measured, longest first): collected first, so that
+``--dist loadfile`` starts them first and the run does not end waiting on one of them."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses a process-starting fixture as ``swarm`` (`make test-fast` deselects them)."""
+    """Mark every test that uses a process-starting fixture as ``swarm``, and one that runs the real model as
+    ``slow`` (`make test-fast` deselects both); put the longest files first (see `LONGEST_FILES`)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     for item in items:
-        if SWARM_FIXTURES.intersection(getattr(item, "fixturenames", ())) and item.get_closest_marker("swarm") is None:
+        fixtures = getattr(item, "fixturenames", ())
+        if SWARM_FIXTURES.intersection(fixtures) and item.get_closest_marker("swarm") is None:
             item.add_marker(pytest.mark.swarm)
+        if SLOW_FIXTURES.intersection(fixtures) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,18 @@
-"""Helpers shared by the DHT and monitor tests: a stand-in config, bounded waits, plain hivemind nodes."""
+"""Helpers shared by the tests: a stand-in config, bounded waits (the suite's only polling), plain hivemind nodes."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from hivemind import DHT
+
+T = TypeVar("T")
 
 
 def stand_in_config(prefix: str, n: int) -> SimpleNamespace:
@@ -24,6 +28,30 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: floa
         if result or time.monotonic() > deadline:
             return result
         time.sleep(interval)
+
+
+async def wait_for_async(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.25) -> Any:
+    """`wait_for` inside an event loop (other tasks run between polls); ``predicate`` may be a coroutine function."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(interval)
+
+
+def wait_until(read: Callable[[], T], done: Callable[[T], Any], timeout: float = 15.0, interval: float = 0.25) -> T:
+    """`wait_for` ``done(read())``; returns the last reading (whether or not it was done in time)."""
+    readings: list[T] = []
+
+    def check() -> Any:
+        readings.append(read())
+        return done(readings[-1])
+
+    wait_for(check, timeout, interval)
+    return readings[-1]
 
 
 def start_plain_dht(initial_peers: list[str], timeout: float = 60.0) -> DHT:

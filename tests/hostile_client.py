@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from dhthelpers import wait_for
 from hivemind.proto import runtime_pb2
 
 from distconf.tools.serving import ServerProcess
@@ -168,11 +169,8 @@ class Victim:
 
     def budget_back(self, deadline: float) -> bool:
         """Whether ``cache_tokens_available`` is back to full by ``deadline`` (monotonic; sessions end async)."""
-        while self.cache_tokens() != self.full_budget:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.2)
-        return True
+        return bool(wait_for(lambda: self.cache_tokens() == self.full_budget,
+                             timeout=max(0.0, deadline - time.monotonic()), interval=0.1))
 
     def rss_mib(self) -> float:
         """The server process's resident memory in MiB."""

@@ -7,8 +7,11 @@ not once per test run, and nothing is written outside the checkout.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,3 +37,13 @@ def real_cache_dir(config: pytest.Config) -> Path:
 def open_real_source(config: pytest.Config) -> ModelSource:
     """The real model's GGUF as a `ModelSource` (converted on first use)."""
     return open_source(gguf_path(), cache_dir=real_cache_dir(config))
+
+
+@contextlib.contextmanager
+def local_sessions(model: Any, cache_class: type) -> Iterator[Any]:
+    """``model`` whose ``inference_session(max_length)`` opens a ``cache_class()`` for the duration."""
+    model.inference_session = lambda max_length: cache_class()
+    try:
+        yield model
+    finally:
+        del model.inference_session

@@ -3,45 +3,22 @@ swarm tests of families whose blocks keep a per-sequence state (pure state-space
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from client_swarm import make_model_dir, server_info, start_servers
+from client_swarm import server_info
+from dhthelpers import wait_for
+from swarm_harness import Swarm, generate
+
+SPANS = ("0:2", "2:4", "2:4")
 
 
-class SpanSwarm:
-    """The bootstrap DHT, the model folder, the local reference model and the three servers."""
+class SpanSwarm(Swarm):
+    """The harness's swarm of ``family`` (tiny, ``overrides`` to its config) with servers of 0:2, 2:4 and 2:4."""
 
     def __init__(self, root: Path, family: str, **overrides: Any) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / family, family, **overrides)
-        self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
-                                     self.peers, root)
-        self.models: list[Any] = []
-
-    def model(self, **kwargs: Any) -> Any:
-        """A client model over this swarm (closed with the swarm)."""
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        kwargs.setdefault("max_retries", 3)
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, dht=self.dht, **kwargs)
-        self.models.append(model)
-        return model
-
-    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-        """What the local transformers model generates."""
-        return generate(self.local, ids, **kwargs)
-
-
-def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-    """``model.generate`` on unpadded rows, as token lists."""
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
+        super().__init__(root, family, SPANS, **overrides)
 
 
 def cache_left(model: Any, peer: str) -> int:
@@ -65,9 +42,8 @@ def assert_generation_equals_local(model: Any, local: Any, servers: list[Any], s
     ids = prompts(1, 4, vocab=vocab, seed=7)
     beams = {"max_new_tokens": 6, "do_sample": False, "num_beams": 3}
     assert generate(model, ids, **beams) == generate(local, ids, **beams)
-    deadline = time.monotonic() + 30  # sessions end when the client closes them: state and K/V are freed
-    while time.monotonic() < deadline and any(cache_left(model, p) != n for p, n in full.items()):
-        time.sleep(0.2)
+    # sessions end when the client closes them: state and K/V are freed
+    wait_for(lambda: all(cache_left(model, p) == n for p, n in full.items()), timeout=30, interval=0.1)
     assert {p: cache_left(model, p) for p in full} == full
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
-from real_helpers import open_real_source
+from dhthelpers import wait_for
+from real_helpers import local_sessions
 from transformers import DynamicCache
 
 from distconf.api import ApiError, Backend, build_app, parse_chat, parse_completion
@@ -99,18 +99,16 @@ class _CountingCache(DynamicCache):
 
 
 @pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest) -> Any:
-    source = open_real_source(request.config)
-    model = rm.local_model(source.checkpoint_dir)
-    model.inference_session = lambda max_length: _CountingCache()
-    backend = Backend(model, source.load_tokenizer(), MODEL_ID, max_concurrent=2, verification_events=EVENTS,
-                      verify_fraction=0.25)
-    running = start_in_thread(build_app(backend, api_key=KEY, max_body_bytes=4096))
-    try:
-        yield running
-    finally:
-        running.stop()
-        backend.shutdown()
+def server(real_local: Any, real_tokenizer: Any) -> Any:
+    with local_sessions(real_local, _CountingCache) as model:
+        backend = Backend(model, real_tokenizer, MODEL_ID, max_concurrent=2, verification_events=EVENTS,
+                          verify_fraction=0.25)
+        running = start_in_thread(build_app(backend, api_key=KEY, max_body_bytes=4096))
+        try:
+            yield running
+        finally:
+            running.stop()
+            backend.shutdown()
 
 
 def _post(server: Any, path: str, body: Any, key: str | None = KEY) -> tuple[int, Any]:
@@ -229,9 +227,7 @@ def test_a_dropped_stream_closes_its_session(server: Any, caplog: pytest.LogCapt
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     conn.close()  # gone after the first chunk
-    deadline = time.monotonic() + 30
-    while _CountingCache.closed < _CountingCache.opened and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: _CountingCache.closed >= _CountingCache.opened, timeout=30, interval=0.02)
     assert _CountingCache.opened == opened + 1 and _CountingCache.closed == _CountingCache.opened
     line = next(r.getMessage() for r in caplog.records if "stream" in r.getMessage())
     assert "stream cancelled" in line and "status=200" in line, line

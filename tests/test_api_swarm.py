@@ -22,7 +22,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dhthelpers import wait_for
+from dhthelpers import wait_for, wait_until
 from real_helpers import open_real_source, real_cache_dir
+from swarm_harness import Swarm as HarnessSwarm
 from test_monitor_browser import CHROMIUM, browser  # noqa: F401  (the fixture: a headless Chromium)
 
 from distconf.tools import real_model as rm
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 
@@ -76,23 +76,17 @@ def _get(url: str, key: str | None = KEY) -> tuple[int, Any]:
 
 @pytest.fixture(scope="module")
 def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-
     open_real_source(request.config)  # converted once, before the servers need it
     env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
     env.pop("DISTCONF_INITIAL_PEERS", None)
-    dht = start_local_dht()
-    servers: list[ServerProcess] = []
     proc = None
     logs = tmp_path_factory.mktemp("api-swarm")
+    swarm = HarnessSwarm(logs)
     try:
-        peers = visible_maddrs(dht)
-        servers = [ServerProcess(serve_command(rm.gguf_path(), "--initial-peers", *peers, "--blocks", span,
-                                               "--host", "127.0.0.1", "--dtype", "float32"),
-                                 logs / f"server-{i}.log", name=f"api-{i}", env=env)
-                   for i, span in enumerate(SPANS)]
-        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
+        peers, dht = swarm.peers, swarm.dht
+        servers = [swarm.start_server(rm.gguf_path(), span, log=f"server-{i}.log", name=f"api-{i}", env=env,
+                                      dtype="float32") for i, span in enumerate(SPANS)]
+        swarm.wait_ready(timeout=START_DEADLINE)
         port = _free_port()
         log = logs / "api.log"
         with open(log, "w") as out:
@@ -100,17 +94,17 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                                      *peers, "--port", str(port), "--api-key", KEY], stdout=out, stderr=out,
                                     env=env, cwd=REPO)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
+
+        def models() -> Any:
             assert proc.poll() is None, f"distconf api exited {proc.returncode}: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"distconf api did not start: {log.read_text()[-3000:]}"
             try:
                 status, body = _get(url + "/v1/models")
-                if status == 200:
-                    break
             except OSError:
-                pass
-            time.sleep(0.5)
+                return None
+            return body if status == 200 else None
+
+        body = wait_for(models, timeout=240, interval=0.2)
+        assert body, f"distconf api did not start: {log.read_text()[-3000:]}"
         yield Api(url, body["data"][0]["id"], log, servers, dht)
     finally:
         if proc is not None:
@@ -120,14 +114,12 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-        stop_all(servers)
-        release_dht(dht)
+        swarm.close()
 
 
 @pytest.fixture(scope="module")
-def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    source = open_real_source(request.config)
-    return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+def local(real_local: Any, real_tokenizer: Any) -> tuple[Any, Any]:
+    return real_local, real_tokenizer
 
 
 def _greedy(local: tuple[Any, Any], question: str | None = None, prompt: str | None = None, n: int = 24) -> str:
@@ -220,14 +212,7 @@ def test_dropped_streams_free_the_servers_cache(api: Api, nowhere: Any, local: t
     with ThreadPoolExecutor(6) as pool:
         firsts = list(pool.map(drop_after_first_chunk, range(6)))
     assert all(line.startswith(b"data: {") for line in firsts)
-    left: dict[str, int] = {}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        left = _cache_left(api, model)
-        if left == full:
-            break
-        time.sleep(0.5)
-    assert left == full
+    assert wait_until(lambda: _cache_left(api, model), lambda left: left == full, timeout=60, interval=0.2) == full
     assert api.log.read_text().count("stream cancelled") >= 6
     assert _chat_stream(api, rm.QUESTION) == _greedy(local, rm.QUESTION)
 

@@ -15,13 +15,13 @@ import torch
 from blockhelpers import family_config
 
 from distconf.blocks import build_block, kv_geometry
-from distconf.loader import list_families, load_family
+from distconf.loader import get_family_spec, list_families
 from distconf.server.compute import ServedBlock
 from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 from distconf.tools.checker import tiny_variants
 
 CASES = [(family, v) for family in list_families()
-         for v in range(len(tiny_variants(load_family(family).family_spec.tiny_config)))]
+         for v in range(len(tiny_variants(get_family_spec(family).tiny_config)))]
 
 
 def served_blocks(family: str, variant: int) -> tuple[list[ServedBlock], int]:

@@ -14,24 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
+from client_swarm import prompts, server_info
+from swarm_harness import Swarm
 
 pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    root = tmp_path_factory.mktemp("batching-swarm")
-    dht = start_local_dht()
-    model_dir, local = make_model_dir(root / "llama", "llama")
-    servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), root)
-    models: list[Any] = []
-    try:
-        yield dht, model_dir, local, servers, models
-    finally:
-        close_swarm(models, servers, dht)
+    with Swarm(tmp_path_factory.mktemp("batching-swarm"), "llama", ("0:2", "2:4")) as s:
+        yield s.dht, s.model_dir, s.local, s.servers, s.models
 
 
 ROUNDS = 3

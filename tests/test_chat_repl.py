@@ -14,7 +14,7 @@ import signal
 from typing import Any
 
 import pytest
-from real_helpers import open_real_source
+from real_helpers import local_sessions
 from transformers import DynamicCache
 
 from distconf.cli import build_parser
@@ -33,15 +33,14 @@ class _ClosableCache(DynamicCache):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(request: pytest.FixtureRequest) -> Any:
-    return open_real_source(request.config).load_tokenizer()
+def tokenizer(real_tokenizer: Any) -> Any:
+    return real_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest) -> Any:
-    local = rm.local_model(open_real_source(request.config).checkpoint_dir)
-    local.inference_session = lambda max_length: _ClosableCache()
-    return local
+def model(real_local: Any) -> Any:
+    with local_sessions(real_local, _ClosableCache) as local:
+        yield local
 
 
 class Recorder:

@@ -18,17 +18,18 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dhthelpers import wait_until
 from real_helpers import open_real_source, real_cache_dir
+from swarm_harness import Swarm as HarnessSwarm
 
 from distconf.tools import real_model as rm
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 
@@ -52,32 +53,19 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-
     open_real_source(request.config)  # converted once, before the servers need it
     env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
     env.pop("DISTCONF_INITIAL_PEERS", None)
-    dht = start_local_dht()
-    servers: list[ServerProcess] = []
-    try:
-        peers = visible_maddrs(dht)
-        logs = tmp_path_factory.mktemp("chat-swarm")
-        servers = [ServerProcess(serve_command(rm.gguf_path(), "--initial-peers", *peers, "--blocks", span,
-                                               "--host", "127.0.0.1", "--dtype", "float32"),
-                                 logs / f"server-{i}.log", name=f"chat-{i}", env=env)
-                   for i, span in enumerate(SPANS)]
-        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
-        yield Swarm(peers, env, servers, dht)
-    finally:
-        stop_all(servers)
-        release_dht(dht)
+    with HarnessSwarm(tmp_path_factory.mktemp("chat-swarm")) as s:
+        for i, span in enumerate(SPANS):
+            s.start_server(rm.gguf_path(), span, log=f"server-{i}.log", name=f"chat-{i}", env=env, dtype="float32")
+        s.wait_ready(timeout=START_DEADLINE)
+        yield Swarm(s.peers, env, s.servers, s.dht)
 
 
 @pytest.fixture(scope="module")
-def local(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    source = open_real_source(request.config)
-    return rm.local_model(source.checkpoint_dir), source.load_tokenizer()
+def local(real_local: Any, real_tokenizer: Any) -> tuple[Any, Any]:
+    return real_local, real_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +92,7 @@ def _cache_left(swarm: Swarm, model: Any) -> dict[str, int]:
 
 def _wait_cache(swarm: Swarm, model: Any, done: Any, timeout: float) -> dict[str, int]:
     """Poll the servers' cache left until ``done(left)``; the last reading."""
-    deadline = time.monotonic() + timeout
-    left = _cache_left(swarm, model)
-    while not done(left) and time.monotonic() < deadline:
-        time.sleep(0.3)
-        left = _cache_left(swarm, model)
-    return left
+    return wait_until(lambda: _cache_left(swarm, model), done, timeout=timeout, interval=0.1)
 
 
 # ------------------------------------------------------------------ distconf generate
@@ -176,14 +159,10 @@ class Tmux:
 
     def wait_for(self, done: Any, timeout: float, what: str) -> str:
         """Poll the screen until ``done(screen)`` is true; fail (with the screen) after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            screen = self.screen()
-            if done(screen):
-                return screen
-            if time.monotonic() > deadline:
-                pytest.fail(f"tmux: no {what} after {timeout:.0f} s; the screen:\n{screen[-3000:]}")
-            time.sleep(0.2)
+        screen = wait_until(self.screen, done, timeout=timeout, interval=0.1)
+        if not done(screen):
+            pytest.fail(f"tmux: no {what} after {timeout:.0f} s; the screen:\n{screen[-3000:]}")
+        return screen
 
     def pane(self, field: str) -> str:
         """A pane format field (``pane_dead``, ``pane_dead_status``)."""

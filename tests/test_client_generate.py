@@ -12,49 +12,36 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, start_servers, stop_all
+from client_swarm import prompts
+from swarm_harness import Swarm, swarm_fixture
+
+from distconf.tools.serving import stop_all
 
 GROUPS = [("bloom", "llama"), ("falcon", "mixtral"), ("qwen3", "gemma2"), ("deepseek_v2",)]
 FAMILIES = [family for group in GROUPS for family in group]
 
 
-class _Swarms:
+class _Swarms(Swarm):
     """One swarm at a time: the group of the family asked for (the previous group is stopped)."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht
-
-        self.root = root
-        self.dht = start_local_dht()
+    def __init__(self, root: Path, *_: Any) -> None:
+        super().__init__(root)
         self.group: tuple[str, ...] = ()
-        self.servers: list[Any] = []
-        self.models: dict[str, tuple[Path, Any]] = {}
+        self.folders: dict[str, tuple[Path, Any]] = {}
 
     def get(self, family: str) -> tuple[Any, Path, Any]:
-        from distconf.dht import visible_maddrs
-
         if family not in self.group:
             stop_all(self.servers)
-            self.servers, self.models = [], {}
+            self.servers, self.folders = [], {}
             self.group = next(g for g in GROUPS if family in g)
             for name in self.group:
-                self.models[name] = make_model_dir(self.root / name, name)
-            self.servers = start_servers([(self.models[name][0], span) for name in self.group
-                                          for span in ("0:2", "2:4")], visible_maddrs(self.dht), self.root)
-        return self.dht, *self.models[family]
-
-    def close(self) -> None:
-        close_swarm([], self.servers, self.dht)
+                self.folders[name] = self.add_model(name)
+            self.serve([(self.folders[name][0], span) for name in self.group for span in ("0:2", "2:4")])
+        return self.dht, *self.folders[family]
 
 
-@pytest.fixture(scope="module")
-def swarms(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Servers for one group of families at a time (two per family: blocks 0:2 and 2:4), one DHT."""
-    manager = _Swarms(tmp_path_factory.mktemp("swarm"))
-    try:
-        yield manager
-    finally:
-        manager.close()
+swarms = swarm_fixture("swarm", None, cls=_Swarms)
+"""Servers for one group of families at a time (two per family: blocks 0:2 and 2:4), one DHT."""
 
 
 def _remote(dht: Any, model_dir: Path, **kwargs: Any) -> Any:

@@ -9,19 +9,15 @@ from typing import Any
 import pytest
 import torch
 from client_swarm import make_model_dir
+from swarm_harness import Swarm
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def dht() -> Any:
-    from distconf.dht import start_local_dht
-
-    node = start_local_dht()
-    yield node
-    from distconf.client.swarm import release_dht
-
-    release_dht(node)
+    with Swarm() as s:
+        yield s.dht
 
 
 # --------------------------------------------------------------------------- version guard

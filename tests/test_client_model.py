@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from client_swarm import make_model_dir
+from swarm_harness import Swarm
 
 FAMILIES = ["bloom", "llama", "falcon", "mixtral", "qwen3", "gemma2", "deepseek_v2", "gpt_neox", "phi3",
             "starcoder2", "granite", "qwen2", "qwen3_moe", "mistral"]
@@ -18,13 +19,8 @@ FAMILIES = ["bloom", "llama", "falcon", "mixtral", "qwen3", "gemma2", "deepseek_
 
 @pytest.fixture(scope="module")
 def dht() -> Any:
-    from distconf.dht import start_local_dht
-
-    node = start_local_dht()
-    yield node
-    from distconf.client.swarm import release_dht
-
-    release_dht(node)
+    with Swarm() as s:
+        yield s.dht
 
 
 @pytest.mark.parametrize("family", FAMILIES)

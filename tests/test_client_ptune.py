@@ -16,47 +16,28 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, start_servers, stop_all
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
+
+from distconf.tools.serving import stop_all
 
 PRE = 3
 BATCH = 2
 
 
-class Swarm:
-    """Bootstrap DHT, a tiny llama folder, its local model and three servers (0:2, 2:4, 2:4)."""
+class Swarm(HarnessSwarm):
+    """The harness's swarm: a tiny llama folder, its local model and three servers (0:2, 2:4, 2:4)."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.root = root
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / "llama", "llama", noise=0.1)
+    def __init__(self, root: Path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(root, *args, **kwargs)
         self.local.requires_grad_(False)
-        self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
-                                     self.peers, root, "--verify-weights")
         self.killed: set[str] = set()
-        self.models: list[Any] = []
 
     def model(self, directory: Path | None = None, **kwargs: Any) -> Any:
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        model = AutoDistributedModelForCausalLM.from_pretrained(directory or self.model_dir, dht=self.dht,
-                                                                max_retries=2, **kwargs)
-        self.models.append(model)
-        return model
-
-    def close(self) -> None:
-        close_swarm(self.models, self.servers, self.dht)
+        return super().model(directory, max_retries=2, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("ptune-swarm"))
-    try:
-        yield s
-    finally:
-        s.close()
+swarm = swarm_fixture("ptune-swarm", "llama", ("0:2", "2:4", "2:4"), ("--verify-weights",), cls=Swarm, noise=0.1)
 
 
 def ids(seed: int = 0, length: int = 5, vocab: int = 128) -> torch.Tensor:

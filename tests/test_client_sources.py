@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 import torch
 from blockhelpers import family_config, hf_model
-from client_swarm import REPO, close_swarm, start_servers
+from client_swarm import REPO
 from safetensors.torch import load_file
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
 from test_sources import _fake_hub_cache, write_gguf
 
 from distconf.sources import ModelSourceError, open_source
@@ -63,43 +65,25 @@ def _serve_supports_dht_prefix() -> bool:
     return "--dht-prefix" in commands.choices["serve"].format_help()
 
 
-class Swarm:
-    """Bootstrap DHT, the plain folder, its local model and two servers (0:2, 2:4) under the derived prefix."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap DHT, the plain folder, its local model and two servers (0:2, 2:4) under the
+    derived prefix."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.folder, self.local = _plain_folder(root / FOLDER_NAME)
+    def build(self) -> None:
+        self.folder, self.local = _plain_folder(self.root / FOLDER_NAME)
         assert open_source(self.folder).dht_prefix == DERIVED  # the servers' rule
         served, extra = self.folder, ["--dht-prefix", DERIVED]
         if not _serve_supports_dht_prefix():  # before the serve path of issue 18: a copy with the prefix saved
-            served = shutil.copytree(self.folder, root / "served" / FOLDER_NAME)
+            served = shutil.copytree(self.folder, self.root / "served" / FOLDER_NAME)
             open_source(served).load_config().save_pretrained(served)
             extra = []
-        self.models: list[Any] = []
-        self.servers = start_servers([(served, "0:2"), (served, "2:4")], self.peers, root, *extra)
+        self.serve([(served, "0:2"), (served, "2:4")], *extra)
 
     def model(self, source: Any = None, **kwargs: Any) -> Any:
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        model = AutoDistributedModelForCausalLM.from_pretrained(source or self.folder, dht=self.dht, max_retries=2,
-                                                                **kwargs)
-        self.models.append(model)
-        return model
-
-    def close(self) -> None:
-        close_swarm(self.models, self.servers, self.dht)
+        return super().model(source or self.folder, max_retries=2, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("client-sources"))
-    try:
-        yield s
-    finally:
-        s.close()
+swarm = swarm_fixture("client-sources", None, cls=Swarm)
 
 
 def _greedy(model: Any, ids: torch.Tensor, new: int = 8) -> list[list[int]]:

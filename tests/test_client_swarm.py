@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import swarm_harness
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
+from client_swarm import prompts, server_info
+from dhthelpers import wait_for
 from hivemind.p2p import P2PHandlerError
+from swarm_harness import dht_node, generate, swarm_fixture
 
 from distconf.client.sequence_manager import RetriesExhausted
 from distconf.dht import NoRouteError
@@ -25,43 +28,18 @@ from distconf.dht import NoRouteError
 FAST = {"max_retries": 0, "min_backoff": 0.01, "max_backoff": 0.02}
 
 
-class Swarm:
-    """The bootstrap DHT, the model folder, the local reference model and the three servers."""
+class Swarm(swarm_harness.Swarm):
+    """The harness's swarm of a tiny llama (A: 0:2, B and C: 2:4), its config, a gone peer and DHT records."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / "llama", "llama")
-        self.servers = start_servers([(self.model_dir, "0:2"), (self.model_dir, "2:4"), (self.model_dir, "2:4")],
-                                     self.peers, root)
+    def __init__(self, root: Path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(root, *args, **kwargs)
         self.a, self.b, self.c = (s.peer_id for s in self.servers)
-        from distconf.loader.auto import AutoDistributedConfig
-
-        self.config = AutoDistributedConfig.from_pretrained(str(self.model_dir))
         self.dead_peer = self._gone_peer()
-        self.models: list[Any] = []
         self.last_expiration = 0.0
 
     def _gone_peer(self) -> str:
-        from distconf.dht import start_local_dht
-
-        node = start_local_dht(self.peers)
-        peer = node.peer_id.to_base58()
-        node.shutdown()
-        return peer
-
-    def model(self, **kwargs: Any) -> Any:
-        """A client model on this swarm (through the bootstrap DHT unless initial_peers is given)."""
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        if "initial_peers" not in kwargs:
-            kwargs["dht"] = self.dht
-        kwargs.setdefault("max_retries", 3)  # every wait bounded
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
-        self.models.append(model)
-        return model
+        with dht_node(self.peers) as node:
+            return node.peer_id.to_base58()
 
     def store(self, peer: str, start: int, end: int, state: int = 2, throughput: float = 1e6) -> None:
         """Store a server record for ``peer`` on blocks ``start..end-1`` (newer records win)."""
@@ -74,26 +52,8 @@ class Swarm:
         for i in range(start, end):
             assert self.dht.store(f"{self.config.dht_prefix}.{i}", info.to_wire(), expiration, subkey=peer)
 
-    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-        with torch.no_grad():
-            return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
 
-    def close(self) -> None:
-        close_swarm(self.models, self.servers, self.dht)
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("client-swarm"))
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs).tolist()
+swarm = swarm_fixture("client-swarm", cls=Swarm)
 
 
 def session_peers(model: Any, ids: torch.Tensor, **kwargs: Any) -> list[str]:
@@ -217,16 +177,13 @@ def test_a_batch_over_the_servers_token_cap_goes_in_pieces(swarm: Swarm, tmp_pat
 @pytest.fixture
 def decoy(swarm: Swarm) -> Any:
     """A live DHT node without block handlers, announced ONLINE for blocks 2:4 with a huge throughput."""
-    from distconf.dht import start_local_dht
-
-    node = start_local_dht(swarm.peers)
-    peer = node.peer_id.to_base58()
-    swarm.store(peer, 2, 4)
-    try:
-        yield peer
-    finally:
-        swarm.store(peer, 2, 4, state=0)
-        node.shutdown()
+    with dht_node(swarm.peers) as node:
+        peer = node.peer_id.to_base58()
+        swarm.store(peer, 2, 4)
+        try:
+            yield peer
+        finally:
+            swarm.store(peer, 2, 4, state=0)
 
 
 def test_max_retries_and_ban_timeout(swarm: Swarm, decoy: str) -> None:
@@ -240,8 +197,7 @@ def test_max_retries_and_ban_timeout(swarm: Swarm, decoy: str) -> None:
     short = swarm.model(max_retries=3, min_backoff=0.01, max_pinged=0, ban_timeout=0.05)
     with torch.no_grad():
         short(ids)
-    time.sleep(0.1)
-    assert decoy not in short.remote.manager.banned()
+    assert wait_for(lambda: decoy not in short.remote.manager.banned(), timeout=5.0, interval=0.02)
 
 
 def test_backoff_delays(swarm: Swarm, decoy: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -278,22 +234,19 @@ def test_pings_avoid_unreachable_servers(swarm: Swarm) -> None:
 
 
 def test_update_period(swarm: Swarm) -> None:
-    from distconf.dht import start_local_dht
-
     slow, fast = swarm.model(update_period=600.0), swarm.model(update_period=0.001)
     slow.remote.manager.plan_route()
     fast.remote.manager.plan_route()
-    node = start_local_dht(swarm.peers)
-    newcomer = node.peer_id.to_base58()
-    swarm.store(newcomer, 0, 2, throughput=1.0)
-    try:
-        slow.remote.manager.plan_route()
-        fast.remote.manager.plan_route()
-        assert newcomer not in slow.remote.manager.state.peers
-        assert newcomer in fast.remote.manager.state.peers
-    finally:
-        swarm.store(newcomer, 0, 2, state=0)
-        node.shutdown()
+    with dht_node(swarm.peers) as node:
+        newcomer = node.peer_id.to_base58()
+        swarm.store(newcomer, 0, 2, throughput=1.0)
+        try:
+            slow.remote.manager.plan_route()
+            fast.remote.manager.plan_route()
+            assert newcomer not in slow.remote.manager.state.peers
+            assert newcomer in fast.remote.manager.state.peers
+        finally:
+            swarm.store(newcomer, 0, 2, state=0)
 
 
 def test_generate_command_prints_token_ids(swarm: Swarm) -> None:
@@ -338,36 +291,32 @@ def test_server_to_server_push(swarm: Swarm) -> None:
 def test_a_third_peer_cannot_push_into_a_clients_session(swarm: Swarm) -> None:
     """A peer that learns a session id (upstream servers see them in next_servers) pushes a step into it:
     refused, because the client named the previous span's server as the only pusher, and the tokens stay right."""
-    from distconf.dht import start_local_dht
     from distconf.rpc.calls import PushStream, RpcLoop, call_push
     from distconf.rpc.protocol import KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID, make_request, serialize_tensors
 
     ids = prompts(seed=4)
     expected = swarm.expected(ids, max_new_tokens=6)
     model = swarm.model(use_server_to_server=True, blocked_servers=[swarm.c])
-    thief_node = start_local_dht(swarm.peers)
-    thief = RpcLoop(thief_node)
-    try:
-        with model.inference_session(max_length=ids.shape[1] + 6) as cache:
-            first = generate(model, ids, max_new_tokens=2, cache=cache)
-            target = cache.session.sessions[1]
-            assert target.push_from == swarm.a
-            evil = make_request(target.uid, serialize_tensors([torch.randn(2, 1, swarm.local.config.hidden_size)]),
-                                {KEY_SESSION_ID: target.session_id, KEY_PUSHED: True, KEY_STEP_ID: "evil"})
-            with pytest.raises(P2PHandlerError, match="takes pushes from another peer only"):
-                thief.run(call_push(thief.p2p, target.peer_id, evil, timeout=10), timeout=15)
-            refused = int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0))
-            stream = thief.run(PushStream.open(thief.p2p, target.peer_id, timeout=10), timeout=15)
-            thief.run(stream.send(evil, timeout=10), timeout=15)  # the same push on a push stream
-            deadline = time.monotonic() + 10
-            while int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0)) == refused:
-                assert time.monotonic() < deadline, "the pushed step was not refused"
-                time.sleep(0.05)
-            stream.close()
-            assert generate(model, torch.tensor(first), max_new_tokens=4, cache=cache) == expected
-    finally:
-        thief.shutdown()
-        thief_node.shutdown()
+    with dht_node(swarm.peers) as thief_node:
+        thief = RpcLoop(thief_node)
+        try:
+            with model.inference_session(max_length=ids.shape[1] + 6) as cache:
+                first = generate(model, ids, max_new_tokens=2, cache=cache)
+                target = cache.session.sessions[1]
+                assert target.push_from == swarm.a
+                evil = make_request(target.uid, serialize_tensors([torch.randn(2, 1, swarm.local.config.hidden_size)]),
+                                    {KEY_SESSION_ID: target.session_id, KEY_PUSHED: True, KEY_STEP_ID: "evil"})
+                with pytest.raises(P2PHandlerError, match="takes pushes from another peer only"):
+                    thief.run(call_push(thief.p2p, target.peer_id, evil, timeout=10), timeout=15)
+                refused = int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0))
+                stream = thief.run(PushStream.open(thief.p2p, target.peer_id, timeout=10), timeout=15)
+                thief.run(stream.send(evil, timeout=10), timeout=15)  # the same push on a push stream
+                assert wait_for(lambda: int(server_info(model, swarm.b)["stats"].get("refused_pushes", 0)) != refused,
+                                timeout=10, interval=0.05), "the pushed step was not refused"
+                stream.close()
+                assert generate(model, torch.tensor(first), max_new_tokens=4, cache=cache) == expected
+        finally:
+            thief.shutdown()
 
 
 def test_failover_mid_generation(swarm: Swarm) -> None:

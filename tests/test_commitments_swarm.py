@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_server
+from client_swarm import prompts, server_info
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
 
 from distconf.cli import main
 from distconf.client.commitments import read_manifest
 from distconf.dht import NoRouteError
-from distconf.tools.serving import wait_all_ready
 
 pytestmark = pytest.mark.swarm
 
@@ -45,47 +45,29 @@ def _liar_copy(model_dir: Path, target: Path) -> Path:
     return target
 
 
-class Swarm:
-    """The bootstrap DHT, the honest and the liar folders, the manifest and the three servers."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap DHT, the honest and the liar folders, the manifest and the three servers."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.servers: list[Any] = []
-        self.models: list[Any] = []
-        peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / "llama", "llama")
-        self.liar_dir = _liar_copy(self.model_dir, root / "liar")
-        self.manifest = root / "llama.manifest.json"
+    def build(self) -> None:
+        self.model_dir, self.local = self.add_model("llama")
+        self.liar_dir = _liar_copy(self.model_dir, self.root / "liar")
+        self.manifest = self.root / "llama.manifest.json"
         assert main(["manifest", str(self.model_dir), "-o", str(self.manifest), "--dtype", "fp32"]) == 0
-        self.servers = [start_server(self.model_dir, peers, "0:4", root / "honest.log"),
-                        start_server(self.liar_dir, peers, "0:4", root / "liar.log"),
-                        start_server(self.model_dir, peers, "0:4", root / "nodigests.log", "--no-block-digests")]
-        wait_all_ready(self.servers, time.monotonic() + 120)
+        self.start_server(self.model_dir, "0:4", log="honest.log")
+        self.start_server(self.liar_dir, "0:4", log="liar.log")
+        self.start_server(self.model_dir, "0:4", "--no-block-digests", log="nodigests.log")
+        self.wait_ready()
         self.h, self.l, self.n = (s.peer_id for s in self.servers)
 
-    def model(self, **kwargs: Any) -> Any:
+    def model(self, directory: Path | None = None, **kwargs: Any) -> Any:
         """A client model on this swarm."""
-        from distconf.client import AutoDistributedModelForCausalLM
+        return super().model(directory, **{**FAST, **kwargs})
 
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, dht=self.dht, **{**FAST, **kwargs})
-        self.models.append(model)
-        return model
-
-    def expected(self, ids: torch.Tensor) -> list[list[int]]:
-        with torch.no_grad():
-            return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
-                                       max_new_tokens=6).tolist()
+    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
+        return super().expected(ids, max_new_tokens=6, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("commitments"))
-    try:
-        yield s
-    finally:
-        close_swarm(s.models, s.servers, s.dht)
+swarm = swarm_fixture("commitments", None, cls=Swarm)
 
 
 def _generate(model: Any, ids: torch.Tensor) -> list[list[int]]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, prompts, server_info, start_servers
+from client_swarm import prompts, server_info
+from swarm_harness import Swarm
 
 from distconf.rpc.protocol import COMPRESSIONS
 
@@ -20,19 +21,8 @@ pytestmark = pytest.mark.swarm
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    root = tmp_path_factory.mktemp("compression")
-    dht = start_local_dht()
-    model_dir, local = make_model_dir(root / "llama", "llama")
-    servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), root,
-                            "--compression", "float16")
-    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
-    try:
-        yield model, local, servers
-    finally:
-        close_swarm([model], servers, dht)
+    with Swarm(tmp_path_factory.mktemp("compression"), "llama", ("0:2", "2:4"), ("--compression", "float16")) as s:
+        yield s.model(), s.local, s.servers
 
 
 def test_servers_announce_their_compression_in_rpc_info(swarm):

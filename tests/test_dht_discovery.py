@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import run_in_node, stand_in_config, start_plain_dht, wait_for
+from dhthelpers import run_in_node, stand_in_config, wait_for
 from hivemind.utils import get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from swarm_harness import Swarm, dht_node
 from test_dht_hostile import made_up_peer_id
 
 from distconf.dht import (
@@ -30,7 +32,6 @@ from distconf.dht import (
     find_models,
     find_servers_by_prefix,
     make_route,
-    start_local_dht,
     visible_maddrs,
 )
 from distconf.dht.discovery import RemoteSpan
@@ -46,27 +47,18 @@ def model(prefix: str = PREFIX, n: int = NUM_BLOCKS):
 
 @pytest.fixture(scope="module")
 def swarm():
-    nodes = []
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        assert all(p.startswith("/ip4/127.0.0.1/") for p in peers)
-        a, b, c = (start_local_dht(peers) for _ in range(3))
-        nodes += [a, b, c]
-        hostile = start_plain_dht(peers)
-        nodes.append(hostile)
-        client = start_local_dht(peers, client_mode=True)
-        nodes.append(client)
+    with Swarm() as s:
+        boot = s.dht
+        assert all(p.startswith("/ip4/127.0.0.1/") for p in s.peers)
+        a, b, c = (s.node() for _ in range(3))
+        hostile = s.plain_node()
+        client = s.node(client_mode=True)
         cfg = model()
         announce_blocks(a, cfg, 0, 5, ServerInfo(state=ServerState.ONLINE, throughput=10.0, public_name="a"))
         announce_blocks(b, cfg, 3, 8, ServerInfo(state=ServerState.ONLINE, throughput=5.0, public_name="b"))
         announce_blocks(c, cfg, 5, 8, ServerInfo(state=ServerState.JOINING, throughput=50.0, public_name="c"))
         yield SimpleNamespace(boot=boot, a=a, b=b, c=c, hostile=hostile, client=client, cfg=cfg,
                               ids={n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)})
-    finally:
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def test_round_trip_with_overlapping_spans(swarm):
@@ -138,8 +130,7 @@ def test_hostile_garbage_is_skipped_and_honest_peers_still_found(swarm, caplog):
 
 def test_expiry_removes_a_silent_peer(swarm):
     cfg = model("expiry-test", 2)
-    silent = start_local_dht(visible_maddrs(swarm.boot))
-    try:
+    with dht_node(visible_maddrs(swarm.boot)) as silent:
         silent_id = silent.peer_id.to_base58()
         announce_blocks(silent, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0), expiration=2.0)
         seen = wait_for(lambda: silent_id in find_block_servers(swarm.client, cfg).peers, timeout=10)
@@ -149,15 +140,12 @@ def test_expiry_removes_a_silent_peer(swarm):
         assert gone
         with pytest.raises(NoRouteError, match="block 0"):
             make_route(find_block_servers(swarm.client, cfg))
-    finally:
-        silent.shutdown()
 
 
 def test_offline_supersedes_a_long_lived_online_record(swarm):
     # hivemind keeps the value that expires last: the OFFLINE record must outlive the ONLINE one.
     cfg = model("offline-test", 2)
-    node = start_local_dht(visible_maddrs(swarm.boot))
-    try:
+    with dht_node(visible_maddrs(swarm.boot)) as node:
         announcer = BlockAnnouncer(node, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0),
                                    update_period=30.0, expiration=60.0)
         announcer.start()
@@ -165,8 +153,6 @@ def test_offline_supersedes_a_long_lived_online_record(swarm):
         announcer.stop(offline=True)
         state = find_block_servers(swarm.client, cfg)  # one read, no polling: the store has completed
         assert [span.state for span in state.spans] == [ServerState.OFFLINE]
-    finally:
-        node.shutdown()
 
 
 async def _stall(_dht, _node, seconds: float) -> bool:
@@ -177,26 +163,25 @@ async def _stall(_dht, _node, seconds: float) -> bool:
 def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog):
     """A refresh waiting on a stalled DHT once held the announcer's lock, so `stop` waited it out (30 s)."""
     cfg = model("stuck-refresh-test", 2)
-    node = start_local_dht(visible_maddrs(swarm.boot))
-    try:
+    with dht_node(visible_maddrs(swarm.boot)) as node:
         announcer = BlockAnnouncer(node, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0),
                                    update_period=0.2, expiration=60.0)
         announcer.start()
-        stall = node.run_coroutine(partial(_stall, seconds=20.0), return_future=True)
-        time.sleep(1.0)  # a refresh has started and waits on the stalled node
+        refreshing = threading.Event()
+        announce = announcer.announce
+        announcer.announce = lambda *a, **k: refreshing.set() or announce(*a, **k)  # the refresh thread's call
+        stall = node.run_coroutine(partial(_stall, seconds=10.0), return_future=True)
+        assert wait_for(refreshing.is_set, timeout=10, interval=0.02)  # a refresh has started: it waits on the node
         with caplog.at_level(logging.WARNING, logger="distconf.dht.announce"):
             announcer.stop(offline=True, timeout=2.0)
         assert not stall.done(), "stop waited for the stalled node"
         assert "announcing OFFLINE failed" in caplog.text  # said, not hidden
         assert stall.result(timeout=30)
-    finally:
-        node.shutdown()
 
 
 def test_announcer_refreshes_and_goes_offline(swarm):
     cfg = model("announcer-test", 3)
-    node = start_local_dht(visible_maddrs(swarm.boot))
-    try:
+    with dht_node(visible_maddrs(swarm.boot)) as node:
         peer = node.peer_id.to_base58()
         announcer = BlockAnnouncer(node, cfg, 0, 3, ServerInfo(state=ServerState.JOINING, throughput=2.0),
                                    update_period=0.5, expiration=3.0)
@@ -216,8 +201,6 @@ def test_announcer_refreshes_and_goes_offline(swarm):
         assert state, "the OFFLINE announcement never arrived"
         with pytest.raises(NoRouteError, match="no online or joining server covers block 0"):
             make_route(state)
-    finally:
-        node.shutdown()
 
 
 def test_route_over_the_live_swarm(swarm):

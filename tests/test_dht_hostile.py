@@ -18,8 +18,9 @@ from types import SimpleNamespace
 
 import base58
 import pytest
-from dhthelpers import run_in_node, stand_in_config, start_plain_dht, wait_for
+from dhthelpers import run_in_node, stand_in_config, wait_for
 from hivemind.utils import get_dht_time
+from swarm_harness import Swarm
 
 from distconf.dht import (
     NoRouteError,
@@ -29,7 +30,6 @@ from distconf.dht import (
     find_block_servers,
     make_route,
     start_local_dht,
-    visible_maddrs,
 )
 
 PREFIX = "hostile-test-hf"
@@ -88,26 +88,17 @@ def deep_tuple(levels: int):
 
 @pytest.fixture(scope="module")
 def swarm():
-    nodes = []
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        a, b = start_local_dht(peers), start_local_dht(peers)
-        nodes += [a, b]
-        petals, attacker = start_plain_dht(peers), start_plain_dht(peers)
-        nodes += [petals, attacker]
-        client = start_local_dht(peers, client_mode=True)
-        nodes.append(client)
+    with Swarm() as s:
+        boot, peers = s.dht, s.peers
+        a, b = s.node(), s.node()
+        petals, attacker = s.plain_node(), s.plain_node()
+        client = s.node(client_mode=True)
         cfg = model()
         announce_blocks(a, cfg, 0, 5, ServerInfo(state=ServerState.ONLINE, throughput=10.0), expiration=TTL)
         announce_blocks(b, cfg, 3, 8, ServerInfo(state=ServerState.ONLINE, throughput=5.0), expiration=TTL)
         yield SimpleNamespace(boot=boot, a=a, b=b, petals=petals, attacker=attacker, client=client, cfg=cfg,
                               peers=peers, ids={"a": a.peer_id.to_base58(), "b": b.peer_id.to_base58()},
                               attacker_id=attacker.peer_id.to_base58())
-    finally:
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def honest_blocks(state, ids):

@@ -8,11 +8,11 @@ client. Every wait is bounded.
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import start_plain_dht
+from dhthelpers import wait_until
+from swarm_harness import Swarm
 from test_dht_hostile import local_subkeys, store_raw
 
 from distconf.dht import (
@@ -21,8 +21,6 @@ from distconf.dht import (
     announce_blocks,
     find_block_servers,
     find_models,
-    start_local_dht,
-    visible_maddrs,
 )
 
 PREFIX = "signed-test-hf"
@@ -32,26 +30,17 @@ TTL = 600.0
 
 @pytest.fixture(scope="module")
 def swarm():
-    nodes = []
-    try:
-        boot = start_local_dht(signed_records=True)
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        server = start_local_dht(peers, signed_records=True)
-        attacker = start_local_dht(peers, signed_records=True)
-        nodes += [server, attacker]
-        plain = start_plain_dht(peers)
-        nodes.append(plain)
-        client = start_local_dht(peers, signed_records=True, client_mode=True)
-        nodes.append(client)
+    with Swarm(dht_kwargs={"signed_records": True}) as s:
+        boot = s.dht
+        server = s.node(signed_records=True)
+        attacker = s.node(signed_records=True)
+        plain = s.plain_node()
+        client = s.node(signed_records=True, client_mode=True)
         cfg = SimpleNamespace(dht_prefix=PREFIX, num_hidden_layers=NUM_BLOCKS, update_period=30.0)
         announce_blocks(server, cfg, 0, NUM_BLOCKS, ServerInfo(state=ServerState.ONLINE, throughput=7.0),
                         expiration=TTL)
         yield SimpleNamespace(boot=boot, server=server, attacker=attacker, plain=plain, client=client, cfg=cfg,
                               server_id=server.peer_id.to_base58())
-    finally:
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def test_signed_records_round_trip(swarm):
@@ -91,12 +80,8 @@ def test_only_the_owner_can_write_its_records(swarm):
     # and the owner's own refresh still goes through (nothing outlives it under its subkey)
     announce_blocks(swarm.server, swarm.cfg, 0, NUM_BLOCKS, ServerInfo(state=ServerState.ONLINE, throughput=9.0),
                     expiration=TTL)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        spans = find_block_servers(swarm.client, swarm.cfg, timeout=20).spans
-        if spans and spans[0].throughput == 9.0:
-            break
-        time.sleep(0.25)
+    spans = wait_until(lambda: find_block_servers(swarm.client, swarm.cfg, timeout=20).spans,
+                       lambda spans: spans and spans[0].throughput == 9.0)
     assert [(s.peer_id, s.throughput) for s in spans] == [(victim, 9.0)]
 
 

@@ -13,11 +13,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import stand_in_config, start_plain_dht, wait_for
+from dhthelpers import stand_in_config, wait_for
+from swarm_harness import Swarm
 from test_dht_hostile import deep_tuple, local_subkeys, made_up_peer_id, store_raw
 
 from distconf.client.verify_events import VerificationEvent
-from distconf.dht import ServerInfo, ServerState, announce_blocks, find_block_servers, start_local_dht, visible_maddrs
+from distconf.dht import ServerInfo, ServerState, announce_blocks, find_block_servers
 from distconf.dht.report_records import MAX_CAUGHT, ClientReport, report_problem
 from distconf.dht.reports import ReportPublisher, read_reports
 from distconf.loader.naming import block_uid, reports_key
@@ -45,25 +46,16 @@ def entry(**over) -> dict:
 
 @pytest.fixture(scope="module")
 def swarm():
-    nodes = []
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        server = start_local_dht(peers)
-        nodes.append(server)
-        petals, attacker = start_plain_dht(peers), start_plain_dht(peers)
-        nodes += [petals, attacker]
-        client, reader = start_local_dht(peers, client_mode=True), start_local_dht(peers, client_mode=True)
-        nodes += [client, reader]
+    with Swarm() as s:
+        boot = s.dht
+        server = s.node()
+        petals, attacker = s.plain_node(), s.plain_node()
+        client, reader = s.node(client_mode=True), s.node(client_mode=True)
         cfg = stand_in_config(PREFIX, NUM_BLOCKS)
         announce_blocks(server, cfg, 0, NUM_BLOCKS, ServerInfo(state=ServerState.ONLINE, throughput=3.0),
                         expiration=TTL)
         yield SimpleNamespace(boot=boot, server=server, petals=petals, attacker=attacker, client=client,
                               reader=reader, cfg=cfg, client_id=client.peer_id.to_base58())
-    finally:
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def test_the_reports_key_is_never_a_block_uid():

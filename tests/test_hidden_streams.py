@@ -113,7 +113,6 @@ def test_prompt_tuning_is_refused_in_one_line(drafted: Path) -> None:
 @pytest.mark.swarm
 def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from client_swarm import close_swarm
     from span_swarm import SpanSwarm, assert_failover_keeps_the_tokens, assert_generation_equals_local
 
     from distconf.loader.search import FAMILIES_PATH_ENV
@@ -122,11 +121,8 @@ def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_pa
     per_layer = {"layer_types": ["indexed_attention"] * 4, "indexer_types": ["full", "shared", "full", "shared"],
                  "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}
 
-    swarm = SpanSwarm(tmp_path, FAMILY, layers=4, **per_layer)
-    try:
+    with SpanSwarm(tmp_path, FAMILY, layers=4, **per_layer) as swarm:
         model = swarm.model()
         assert model.remote_layers.streams == 2
         assert_generation_equals_local(model, swarm.local, swarm.servers, seeds=(1,))
         assert_failover_keeps_the_tokens(swarm)  # the server of blocks 2..3 is killed: its history is replayed
-    finally:
-        close_swarm(swarm.models, swarm.servers, swarm.dht)

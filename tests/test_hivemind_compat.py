@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import base58
 import pytest
-from dhthelpers import run_in_node, start_plain_dht
+from dhthelpers import run_in_node
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.p2p import PeerID
@@ -27,10 +27,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import ValueWithExpiration
 from packaging.specifiers import SpecifierSet
+from swarm_harness import Swarm
 
 from distconf.dht import hivemind_compat as compat
 from distconf.dht import hivemind_rpc_compat as rpc_compat
-from distconf.dht import start_local_dht, visible_maddrs
 from distconf.dht.wire import TUPLE_EXT_CODE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,16 +189,8 @@ async def _patch_marks(_dht, _node):
 
 @pytest.fixture(scope="module")
 def nodes():
-    started = []
-    try:
-        local = start_local_dht()
-        started.append(local)
-        plain = start_plain_dht(visible_maddrs(local))
-        started.append(plain)
-        yield SimpleNamespace(local=local, plain=plain)
-    finally:
-        for node in reversed(started):
-            node.shutdown()
+    with Swarm() as s:
+        yield SimpleNamespace(local=s.dht, plain=s.plain_node())
 
 
 def test_dictionary_filter_drops_records_and_keeps_the_rest(nodes):

@@ -12,7 +12,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import safetensors
 import safetensors.torch
 import torch
 from blockhelpers import family_config, hf_layer, hf_model, save_checkpoint
+from dhthelpers import wait_for
 from safetensors.torch import save_file
 
 from distconf.blocks.weights import BlockWeightsError, checkpoint_files, load_block, load_block_weights
@@ -311,16 +311,16 @@ class _FifoProbe:
         self._thread.start()
 
     def _run(self) -> None:
-        deadline = time.monotonic() + 60
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:  # ENXIO: nobody reads
-                time.sleep(0.01)
-                continue
-            self.reader_seen = True
-            os.close(fd)  # the reader sees end of file instead of hanging
-            return
+        wait_for(lambda: self._stop.is_set() or self._try_open(), timeout=60, interval=0.01)
+
+    def _try_open(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: nobody reads
+            return False
+        self.reader_seen = True
+        os.close(fd)  # the reader sees end of file instead of hanging
+        return True
 
     def stop(self) -> bool:
         self._stop.set()

@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from client_swarm import START_DEADLINE, make_model_dir
+from dhthelpers import wait_for_async
 from hostile_helpers import start_honest, start_hostile
+from swarm_harness import Swarm
 
 from distconf.client.verify_compare import DEFAULT_TOLERANCES, update_difference
-from distconf.tools.serving import ServerProcess, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 
@@ -35,24 +36,25 @@ class Harness:
     """The bootstrap DHT, the model folder, the honest server and the three liars, an RPC loop."""
 
     def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
         from distconf.rpc import RpcLoop
 
         self.root = root
-        self.dht = start_local_dht()
-        peers = visible_maddrs(self.dht)
-        self.model_dir, _ = make_model_dir(root / "llama", "llama")
-        from distconf.loader.auto import AutoDistributedConfig
-
-        self.config = AutoDistributedConfig.from_pretrained(str(self.model_dir))
-        span = f"{BLOCKS[0]}:{BLOCKS[1]}"
-        self.servers: dict[str, ServerProcess] = {"honest": start_honest(self.model_dir, peers, span,
-                                                                         root / "honest.log")}
-        for mode in ("noise", "identity", "stale"):
-            self.servers[mode] = start_hostile(mode, self.model_dir, peers, span, root / f"{mode}.log",
-                                               every=EVERY if mode == "stale" else None)
-        wait_all_ready(list(self.servers.values()), time.monotonic() + START_DEADLINE)
-        self.loop = RpcLoop(self.dht)
+        self.swarm = Swarm(root, "llama")  # owns the node and the servers
+        try:
+            self.dht, peers = self.swarm.dht, self.swarm.peers
+            self.model_dir, self.config = self.swarm.model_dir, self.swarm.config
+            span = f"{BLOCKS[0]}:{BLOCKS[1]}"
+            self.servers: dict[str, ServerProcess] = {
+                "honest": self.swarm.add_server(start_honest(self.model_dir, peers, span, root / "honest.log"))}
+            for mode in ("noise", "identity", "stale"):
+                self.servers[mode] = self.swarm.add_server(start_hostile(
+                    mode, self.model_dir, peers, span, root / f"{mode}.log", every=EVERY if mode == "stale" else None))
+            self.swarm.wait_ready()
+            self.loop = RpcLoop(self.dht)
+            self.swarm.on_close(self.loop.shutdown)
+        except BaseException:
+            self.swarm.close()
+            raise
 
     @property
     def uid(self) -> str:
@@ -71,9 +73,7 @@ class Harness:
         return torch.randn(batch, length, self.config.hidden_size, generator=g)
 
     def close(self) -> None:
-        self.loop.shutdown()
-        stop_all(list(self.servers.values()))
-        self.dht.shutdown()
+        self.swarm.close()
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,10 @@ def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
     sessions = [session_steps(harness, seed=10 + s, decode=9) for s in range(4)]
     before = {name: batched_rows(harness, name) for name in harness.servers}
 
+    async def forwards_started(peer: str) -> int:
+        """Forwards (and backwards) the server's compute thread has started running."""
+        return int((await call_info(harness.loop.p2p, peer, timeout=10))["stats"].get("training", 0))
+
     async def all_sessions(peer: str, busy: torch.Tensor) -> list[list[torch.Tensor]]:
         opened, go = asyncio.Barrier(len(sessions) + 1), asyncio.Event()
 
@@ -189,8 +193,13 @@ def test_concurrent_sessions_lie_in_batches(harness: Harness) -> None:
 
         runs = asyncio.gather(*(session_outputs(harness, peer, steps, when_busy) for steps in sessions))
         await asyncio.wait_for(opened.wait(), timeout=30)  # every stream is open
+        started = await forwards_started(peer)
         forward = asyncio.ensure_future(call_forward(harness.loop.p2p, peer, harness.uid, busy, timeout=60))
-        await asyncio.sleep(0.05)  # the forward reaches the server first
+
+        async def forward_computing() -> bool:  # the forward reached the server first: its compute thread is busy
+            return forward.done() or await forwards_started(peer) > started
+
+        await wait_for_async(forward_computing, timeout=10, interval=0.01)
         go.set()
         outputs = await runs
         await forward

@@ -20,19 +20,21 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import psutil
 import pytest
 import torch
-from client_swarm import REPO, START_DEADLINE, make_model_dir, start_server
+from client_swarm import REPO, START_DEADLINE, start_server
+from dhthelpers import wait_until
 from hostile_client import HostileClient, Victim, raw_request
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
 
 from distconf.dht import ServerState
 from distconf.dht.wire import TUPLE_EXT_CODE
-from distconf.tools.serving import ServerProcess, stop_all
+from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 
@@ -89,39 +91,23 @@ DEEP = {
 
 
 # ----------------------------------------------------------------------------- the swarm
-class Swarm:
-    """The bootstrap DHT, a tiny 2-block model, the victim server and the hostile client."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap DHT, a tiny 2-block model, the victim server and the hostile client."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-        from distconf.loader.auto import AutoDistributedConfig
+    def build(self) -> None:
         from distconf.rpc import chain_uid
 
-        self.root = root
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / "llama", "llama", layers=2)
-        self.config = AutoDistributedConfig.from_pretrained(str(self.model_dir))
+        self.model_dir, self.local = self.add_model("llama", layers=2)
         self.uid = chain_uid(self.config.dht_prefix, 0, 2)
-        self.server = start_server(self.model_dir, self.peers, "0:2", root / "victim.log")
-        self.server.wait_ready(time.monotonic() + START_DEADLINE)
+        self.server = self.start_server(self.model_dir, "0:2", log="victim.log")
+        self.wait_ready()
         self.client = HostileClient(self.dht)
+        self.on_close(self.client.shutdown)
         self.victim = Victim(self.server, self.client, self.uid, self.config.hidden_size)
         self.baseline_rss = self.victim.rss_mib()
 
-    def close(self) -> None:
-        self.client.shutdown()
-        stop_all([self.server])
-        self.dht.shutdown()
 
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("crash"))
-    try:
-        yield s
-    finally:
-        s.close()
+swarm = swarm_fixture("crash", None, cls=Swarm)
 
 
 def check_victim(swarm: Swarm, mark: int) -> None:
@@ -272,12 +258,9 @@ def children_left(pid: int, sig: int, proc: subprocess.Popen) -> tuple[list[str]
     os.kill(pid, sig)
     proc.wait(60)
     assert proc.returncode == -sig
-    deadline = time.monotonic() + CHILDREN_LIMIT
-    while True:
-        left = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-        if not left or time.monotonic() > deadline:
-            return names, [f"{c.pid} {c.name()}" for c in left]
-        time.sleep(0.2)
+    left = wait_until(lambda: [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
+                      lambda left: not left, CHILDREN_LIMIT, 0.1)
+    return names, [f"{c.pid} {c.name()}" for c in left]
 
 
 def reap(names: list[str]) -> None:
@@ -308,13 +291,11 @@ def announced_states(swarm: Swarm, peer_id: str, limit: float = CHILDREN_LIMIT) 
     """The states ``peer_id``'s records say, once they all say OFFLINE or ``limit`` seconds from now."""
     from distconf.dht import find_servers_by_prefix
 
-    deadline = time.monotonic() + limit
-    while True:
+    def states() -> set[Any]:
         found = find_servers_by_prefix(swarm.dht, swarm.config.dht_prefix, 2, timeout=10)
-        states = {span.state for span in found.spans if span.peer_id == peer_id}
-        if states == {ServerState.OFFLINE} or time.monotonic() > deadline:
-            return states
-        time.sleep(0.5)
+        return {span.state for span in found.spans if span.peer_id == peer_id}
+
+    return wait_until(states, lambda s: s == {ServerState.OFFLINE}, limit, 0.25)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])

@@ -20,9 +20,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from dhthelpers import wait_for
+from dhthelpers import wait_for, wait_for_async
 from handlerhelpers import PREFIX, Caller, make_handler, output, step, tiny_served
 from hivemind.proto import runtime_pb2
+from swarm_harness import Swarm as HarnessSwarm
 
 from distconf.rpc import chain_uid, inference_step_request
 from distconf.rpc.protocol import (
@@ -160,10 +161,7 @@ def test_a_forward_past_its_deadline_is_refused_in_one_line_and_never_computed(
             release.wait(30)
 
         busy = asyncio.ensure_future(handler.compute.run(hold))  # the compute thread is taken
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(started.is_set, timeout=10, interval=0.01)
         try:
             with pytest.raises(RequestError, match=r"rpc_forward exceeded request_timeout=0\.2 s"):
                 await handler.rpc_forward(forward_request(hidden_of(4)), peer(CLIENT))
@@ -391,35 +389,29 @@ SERVE_FLAGS = ("--step-timeout", "4", "--request-timeout", "6", "--attn-cache-to
                "--inference-max-length", str(MAX_LENGTH), "--max-alloc-timeout", "2", "--balance-quality", "0")
 
 
-class Swarm:
+class Swarm(HarnessSwarm):
     """A victim ``distconf serve`` (tiny model, blocks 0:2) and three peers: its honest client, an honest
     upstream server stand-in and a thief, each with a DHT node (a peer id) of its own."""
 
-    def __init__(self, root: Any) -> None:
-        from client_swarm import make_model_dir, start_server
+    def build(self) -> None:
         from hostile_client import HostileClient, Victim
 
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.nodes = [start_local_dht()]
-        peers = visible_maddrs(self.nodes[0])
-        self.nodes += [start_local_dht(peers) for _ in range(2)]
-        model_dir, _ = make_model_dir(root / "model", "llama", layers=2)
-        self.server = start_server(model_dir, peers, "0:2", root / "victim.log", *SERVE_FLAGS)
+        nodes = [self.dht, self.node(), self.node()]
+        model_dir, _ = self.add_model("llama", "model", layers=2)
+        self.server = self.start_server(model_dir, "0:2", *SERVE_FLAGS, log="victim.log")
         record = self.server.wait_ready(time_limit())
-        self.client, self.upstream, self.thief = (HostileClient(node) for node in self.nodes)
+        self.client, self.upstream, self.thief = (HostileClient(node) for node in nodes)
+        for client in (self.thief, self.upstream, self.client):
+            self.on_close(client.shutdown)
         self.prefix = record["dht_prefix"]
         self.uid = chain_uid(self.prefix, 0, 2)
         hidden = int(self.client.info(self.server.peer_id)["hidden_size"])
         self.victim = Victim(self.server, self.client, self.uid, hidden)
 
-    def close(self) -> None:
-        for client in (self.client, self.upstream, self.thief):
-            client.shutdown()
-        code = self.server.stop()
-        for node in self.nodes:
-            node.shutdown()
-        assert code == 0, self.server.log_tail()
+    def close(self) -> list[int]:
+        codes = super().close()
+        assert codes == [0], self.server.log_tail()
+        return codes
 
     def check(self, mark: int, *, max_lines: int = 12) -> None:
         """The victim after a case: alive, honest callers unaffected, budget full, no traceback, no flood."""

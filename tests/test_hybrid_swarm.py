@@ -12,13 +12,11 @@ a position other than 0 or the current one is refused with the precise message.
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from client_swarm import close_swarm
-from span_swarm import SpanSwarm, assert_failover_keeps_the_tokens, assert_generation_equals_local
+from span_swarm import SPANS, assert_failover_keeps_the_tokens, assert_generation_equals_local
+from swarm_harness import Swarm, swarm_fixture
 
 pytestmark = pytest.mark.swarm
 
@@ -26,20 +24,7 @@ FAMILY = "granitemoehybrid"
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-class Swarm(SpanSwarm):
-    """The swarm of this module's family."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, FAMILY, layers=4, layer_types=LAYER_TYPES)
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("hybrid-swarm"))
-    try:
-        yield s
-    finally:
-        close_swarm(s.models, s.servers, s.dht)
+swarm = swarm_fixture("hybrid-swarm", FAMILY, SPANS, layers=4, layer_types=LAYER_TYPES)
 
 
 def test_every_span_has_both_layer_kinds(swarm: Swarm) -> None:

@@ -138,7 +138,6 @@ def test_a_reusing_block_caches_the_stored_kv(drafted: Path) -> None:
 @pytest.mark.swarm
 def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from client_swarm import close_swarm
     from span_swarm import SpanSwarm, assert_failover_keeps_the_tokens, assert_generation_equals_local
 
     from distconf.loader.search import FAMILIES_PATH_ENV
@@ -148,14 +147,11 @@ def test_generation_through_servers_equals_the_local_model(drafted: Path, tmp_pa
                  "activation_sparsity_pattern": [0.0] * 4, "num_kv_shared_layers": 2}
 
     # layers 0 and 1 store (one server), 2 and 3 reuse (the other): the K/V crosses servers on the wire
-    swarm = SpanSwarm(tmp_path, FAMILY, layers=4, **per_layer)
-    try:
+    with SpanSwarm(tmp_path, FAMILY, layers=4, **per_layer) as swarm:
         model = swarm.model()
         assert (model.remote_layers.streams, model.remote_layers.stream_axis) == (4, 0)
         assert_generation_equals_local(model, swarm.local, swarm.servers, seeds=(1,))
         assert_failover_keeps_the_tokens(swarm)  # the server of blocks 2..3 is killed: its history is replayed
-    finally:
-        close_swarm(swarm.models, swarm.servers, swarm.dht)
 
 
 def test_gemma4_shares_kv_of_two_geometries(tmp_path: Path) -> None:

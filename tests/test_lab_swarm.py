@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dhthelpers import wait_for
 from lab_swarm import group_pid, lab_address, namespace_pids, open_lab, ready, run_client, server_env, start_server
 from real_helpers import open_real_source
 
@@ -180,8 +181,7 @@ def test_a_server_whose_peers_vanished_stops_within_10_s_and_leaves_nothing(swar
     start = time.monotonic()
     os.killpg(group_pid(survivor), signal.SIGTERM)
     survivor.proc.wait(30)
-    while namespace_pids(host) and time.monotonic() - start < 15:
-        time.sleep(0.2)
+    wait_for(lambda: not namespace_pids(host), timeout=15 - (time.monotonic() - start), interval=0.05)
     elapsed = time.monotonic() - start
     assert survivor.proc.returncode == 0
     assert namespace_pids(host) == [] and elapsed <= 10, (elapsed, namespace_pids(host))

@@ -19,8 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from dhthelpers import stand_in_config, start_plain_dht
+from dhthelpers import stand_in_config
 from dhthelpers import wait_for as _wait_for
+from swarm_harness import Swarm, dht_node
 from test_dht_hostile import made_up_peer_id, store_raw
 
 from distconf.cli import cmd_monitor
@@ -32,8 +33,6 @@ from distconf.dht import (
     SwarmState,
     announce_blocks,
     find_block_servers,
-    start_local_dht,
-    visible_maddrs,
 )
 from distconf.dht.discovery import merge_spans
 from distconf.dht.reports import ReportPublisher
@@ -86,17 +85,10 @@ def start_monitor(client, refresh: float = REFRESH, extra: dict | None = None):
 
 @pytest.fixture(scope="module")
 def swarm():
-    nodes, running = [], None
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        a, b, c = (start_local_dht(peers) for _ in range(3))
-        nodes += [a, b, c]
-        attacker = start_plain_dht(peers)
-        nodes.append(attacker)
-        client = start_local_dht(peers, client_mode=True)
-        nodes.append(client)
+    with Swarm() as s:
+        a, b, c = (s.node() for _ in range(3))
+        attacker = s.plain_node()
+        client = s.node(client_mode=True)
         cfg = model()
         announce_blocks(a, cfg, 0, 5, ServerInfo(state=ServerState.ONLINE, throughput=10.0, public_name=HOSTILE_NAME,
                                                  cache_tokens_left=4096, torch_dtype="bfloat16",
@@ -110,14 +102,10 @@ def swarm():
                              ("_petals.models", "bad listing", {"num_blocks": -3}, 600),
                              ("_petals.models", "evil-model-hf", {"num_blocks": "many"}, 600)])
         monitor, running = start_monitor(client)
+        s.on_close(running.stop)
         ids = {n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)}
         yield SimpleNamespace(a=a, b=b, c=c, client=client, cfg=cfg, url=running.url, monitor=monitor,
                               attacker=attacker, ids=ids)
-    finally:
-        if running is not None:
-            running.stop()
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 BAD_BLOCK_RECORDS = 2
@@ -354,15 +342,12 @@ def test_a_preset_given_as_model_gets_its_figures_before_any_listing_names_it():
     prefix, count, preset = cmd_monitor.parse_model(repo)
     assert (prefix, count, preset) == (config.dht_prefix, 40, repo)
     assert cmd_monitor.parse_model("some-prefix:4") == ("some-prefix", 4, None)
-    dht = start_local_dht()
-    try:
+    with dht_node() as dht:
         listing = read_listing(dht, {prefix: count}, max_models=8, timeout=10.0, repositories={prefix: preset})
         (wanted,) = listing.models
         assert (wanted.repository, wanted.listed) == (repo, False)
         shown = read_model(dht, wanted, timeout=10.0)
         assert (shown.kv_bytes_per_token, shown.state_bytes_per_sequence) == (2048, 1_599_488)
-    finally:
-        dht.shutdown()
 
 
 @pytest.mark.slow  # a few seconds: kept out of make test-fast

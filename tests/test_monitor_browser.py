@@ -21,14 +21,16 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
 from dhthelpers import wait_for
+from swarm_harness import Swarm
 from test_monitor import HOSTILE_NAME, model, start_monitor
 
 from distconf.client.verify_events import VerificationEvent
-from distconf.dht import BlockAnnouncer, ServerInfo, ServerState, start_local_dht, visible_maddrs
+from distconf.dht import BlockAnnouncer, ServerInfo, ServerState
 from distconf.dht.reports import ReportPublisher
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -144,30 +146,21 @@ def browser(tmp_path):
 @pytest.fixture
 def small_swarm():
     """``(url, announcers, client node, server nodes)``: two servers (blocks 0..7, 6..11), the monitor served."""
-    nodes, announcers, running = [], [], None
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        a, b = start_local_dht(peers), start_local_dht(peers)
-        client = start_local_dht(peers, client_mode=True)
-        nodes += [a, b, client]
+    announcers = []
+    with Swarm() as s:
+        a, b = s.node(), s.node()
+        client = s.node(client_mode=True)
         cfg = model(PREFIX, 12)
         for dht, span, rps, name, relayed in ((a, (0, 8), 12.5, HOSTILE_NAME, False), (b, (6, 12), 7.0, "beta", True)):
             announcer = BlockAnnouncer(dht, cfg, *span, ServerInfo(
                 state=ServerState.ONLINE, throughput=rps, public_name=name, cache_tokens_left=65536,
                 torch_dtype="bfloat16", version="2.3.0", using_relay=relayed), update_period=30.0)
+            s.on_close(partial(announcer.stop, offline=False))
             announcer.start()
             announcers.append(announcer)
         running = start_monitor(client)[1]
+        s.on_close(running.stop)
         yield running.url, announcers, client, (a, b)
-    finally:
-        if running is not None:
-            running.stop()
-        for announcer in announcers:
-            announcer.stop(offline=False)
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def artifacts_dir(tmp_path: Path) -> Path:

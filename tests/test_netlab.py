@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from dhthelpers import wait_for
 
 from distconf.tools.netlab import Lab, LabUnavailable
 from distconf.tools.netlab.system import PREFIX, lab_namespaces, sweep_stale
@@ -150,9 +150,12 @@ def test_a_killed_labs_namespaces_are_swept_by_the_next(lab):
         child.stdout.close()
     left = _namespaces_of(child.pid)
     assert left  # SIGKILL leaves them
-    deadline = time.monotonic() + 10
-    while _namespaces_of(child.pid) and time.monotonic() < deadline:
+
+    def swept() -> bool:
         sweep_stale()  # what every new Lab() does first
+        return not _namespaces_of(child.pid)
+
+    wait_for(swept, timeout=10, interval=0.05)
     assert _namespaces_of(child.pid) == []
 
 

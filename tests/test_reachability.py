@@ -7,8 +7,9 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import dht_pb2
+from swarm_harness import dht_node
 
-from distconf.dht import start_local_dht, visible_maddrs
+from distconf.dht import visible_maddrs
 from distconf.dht.reachability import ReachabilityService, check_direct_reachability
 from distconf.rpc.calls import BackgroundLoop, RpcLoop
 
@@ -18,16 +19,15 @@ pytestmark = pytest.mark.swarm
 @pytest.fixture(scope="module")
 def helper():
     """A DHT node answering Petals' rpc_check (as every directly reachable server does)."""
-    dht = start_local_dht()
-    rpc = RpcLoop(dht)
-    service = ReachabilityService(rpc.p2p)
-    rpc.run(service.start(), timeout=30)
-    try:
-        yield visible_maddrs(dht)[0], rpc
-    finally:
-        rpc.run(service.stop(), timeout=10)
-        rpc.shutdown()
-        dht.shutdown()
+    with dht_node() as dht:
+        rpc = RpcLoop(dht)
+        service = ReachabilityService(rpc.p2p)
+        rpc.run(service.start(), timeout=30)
+        try:
+            yield visible_maddrs(dht)[0], rpc
+        finally:
+            rpc.run(service.stop(), timeout=10)
+            rpc.shutdown()
 
 
 class ReachabilityProtocol(ServicerBase):
@@ -83,8 +83,7 @@ def test_petals_stub_gets_the_same_answers(helper):
 
 def test_a_peer_may_not_make_a_server_dial_someone_else(helper):
     maddr, _ = helper
-    other = start_local_dht()
-    try:
+    with dht_node() as other:
         third = PeerID.from_base58(visible_maddrs(other)[0].rsplit("/", 1)[1])
 
         async def ask() -> bool:
@@ -99,8 +98,6 @@ def test_a_peer_may_not_make_a_server_dial_someone_else(helper):
                 await p2p.shutdown()
 
         assert run(ask()) is False
-    finally:
-        other.shutdown()
 
 
 def test_a_petals_peer_without_distconfs_handlers_is_asked_petals_question():

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from real_helpers import QUALITY, open_real_source, real_cache_dir
+from swarm_harness import Swarm
 
 from distconf.blocks.quant import petals_quant_type
 from distconf.sources import ModelSource
@@ -79,14 +80,8 @@ def folder(source: ModelSource, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="module")
 def bootstrap() -> Any:
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    dht = start_local_dht()
-    try:
-        yield dht, visible_maddrs(dht)
-    finally:
-        release_dht(dht)
+    with Swarm() as s:
+        yield s.dht, s.peers
 
 
 @pytest.fixture(scope="module")

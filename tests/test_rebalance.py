@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from dhthelpers import wait_until
 
 from distconf.dht.records import ServerInfo, ServerState
 from distconf.server.rebalance import decide_rebalance, swarm_spans
@@ -119,12 +120,10 @@ def _layout(dht: Any, config: Any) -> dict[str, tuple[int, int, ServerState]]:
 
 
 def _wait_layout(dht: Any, config: Any, ok: Any, deadline: float, what: str) -> dict[str, Any]:
-    layout: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        layout = _layout(dht, config)
-        if ok(layout):
-            return layout
-        time.sleep(0.5)
+    layout = wait_until(lambda: _layout(dht, config), ok, timeout=max(0.0, deadline - time.monotonic()),
+                        interval=0.25)
+    if ok(layout):
+        return layout
     raise TimeoutError(f"{what}: not within the deadline; last layout {layout}")
 
 
@@ -135,31 +134,18 @@ def _covers(layout: dict[str, Any], num_blocks: int, peers: set[str]) -> bool:
 
 @pytest.mark.swarm
 def test_swarm_heals_a_hole(tmp_path: Path) -> None:
-    from client_swarm import REPO, make_model_dir, prompts
+    from client_swarm import prompts
+    from swarm_harness import Swarm
 
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-    from distconf.loader.auto import AutoDistributedConfig
-    from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
-
-    dht = start_local_dht()
-    servers: list[Any] = []
-    model = None
-    try:
-        model_dir, local = make_model_dir(tmp_path / "llama", "llama", layers=4)
-        config = AutoDistributedConfig.from_pretrained(str(model_dir))
-        peers = visible_maddrs(dht)
+    with Swarm(tmp_path, "llama", layers=4) as swarm:
+        model_dir, local, config, dht = swarm.model_dir, swarm.local, swarm.config, swarm.dht
         # one after the other, placed by the swarm (--num-blocks: a span given with --blocks never moves)
         for i in range(3):
-            cmd = serve_command(model_dir, "--initial-peers", *peers, "--num-blocks", "2", "--dtype", "fp32",
-                                "--host", "127.0.0.1", "--balance-quality", "0.75",
-                                "--mean-balance-check-period", str(CHECK_PERIOD))
-            server = ServerProcess(cmd, tmp_path / f"server-{i}.log", name=f"server-{i}",
-                                   env={"PYTHONPATH": str(REPO)})
-            servers.append(server)
-            wait_all_ready([server], time.monotonic() + 120)
-        by_peer = {s.peer_id: s for s in servers}
+            server = swarm.start_server(model_dir, None, "--num-blocks", "2", "--balance-quality", "0.75",
+                                        "--mean-balance-check-period", str(CHECK_PERIOD), log=f"server-{i}.log",
+                                        name=f"server-{i}")
+            swarm.wait_ready([server], timeout=120)
+        by_peer = {s.peer_id: s for s in swarm.servers}
         layout = _wait_layout(dht, config, lambda lay: len(lay) == 3 and _covers(lay, 4, set(by_peer)),
                               time.monotonic() + 60, "three servers ONLINE")
         ids = prompts(batch=1, length=5, seed=3)
@@ -168,8 +154,7 @@ def test_swarm_heals_a_hole(tmp_path: Path) -> None:
                                       max_new_tokens=6).tolist()
         # default ban policy; retries bounded (the default retries forever) but enough to outlast one ban:
         # the client's stale view may first send the mover its old span, be refused and ban it for 15 s
-        model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=40,
-                                                                min_backoff=0.1, max_backoff=1.0)
+        model = swarm.model(max_retries=40, min_backoff=0.1, max_backoff=1.0)
         with torch.no_grad():
             assert model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0,
                                   max_new_tokens=6).tolist() == expected
@@ -195,11 +180,6 @@ def test_swarm_heals_a_hole(tmp_path: Path) -> None:
         assert out.tolist() == expected
         print(f"hole {hole} filled {took:.1f} s after the stop by {[p[-6:] for p in movers]}; "
               f"next generation took {time.monotonic() - t1:.1f} s")
-    finally:
-        if model is not None:
-            model.shutdown()
-        stop_all(servers)
-        release_dht(dht)
 
 
 def test_serve_options_carry_the_balance_settings() -> None:

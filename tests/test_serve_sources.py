@@ -20,7 +20,6 @@ equal; nf4 top-1 >= 0.7 and >= 10 equal (the real-model figures are the real-mod
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,10 @@ import pytest
 import torch
 from blockhelpers import family_config, hf_model
 from client_swarm import REPO, START_DEADLINE, prompts
+from swarm_harness import Swarm
 
 from distconf.cli.cmd_serve import main as serve_main
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess, serve_command
 
 LAYERS = 4
 
@@ -127,24 +127,25 @@ class Served:
     """The bootstrap DHT, the plain folder, the local model and the six servers (see the module docstring)."""
 
     def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.folder, self.local = make_plain_folder(root / "tiny-llama-hf")
-        jobs = {
-            "a": ("--blocks", "0:2", "--dtype", "float32"),
-            "b": ("--blocks", "2:4", "--dtype", "fp32"),
-            "c": ("--blocks", "0:4", "--torch-dtype", "float32", "--dht-prefix", "renamed-tiny"),
-            "int8": ("--blocks", "0:4", "--dtype", "float32", "--quant", "int8", "--dht-prefix", "tiny-int8"),
-            "nf4": ("--blocks", "0:4", "--dtype", "float32", "--quant", "nf4", "--dht-prefix", "tiny-nf4"),
-            "sized": ("--torch-dtype", "bfloat16", "--dht-prefix", "tiny-sized"),
-        }
-        self.servers = {name: ServerProcess(
-            serve_command(self.folder, "--initial-peers", *self.peers, "--host", "127.0.0.1", *extra),
-            root / f"{name}.log", name=name, env={"PYTHONPATH": str(REPO)}) for name, extra in jobs.items()}
-        wait_all_ready(list(self.servers.values()), time.monotonic() + 2 * START_DEADLINE)
-        self.models: list[Any] = []
+        self.swarm = Swarm(root)  # owns the node, the servers and the client models
+        self.dht, self.peers, self.models = self.swarm.dht, self.swarm.peers, self.swarm.models
+        try:
+            self.folder, self.local = make_plain_folder(root / "tiny-llama-hf")
+            jobs = {
+                "a": ("--blocks", "0:2", "--dtype", "float32"),
+                "b": ("--blocks", "2:4", "--dtype", "fp32"),
+                "c": ("--blocks", "0:4", "--torch-dtype", "float32", "--dht-prefix", "renamed-tiny"),
+                "int8": ("--blocks", "0:4", "--dtype", "float32", "--quant", "int8", "--dht-prefix", "tiny-int8"),
+                "nf4": ("--blocks", "0:4", "--dtype", "float32", "--quant", "nf4", "--dht-prefix", "tiny-nf4"),
+                "sized": ("--torch-dtype", "bfloat16", "--dht-prefix", "tiny-sized"),
+            }
+            self.servers = {name: self.swarm.add_server(ServerProcess(
+                serve_command(self.folder, "--initial-peers", *self.peers, "--host", "127.0.0.1", *extra),
+                root / f"{name}.log", name=name, env={"PYTHONPATH": str(REPO)})) for name, extra in jobs.items()}
+            self.swarm.wait_ready(timeout=2 * START_DEADLINE)
+        except BaseException:
+            self.swarm.close()
+            raise
 
     def ready(self, name: str) -> dict[str, Any]:
         record = self.servers[name].ready
@@ -152,12 +153,8 @@ class Served:
         return record
 
     def model(self, dht_prefix: str) -> Any:
-        from distconf.client import AutoDistributedModelForCausalLM
 
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.folder, dht=self.dht, dht_prefix=dht_prefix,
-                                                                max_retries=3)
-        self.models.append(model)
-        return model
+        return self.swarm.model(self.folder, dht_prefix=dht_prefix, max_retries=3)
 
     def records(self, dht_prefix: str) -> dict[str, Any]:
         """Peer id -> the server record of block 0 under ``dht_prefix``."""
@@ -168,12 +165,7 @@ class Served:
         return find_block_servers(self.dht, config, timeout=20).servers[0]
 
     def close(self) -> None:
-        for model in self.models:
-            model.shutdown()
-        stop_all(list(self.servers.values()))
-        from distconf.client.swarm import release_dht
-
-        release_dht(self.dht)
+        self.swarm.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from dhthelpers import wait_for_async
 from handlerhelpers import Caller, make_handler, output, step, tiny_served
 
 from distconf.rpc.protocol import KEY_MAX_LENGTH
@@ -93,11 +94,7 @@ async def lockstep(scheduler: ComputeScheduler, *clients: Client) -> None:
 
 async def until(condition: Callable[[], bool], what: str) -> None:
     """Wait (bounded) until ``condition()`` holds."""
-    for _ in range(400):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
+    assert await wait_for_async(condition, timeout=4.0, interval=0.01), f"timed out waiting until {what}"
 
 
 def test_sessions_of_different_lengths_are_computed_together_and_exactly(served, executor) -> None:

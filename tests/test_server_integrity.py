@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 from blockhelpers import family_config, hf_model, save_checkpoint
-from client_swarm import START_DEADLINE, ServerProcess, make_model_dir, start_servers
+from client_swarm import START_DEADLINE, ServerProcess, make_model_dir
+from swarm_harness import Swarm
 
 from distconf.server.integrity import weights_digest
 from distconf.server.loading import load_blocks
@@ -180,7 +181,6 @@ class Served:
     """A bootstrap DHT node on 127.0.0.1, one ``distconf serve --verify-weights`` process, an RPC loop."""
 
     def __init__(self, model_dir: Path, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
         from distconf.loader.auto import AutoDistributedConfig
         from distconf.rpc import RpcLoop, chain_uid
 
@@ -189,12 +189,13 @@ class Served:
         self.blocks = _load(model_dir)
         self.loop: Any = None
         self.server: ServerProcess | None = None
-        self.dht = start_local_dht()
+        self.swarm = Swarm(root)  # owns the node and the server
+        self.dht = self.swarm.dht
         try:
-            (self.server,) = start_servers([(model_dir, f"0:{LAYERS}")], visible_maddrs(self.dht), root,
-                                           "--verify-weights")
+            (self.server,) = self.swarm.serve([(model_dir, f"0:{LAYERS}")], "--verify-weights")
             self.peer = self.server.peer_id
             self.loop = RpcLoop(self.dht)
+            self.swarm.on_close(self.loop.shutdown)
         except BaseException:
             self.close()
             raise
@@ -228,11 +229,7 @@ class Served:
         return code, self.server.log_path.read_text()  # lines are written to the log before they are queued
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.shutdown()
-        if self.server is not None:
-            self.server.stop()
-        self.dht.shutdown()
+        self.swarm.close()
 
 
 @pytest.fixture(scope="module")

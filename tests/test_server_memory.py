@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from dhthelpers import wait_for_async
 
 from distconf.server.memory import AllocationFailed, CacheBudget
 
@@ -43,7 +44,7 @@ def test_waits_for_memory_then_gets_it() -> None:
             events.append("released")
 
         async def waiter() -> None:
-            await asyncio.sleep(0.05)
+            await wait_for_async(lambda: "held" in events, timeout=5, interval=0.005)
             async with budget.reserve(50, 5):
                 events.append("got")
 
@@ -75,7 +76,7 @@ def test_cancelled_session_returns_its_memory() -> None:
                 await asyncio.sleep(60)
 
         task = asyncio.ensure_future(session())
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: budget.bytes_left == 30, timeout=5, interval=0.005)
         assert budget.bytes_left == 30
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from dhthelpers import wait_for_async
 from handlerhelpers import CONTEXT, Caller, make_handler, output, step, tiny_served
 
 from distconf.rpc.protocol import KEY_ALLOC_TIMEOUT, KEY_MAX_LENGTH, KEY_PUSHED, KEY_SESSION_ID, KEY_STEP_ID
@@ -50,8 +51,8 @@ def test_two_opens_with_one_session_id_race(served: list[ServedBlock], executor:
         first = Caller(handler)
         first_reply = first.send(step(hidden, **{KEY_MAX_LENGTH: 8, KEY_SESSION_ID: "same", KEY_ALLOC_TIMEOUT: 30,
                                                  KEY_STEP_ID: "s1"}))
-        await asyncio.sleep(0.2)  # the first session now waits for cache memory
-        assert not first_reply.done() and "same" in sessions
+        assert await wait_for_async(lambda: "same" in sessions, timeout=5, interval=0.01)
+        assert not first_reply.done()  # the first session now waits for cache memory
 
         second = Caller(handler)
         with pytest.raises(RequestError) as refused:

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from client_swarm import REPO, START_DEADLINE, make_model_dir, start_server
+from client_swarm import REPO, START_DEADLINE, start_server
+from dhthelpers import wait_until
+from swarm_harness import Swarm
 
-from distconf.dht import ServerState, find_servers_by_prefix, start_local_dht, visible_maddrs
+from distconf.dht import ServerState, find_servers_by_prefix, visible_maddrs
 from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
@@ -56,13 +58,12 @@ def session_processes(sid: int) -> list[psutil.Process]:
 
 def processes_left(sid: int, before: list[psutil.Process], limit: float = LEFT_LIMIT) -> list[str]:
     """What is still running, ``limit`` seconds at most after the leader exited, of the session and of ``before``."""
-    deadline = time.monotonic() + limit
-    while True:
+    def running() -> dict[int, psutil.Process]:
         left = {p.pid: p for p in session_processes(sid)}
         left.update({p.pid: p for p in before if p.is_running() and p.status() != psutil.STATUS_ZOMBIE})
-        if not left or time.monotonic() > deadline:
-            return [f"{pid} {p.name()}" for pid, p in left.items()]
-        time.sleep(0.1)
+        return left
+
+    return [f"{pid} {p.name()}" for pid, p in wait_until(running, lambda left: not left, limit, 0.1).items()]
 
 
 def deliver(proc: subprocess.Popen, sig: int, target: str) -> None:
@@ -76,13 +77,8 @@ def deliver(proc: subprocess.Popen, sig: int, target: str) -> None:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A bootstrap DHT node that stays up (the peer the OFFLINE records are read from) and a tiny model."""
-    root = tmp_path_factory.mktemp("stop")
-    model_dir, _ = make_model_dir(root / "llama", "llama", layers=2)
-    boot = start_local_dht()
-    try:
-        yield boot, model_dir, root
-    finally:
-        boot.shutdown()
+    with Swarm(tmp_path_factory.mktemp("stop"), "llama", layers=2) as s:
+        yield s.dht, s.model_dir, s.root
 
 
 @pytest.mark.parametrize("target", ["process", "group"])

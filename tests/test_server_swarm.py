@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import torch
 from blockhelpers import family_config, hf_model, record_layers, save_checkpoint
+from dhthelpers import wait_for_async, wait_until
+from swarm_harness import Swarm as HarnessSwarm
 
-from distconf.tools.serving import ServerProcess, serve_command, stop_all
+from distconf.tools.serving import ServerProcess, serve_command
 
 pytestmark = pytest.mark.swarm
 
@@ -37,21 +39,29 @@ def wait_ready(server: ServerProcess) -> dict[str, Any]:
     return server.wait_ready(time.monotonic() + WAIT)
 
 
-class Swarm:
-    """Two servers (blocks 0:2 and 2:4), a client DHT node, its RPC loop and the local reference model."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap DHT node (the client's node too), its RPC loop, two servers (blocks 0:2 and 2:4)
+    and the local reference model."""
 
-    def __init__(self, root: Path) -> None:
+    def build(self) -> None:
+        """The model folder; both servers start at once and join the bootstrap node."""
         from distconf.loader import load_family
+        from distconf.rpc import RpcLoop
 
         _, hf_cfg, _ = family_config("llama", num_hidden_layers=LAYERS)
-        self.model = hf_model(hf_cfg)
-        self.model_dir = save_checkpoint(self.model, root / "model", shards=1)
+        self.local = hf_model(hf_cfg)
+        self.model_dir = save_checkpoint(self.local, self.root / "model", shards=1)
         self.config = load_family("llama").from_pretrained(str(self.model_dir), dht_prefix=PREFIX)
         self.config.save_pretrained(self.model_dir)
         self.hidden = self.config.hidden_size
-        self.root = root
-        self.servers: list[ServerProcess] = []
-        self.client = self.loop = None
+        self.client, self.initial_peers = self.dht, self.peers
+        for name, blocks in (("a", "0:2"), ("b", "2:4")):
+            self.add_server(start_server([*self.server_args(blocks), "--initial-peers", *self.initial_peers],
+                                         self.root / f"server-{name}.log"))
+        for server in self.servers:
+            wait_ready(server)
+        self.loop = RpcLoop(self.client)
+        self.on_close(self.loop.shutdown)
 
     def server_args(self, blocks: str, *extra: str) -> list[str]:
         return [str(self.model_dir), "--blocks", blocks, "--dtype", "fp32", "--step-timeout", str(STEP_TIMEOUT),
@@ -60,28 +70,6 @@ class Swarm:
                 # the tests' one client peer may hold the whole budget; with this tiny hidden size, a call just
                 # above the unary payload limit carries more tokens than the default cap
                 "--max-peer-cache-share", "1", "--max-forward-tokens", "65536", *extra]
-
-    def start(self) -> None:
-        """Bootstrap DHT node here (the client uses it too); both servers start at once and join it."""
-        from distconf.dht import start_local_dht, visible_maddrs
-        from distconf.rpc import RpcLoop
-
-        self.client = start_local_dht()
-        self.initial_peers = visible_maddrs(self.client)
-        for name, blocks in (("a", "0:2"), ("b", "2:4")):
-            self.servers.append(start_server([*self.server_args(blocks), "--initial-peers", *self.initial_peers],
-                                             self.root / f"server-{name}.log"))
-        for server in self.servers:
-            wait_ready(server)
-        self.loop = RpcLoop(self.client)
-
-    def stop(self) -> list[int]:
-        if self.loop is not None:
-            self.loop.shutdown()
-        codes = stop_all(self.servers)  # all at once: they announce OFFLINE in parallel
-        if self.client is not None:
-            self.client.shutdown()
-        return codes
 
     @property
     def a(self) -> str:
@@ -96,17 +84,16 @@ class Swarm:
 
     def reference(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(input, output) hidden states of every layer of the local model."""
-        return record_layers(self.model, self.config, ids)
+        return record_layers(self.local, self.config, ids)
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s = Swarm(tmp_path_factory.mktemp("serve"))
     try:
-        s.start()
         yield s
     finally:
-        codes = s.stop()
+        codes = s.close()
         assert codes == [0, 0], f"servers exited with {codes}; logs in {s.root}"
 
 
@@ -651,13 +638,9 @@ def test_allocation_waits_alloc_timeout_then_fails(swarm: Swarm) -> None:
 def test_cache_back_to_full_budget_after_sessions(swarm: Swarm) -> None:
     from distconf.rpc import CACHE_TOKENS_AVAILABLE, call_info
 
-    left = {}
-    for _ in range(20):  # sessions release their cache when their streams end
-        left = {p: swarm.run(call_info(swarm.loop.p2p, p, timeout=10))[CACHE_TOKENS_AVAILABLE]
-                for p in (swarm.a, swarm.b)}
-        if all(v == 2 * CACHE_TOKENS for v in left.values()):
-            break
-        time.sleep(0.5)
+    left = wait_until(lambda: {p: swarm.run(call_info(swarm.loop.p2p, p, timeout=10))[CACHE_TOKENS_AVAILABLE]
+                               for p in (swarm.a, swarm.b)},  # sessions release their cache when their streams end
+                      lambda left: all(v == 2 * CACHE_TOKENS for v in left.values()), timeout=10, interval=0.1)
     assert left == {swarm.a: 2 * CACHE_TOKENS, swarm.b: 2 * CACHE_TOKENS}
 
 
@@ -684,12 +667,9 @@ def test_planned_server_takes_the_weakest_block_and_goes_offline_on_sigterm(swar
     finally:
         code = server.stop()
     assert code == 0
-    for _ in range(10):
-        spans = [s for s in find_block_servers(swarm.client, swarm.config, timeout=10).spans
-                 if s.peer_id == server.peer_id]
-        if spans and spans[0].state == ServerState.OFFLINE:
-            break
-        time.sleep(0.5)
+    spans = wait_until(lambda: [s for s in find_block_servers(swarm.client, swarm.config, timeout=10).spans
+                                if s.peer_id == server.peer_id],
+                       lambda spans: spans and spans[0].state == ServerState.OFFLINE, timeout=5, interval=0.1)
     assert spans and spans[0].state == ServerState.OFFLINE
 
 
@@ -708,11 +688,12 @@ def test_bad_push_does_not_end_the_session(swarm: Swarm) -> None:
             bad = inference_step_request(chain, hidden, metadata={"session_id": s.session_id, "pushed": True,
                                                                   "step_id": "bad"})
             await call_push(swarm.loop.p2p, swarm.b, bad, timeout=10)
-        for _ in range(50):  # the session takes pushes from its queue between steps
+
+        async def both_counted() -> bool:  # the session takes pushes from its queue between steps
             stats = (await call_info(swarm.loop.p2p, swarm.b, timeout=10))["stats"]
-            if stats.get("bad_pushes", 0) - before >= 2:
-                break
-            await asyncio.sleep(0.1)
+            return stats.get("bad_pushes", 0) - before >= 2
+
+        await wait_for_async(both_counted, timeout=5, interval=0.05)
         second = await s.step(x[:, 3:])
         await s.close()
         return torch.cat([first, second], dim=1)

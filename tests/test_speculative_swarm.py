@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from client_swarm import close_swarm, make_model_dir, start_servers
+from client_swarm import make_model_dir
+from swarm_harness import Swarm
 
 pytestmark = pytest.mark.swarm
 
@@ -19,18 +20,8 @@ REPEATING = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])  # n-gram match
 
 @pytest.fixture(scope="module")
 def swarm_parts(tmp_path_factory):
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    root = tmp_path_factory.mktemp("speculative")
-    dht = start_local_dht()
-    model_dir, local = make_model_dir(root / "llama", "llama", noise=0.05)
-    servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4")], visible_maddrs(dht), root)
-    model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, max_retries=3)
-    try:
-        yield model, local, model_dir, dht, servers
-    finally:
-        close_swarm([model], servers, dht)
+    with Swarm(tmp_path_factory.mktemp("speculative"), "llama", ("0:2", "2:4"), noise=0.05) as s:
+        yield s.model(), s.local, s.model_dir, s.dht, s.servers
 
 
 @pytest.fixture(scope="module")
@@ -153,26 +144,9 @@ def test_speculative_sampling_through_the_swarm_keeps_the_targets_distribution(s
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
     """A second swarm: two servers of each span (0:2, 2:4): a spare for failover, and an independent checker."""
-    from distconf.client import AutoDistributedModelForCausalLM
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    root = tmp_path_factory.mktemp("speculative-three")
-    dht = start_local_dht()
-    model_dir, local = make_model_dir(root / "llama", "llama", noise=0.05)
-    servers = start_servers([(model_dir, "0:2"), (model_dir, "2:4"), (model_dir, "2:4"), (model_dir, "0:2")],
-                            visible_maddrs(dht), root)
-    models = []
-
-    def model(**kwargs):
-        kwargs.setdefault("max_retries", 3)
-        m = AutoDistributedModelForCausalLM.from_pretrained(model_dir, dht=dht, **kwargs)
-        models.append(m)
-        return m
-
-    try:
-        yield model, local, servers
-    finally:
-        close_swarm(models, servers, dht)
+    with Swarm(tmp_path_factory.mktemp("speculative-three"), "llama", ("0:2", "2:4", "2:4", "0:2"),
+               noise=0.05) as s:
+        yield s.model, s.local, s.servers
 
 
 def test_concurrent_speculative_sessions_are_batched_and_exact(three):

@@ -9,32 +9,16 @@ history to a fresh server, which rebuilds the state) and the tokens stay the sam
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
-from client_swarm import close_swarm
-from span_swarm import SpanSwarm, assert_failover_keeps_the_tokens, assert_generation_equals_local
+from span_swarm import SPANS, assert_failover_keeps_the_tokens, assert_generation_equals_local
+from swarm_harness import Swarm, swarm_fixture
 
 pytestmark = pytest.mark.swarm
 
 FAMILY = "mamba2"
 
 
-class Swarm(SpanSwarm):
-    """The swarm of this module's family."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, FAMILY)
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("state-swarm"))
-    try:
-        yield s
-    finally:
-        close_swarm(s.models, s.servers, s.dht)
+swarm = swarm_fixture("state-swarm", FAMILY, SPANS)
 
 
 def test_greedy_and_beam_search_equal_the_local_model(swarm: Swarm) -> None:

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 from real_helpers import real_cache_dir
+from swarm_harness import Swarm
 
 from distconf.blocks.quant import nf4_cpu_packed
-from distconf.dht import ServerInfo, ServerState, announce_blocks, start_local_dht, visible_maddrs
+from distconf.dht import ServerInfo, ServerState, announce_blocks
 
 
 @pytest.mark.swarm
@@ -100,21 +101,14 @@ def test_demo_chooses_a_replaceable_server():
 
 @pytest.fixture(scope="module")
 def live_swarm():
-    nodes = []
-    try:
-        boot = start_local_dht()
-        nodes.append(boot)
-        peers = visible_maddrs(boot)
-        server = start_local_dht(peers)
-        nodes.append(server)
+    with Swarm() as s:
+        boot, peers = s.dht, s.peers
+        server = s.node()
         cfg = SimpleNamespace(dht_prefix="cli-test-model", num_hidden_layers=6, update_period=60.0)
         announce_blocks(server, cfg, 0, 4, ServerInfo(state=ServerState.ONLINE, throughput=3.0, public_name="s1",
                                                        cache_tokens_left=1024))
         announce_blocks(boot, cfg, 4, 6, ServerInfo(state=ServerState.JOINING, throughput=1.0))
         yield SimpleNamespace(peers=peers, server=server)
-    finally:
-        for node in reversed(nodes):
-            node.shutdown()
 
 
 def run_cli(capsys, *args: str) -> SimpleNamespace:

@@ -15,17 +15,14 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-from client_swarm import START_DEADLINE, make_model_dir
 from dhthelpers import wait_for
 from hostile_helpers import start_honest, start_hostile
-
-from distconf.tools.serving import ServerProcess, stop_all, wait_all_ready
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
 
 pytestmark = pytest.mark.swarm
 
@@ -47,52 +44,31 @@ def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0").save_pretrained(model_dir)
 
 
-class Swarm:
-    """The bootstrap node, the model, two honest servers and the liar, a monitor served in-process."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap node, the model, two honest servers and the liar, a monitor served in-process."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
+    def build(self) -> None:
         from distconf.monitor import Monitor, build_app, dht_reader, start_in_thread
 
-        self.root, self.servers, self.running, self.nodes = root, [], None, []
-        self.dht = start_local_dht()
-        self.nodes.append(self.dht)
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, local = make_model_dir(root / "tiny", "llama")
+        self.model_dir, local = self.add_model("llama", "tiny")
         save_word_tokenizer(self.model_dir, local.config.vocab_size)
-        self.servers: list[ServerProcess] = [start_honest(self.model_dir, self.peers, BLOCKS, root / f"honest-{i}.log")
-                                             for i in range(2)]
-        self.liar = start_hostile("identity", self.model_dir, self.peers, BLOCKS, root / "liar.log", boost=1000.0)
-        self.servers.append(self.liar)
-        wait_all_ready(self.servers, time.monotonic() + START_DEADLINE)
-        from distconf.loader.auto import AutoDistributedConfig
-
-        self.prefix = AutoDistributedConfig.from_pretrained(str(self.model_dir)).dht_prefix
-        reader = start_local_dht(self.peers, client_mode=True)
-        self.nodes.append(reader)
+        for i in range(2):
+            self.add_server(start_honest(self.model_dir, self.peers, BLOCKS, self.root / f"honest-{i}.log"))
+        self.liar = self.add_server(start_hostile("identity", self.model_dir, self.peers, BLOCKS,
+                                                  self.root / "liar.log", boost=1000.0))
+        self.wait_ready()
+        reader = self.node(client_mode=True)
         self.running = start_in_thread(build_app(Monitor(dht_reader(reader, {self.prefix: 4}, timeout=20.0),
                                                          refresh=1.0)))
+        self.on_close(self.running.stop)
 
     def command(self, *args: str) -> list[str]:
         """``distconf ARGS`` on this swarm, as a user types it."""
         return [sys.executable, "-m", "distconf", *args[:1], str(self.model_dir), "--initial-peers", *self.peers,
                 *args[1:]]
 
-    def close(self) -> None:
-        if self.running is not None:
-            self.running.stop()
-        stop_all(self.servers)
-        for node in reversed(self.nodes):
-            node.shutdown()
 
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("verify-report"))
-    try:
-        yield s
-    finally:
-        s.close()
+swarm = swarm_fixture("verify-report", None, cls=Swarm)
 
 
 def caught_rows(swarm: Swarm) -> list[dict]:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from client_swarm import START_DEADLINE, close_swarm, make_model_dir, prompts, server_info
+from client_swarm import START_DEADLINE, prompts, server_info
 from hostile_helpers import start_honest, start_hostile
+from swarm_harness import Swarm as HarnessSwarm
+from swarm_harness import swarm_fixture
 
 from distconf.tools.serving import ServerProcess, wait_all_ready
 
@@ -42,31 +43,20 @@ CLIENTS = 3  # concurrent clients of the no-false-alarm tests
 ROUNDS = 4  # generations per client there
 BF16_PREFIX_SUFFIX = "-bf16"
 BAN = 600.0  # the liar stays banned through the test (well past the session that caught it)
+REPLY_TIMEOUT = 30.0  # the bad-reply tests' request_timeout
 
 
-class Swarm:
-    """The bootstrap DHT, the model folder and local reference, two honest servers, the current liar."""
+class Swarm(HarnessSwarm):
+    """The harness's bootstrap DHT, the model folder and local reference, two honest servers, the current liar."""
 
-    def __init__(self, root: Path) -> None:
-        from distconf.dht import start_local_dht, visible_maddrs
-
-        self.root = root
-        self.dht = start_local_dht()
-        self.peers = visible_maddrs(self.dht)
-        self.model_dir, self.local = make_model_dir(root / "llama", "llama")
-        self.honest = [start_honest(self.model_dir, self.peers, BLOCKS, root / f"honest-{i}.log") for i in range(2)]
-        wait_all_ready(self.honest, time.monotonic() + START_DEADLINE)
-        self.servers: list[ServerProcess] = list(self.honest)
+    def build(self) -> None:
+        self.model_dir, self.local = self.add_model("llama")
+        self.honest = [self.add_server(start_honest(self.model_dir, self.peers, BLOCKS, self.root / f"honest-{i}.log"))
+                       for i in range(2)]
+        self.wait_ready(self.honest)
         self.liar: ServerProcess | None = None
         self.liar_mode: str | None = None
         self.bf16: list[ServerProcess] | None = None
-        self.models: list[Any] = []
-
-    @property
-    def prefix(self) -> str:
-        from distconf.loader.auto import AutoDistributedConfig
-
-        return AutoDistributedConfig.from_pretrained(str(self.model_dir)).dht_prefix
 
     def use_liar(self, mode: str | None) -> ServerProcess | None:
         """Make ``mode``'s liar the one running (None: no liar); reuses the running one of that mode."""
@@ -92,32 +82,11 @@ class Swarm:
             wait_all_ready(self.bf16, time.monotonic() + START_DEADLINE)
         return self.bf16
 
-    def model(self, **kwargs: Any) -> Any:
-        """A client model of this swarm (through the bootstrap DHT; every wait bounded)."""
-        from distconf.client import AutoDistributedModelForCausalLM
-
-        kwargs.setdefault("dht", self.dht)
-        kwargs.setdefault("max_retries", 3)
-        model = AutoDistributedModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
-        self.models.append(model)
-        return model
-
-    def expected(self, ids: torch.Tensor) -> list[list[int]]:
-        with torch.no_grad():
-            return self.local.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, do_sample=False,
-                                       max_new_tokens=NEW_TOKENS).tolist()
-
-    def close(self) -> None:
-        close_swarm(self.models, self.servers, self.dht)
+    def expected(self, ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
+        return super().expected(ids, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Swarm(tmp_path_factory.mktemp("verify-swarm"))
-    try:
-        yield s
-    finally:
-        s.close()
+swarm = swarm_fixture("verify-swarm", None, cls=Swarm)
 
 
 def generate(model: Any, ids: torch.Tensor) -> list[list[int]]:
@@ -215,11 +184,14 @@ def test_a_bad_reply_is_a_failed_server(swarm: Swarm, mode: str) -> None:
     the client bans the server and fails over, and the tokens and logits stay right."""
     liar = swarm.use_liar(mode)
     assert liar is not None
-    model = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)
+    # a reply over the daemon's unary limit never arrives: the client gives up at request_timeout (180 s by
+    # default; an honest reply of this tiny model takes well under a second even on a loaded machine)
+    patient = {"ban_timeout": BAN, "min_backoff": 0.05, "max_backoff": 0.1, "request_timeout": REPLY_TIMEOUT}
+    model = swarm.model(**patient)
     ids = prompts(2, 5, vocab=swarm.local.config.vocab_size, seed=300)
     assert generate(model, ids) == swarm.expected(ids)
     assert liar.peer_id in model.remote.manager.banned(), "the server of bad replies is not banned"
-    fresh = swarm.model(ban_timeout=BAN, min_backoff=0.05, max_backoff=0.1)  # its first forward goes to the liar
+    fresh = swarm.model(**patient)  # its first forward goes to the liar
     with torch.no_grad():
         assert torch.allclose(fresh(ids).logits, swarm.local(ids).logits, atol=1e-4, rtol=1e-4)
     assert liar.peer_id in fresh.remote.manager.banned()
