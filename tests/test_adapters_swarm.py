@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ from typing import Any
 import pytest
 import torch
 from real_helpers import open_real_source, real_cache_dir
+from swarm_harness import Swarm as HarnessSwarm
 
 from distconf.tools import real_model as rm
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
+from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
 peft = pytest.importorskip("peft")
@@ -98,26 +98,14 @@ class Swarm:
 @pytest.fixture(scope="module")
 def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           trained: dict[str, Any]) -> Iterator[Swarm]:
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-
     env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
     env.pop("DISTCONF_INITIAL_PEERS", None)
-    dht = start_local_dht()
-    servers: list[ServerProcess] = []
-    try:
-        peers = visible_maddrs(dht)
-        logs = tmp_path_factory.mktemp("adapter-swarm")
-        servers = [ServerProcess(serve_command(rm.gguf_path(), "--initial-peers", *peers, "--blocks", span,
-                                               "--host", "127.0.0.1", "--dtype", "float32",
-                                               "--adapters", f"{NAME}={trained['folder']}"),
-                                 logs / f"server-{i}.log", name=f"adapter-{i}", env=env)
-                   for i, span in enumerate(SPANS)]
-        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
-        yield Swarm(peers, env, servers)
-    finally:
-        stop_all(servers)
-        release_dht(dht)
+    with HarnessSwarm(tmp_path_factory.mktemp("adapter-swarm")) as s:
+        for i, span in enumerate(SPANS):
+            s.start_server(rm.gguf_path(), span, "--adapters", f"{NAME}={trained['folder']}", log=f"server-{i}.log",
+                           name=f"adapter-{i}", env=env, dtype="float32")
+        s.wait_ready(timeout=START_DEADLINE)
+        yield Swarm(s.peers, env, s.servers)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ swarm equal the local transformers model's, and its known continuation comes out
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 from real_helpers import real_cache_dir
+from swarm_harness import Swarm
 
 from distconf.sources import open_source
 from distconf.tools import real_model as rm
-from distconf.tools.serving import ServerProcess, serve_command, stop_all, wait_all_ready
 
 pytestmark = pytest.mark.swarm
 
@@ -39,24 +37,12 @@ def gemma(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(scope="module")
 def swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gemma: Any
           ) -> Iterator[list[str]]:
-    from distconf.client.swarm import release_dht
-    from distconf.dht import start_local_dht, visible_maddrs
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
-    dht = start_local_dht()
-    servers: list[ServerProcess] = []
-    try:
-        peers = visible_maddrs(dht)
-        logs = tmp_path_factory.mktemp("gemma-swarm")
-        servers = [ServerProcess(serve_command(gemma.origin, "--initial-peers", *peers, "--blocks", span,
-                                               "--host", "127.0.0.1", "--dtype", "float32"),
-                                 logs / f"server-{i}.log", name=f"gemma-{i}", env=env)
-                   for i, span in enumerate(SPANS)]
-        wait_all_ready(servers, time.monotonic() + START_DEADLINE)
-        yield peers
-    finally:
-        stop_all(servers)
-        release_dht(dht)
+    env = {"DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
+    with Swarm(tmp_path_factory.mktemp("gemma-swarm")) as s:
+        for i, span in enumerate(SPANS):
+            s.start_server(gemma.origin, span, log=f"server-{i}.log", name=f"gemma-{i}", env=env, dtype="float32")
+        s.wait_ready(timeout=START_DEADLINE)
+        yield s.peers
 
 
 def test_gemma_through_two_servers_gives_the_local_models_greedy_tokens(gemma: Any, swarm: list[str]) -> None:
