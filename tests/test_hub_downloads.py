@@ -208,3 +208,16 @@ def test_serve_a_hub_id_the_hub_does_not_have_is_one_line(hub: StandinHub, tmp_p
     assert done.stderr.strip().splitlines() == [
         line for line in done.stderr.strip().splitlines() if line.startswith("distconf serve: org/nope")]
     assert "needs --token" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_repository_of_one_gguf_file_is_downloaded_and_converted(hub: StandinHub, tmp_path: Path) -> None:
+    from test_sources import write_gguf
+
+    folder = tmp_path / "repos" / "gg"
+    folder.mkdir(parents=True)
+    write_gguf(folder / "tiny-q.gguf")
+    hub.repos["org/gg"] = folder
+    source = open_source("org/gg", hub=HubOptions(cache_dir=str(tmp_path / "cache")),
+                         cache_dir=tmp_path / "converted")
+    assert source.kind == "gguf" and source.config.num_hidden_layers == 2
+    assert [f for f in hub.downloaded("org/gg") if f != "(listing)"] == ["tiny-q.gguf"]

@@ -4,7 +4,8 @@
 `distconf.sources.ModelSource` whose ``hub`` fetches the rest when it is known what is needed: a server the shards
 of its blocks (`distconf.sources.hub_fetch.HubFetcher.fetch_layers`), a client its tokenizer and the shards of the
 tensors outside the blocks (`HubFetcher.fetch_client`). With ``HF_HUB_OFFLINE=1`` only the cache is read. A
-repository without ``config.json`` (one ``.gguf`` file) is read from the cache only.
+repository without ``config.json`` holding one ``.gguf`` file is downloaded whole and converted once, as a local
+``.gguf`` file is.
 """
 
 from __future__ import annotations
@@ -58,7 +59,15 @@ def open_hub(repo_id: str, *, revision: str | None = None, dht_prefix: str | Non
         config = fetcher.fetch("config.json", required=False)
     except HFValidationError as exc:
         raise ModelSourceError(repo_id, f"not a file, a folder or a valid hub id ({str(exc)[:200]})") from None
-    if config is None:
+    if config is None:  # a repository of one .gguf file: download it (it is converted once, as a local one)
+        files = fetcher.list_files()
+        ggufs = [f for f in files or () if f.endswith(".gguf")]
+        if len(ggufs) == 1:
+            gguf = fetcher.fetch(ggufs[0])
+            return open_gguf(gguf, dht_prefix=dht_prefix, cache_dir=gguf_cache_dir, name=repo_id)  # type: ignore[arg-type]
+        if len(ggufs) > 1:
+            raise ModelSourceError(repo_id, f"it holds {len(ggufs)} .gguf files ({', '.join(ggufs[:4])}); download "
+                                            "the one to serve and name the file")
         snapshot = _cached_snapshot(repo_id, options)
         if any(p.suffix == ".gguf" for p in snapshot.iterdir()):
             return open_gguf(snapshot, dht_prefix=dht_prefix, cache_dir=gguf_cache_dir, name=repo_id)
@@ -78,6 +87,5 @@ def _cached_snapshot(repo_id: str, options: HubOptions) -> Path:
         if hub_offline():
             raise ModelSourceError(repo_id, "offline (HF_HUB_OFFLINE=1) and it is not in the local Hugging Face "
                                             "cache") from None
-        raise ModelSourceError(repo_id, "the hub has no config.json for it, and it is not in the local Hugging "
-                                        "Face cache (a .gguf repository is read from the cache: fetch it first, "
-                                        f"e.g. `hf download {repo_id}`)") from None
+        raise ModelSourceError(repo_id, "the hub has neither config.json nor one .gguf file for it, and it is not "
+                                        "in the local Hugging Face cache") from None

@@ -114,6 +114,20 @@ class HubFetcher:
         self.fetched[filename] = path
         return path
 
+    def list_files(self) -> list[str] | None:
+        """The repository's file names at the revision (None: offline, or the hub cannot list them)."""
+        if hub_offline():
+            return None
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
+
+        o = self.options
+        try:
+            info = HfApi(endpoint=o.endpoint, token=o.token).model_info(self.repo_id, revision=o.revision)
+        except (HfHubHTTPError, OSError, ValueError):
+            return None
+        return sorted(s.rfilename for s in info.siblings or ())
+
     @property
     def snapshot(self) -> Path:
         """The snapshot folder the fetched files are in (after `fetch_config`)."""
@@ -190,7 +204,8 @@ class HubFetcher:
         from huggingface_hub.errors import HfHubHTTPError
 
         o = self.options
-        if o.max_disk_space is None and not filename.endswith(".safetensors"):
+        large = filename.endswith((".safetensors", ".gguf"))
+        if o.max_disk_space is None and not large:
             return
         try:
             meta = file_metadata(self.repo_id, filename, revision=o.revision, token=o.token, endpoint=o.endpoint)
@@ -202,7 +217,7 @@ class HubFetcher:
         if o.max_disk_space is not None:
             free_disk_space_for(int(meta.size or 0), o.max_disk_space, o.cache,
                                 keep={p.resolve() for p in self.fetched.values()}, name=f"{self.repo_id}/{filename}")
-        if blob is not None and filename.endswith(".safetensors") and meta.location:
+        if blob is not None and large and meta.location:
             download_blob(meta.location, blob, size=meta.size, etag=meta.etag, token=o.token,
                           name=f"{self.repo_id}/{filename}")
 
