@@ -118,11 +118,15 @@ def test_show_route(swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
         assert ("Route found" in caplog.text) == inference_logged, show
 
 
-def test_active_adapter_is_sent(swarm: Swarm) -> None:
+def test_an_active_adapter_no_server_serves_is_no_route_naming_it(swarm: Swarm) -> None:
+    """Routes use only servers announcing the adapter (a server asked for one it lacks refuses the request:
+    test_server_swarm's "unknown adapter" cases); the base model is served as before."""
+    from distconf.dht import NoRouteError
+
     ids = prompts()
-    with pytest.raises(RetriesExhausted, match="adapter") as failure:
+    with pytest.raises(RetriesExhausted, match="do not serve adapter 'some-adapter'") as failure:
         swarm.model(active_adapter="some-adapter", **FAST)(ids)
-    assert isinstance(failure.value.__cause__, P2PHandlerError)  # the server refused it
+    assert isinstance(failure.value.__cause__, NoRouteError)
     assert swarm.model(active_adapter=None, **FAST)(ids).logits.shape == (2, 5, swarm.local.config.vocab_size)
 
 

@@ -81,6 +81,7 @@ def send(address: str, port: int, size: int) -> None:
     """Send ``size`` bytes and print the rate in Mbit/s (until the receiver confirms the last byte)."""
     block = b"\0" * 65536
     with _connect(address, port) as sock:
+        sock.settimeout(100.0)  # on a lossy link TCP backs off for seconds per lost segment (the caller bounds 120 s)
         start = time.perf_counter()
         left = size
         while left > 0:
