@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from sweephelpers import new_from_defaults
 
@@ -22,6 +23,7 @@ def test_carried_spec_needs_no_streams_and_streams_need_collapse() -> None:
         raise AssertionError("several streams without collapse_module validated")
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_zaya_drafts_the_carried_router_states(tmp_path: Path) -> None:
     new_from_defaults("zaya", tmp_path)
     family = yaml.safe_load((tmp_path / "out" / "zaya.yaml").read_text())

@@ -26,6 +26,8 @@ from distconf.loader.spec_wire import CarriedStream
 from distconf.loader.wire_layout import wire_layout
 from distconf.tools.checker import tiny_variants
 
+pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
+
 
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:

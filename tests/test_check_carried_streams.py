@@ -17,6 +17,7 @@ from distconf.cli import main
 from distconf.loader.registry import clear_cache
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_a_carried_stream_is_named_as_the_cause(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert new_from_defaults("zaya", tmp_path, family="zaya_carried") == 0
     (draft,) = (tmp_path / "out").glob("*.yaml")

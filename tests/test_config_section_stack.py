@@ -21,6 +21,7 @@ from distconf.errors import FamilyValidationError
 from distconf.loader import load_family
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blt_drafts_the_global_stack_and_passes_check(tmp_path: Path, fresh_cache,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     # before: distconf new failed ("counts no layers at its top level"): no num_hidden_layers at the top level
@@ -95,6 +96,7 @@ def test_chunked_run_follows_the_sequence_the_stack_sees() -> None:
     assert chunk_sizes(3) == [3]
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blt_client_generates_without_a_cache_and_says_why_not_with_one(tmp_path: Path, fresh_cache,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The client runs BLT's local encoder and decoder around the served global stack: exact on a forward and

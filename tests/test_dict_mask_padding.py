@@ -15,6 +15,8 @@ from sweephelpers import drafted_tiny_blocks
 
 from distconf.blocks.layer_settings import RowLayout
 
+pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
+
 
 @pytest.fixture(scope="module")
 def zaya(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list[Any], Path]:

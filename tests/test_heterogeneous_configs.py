@@ -15,6 +15,7 @@ from sweephelpers import draft_and_check, new_from_defaults
 from distconf.errors import ConfigValueError
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_sizes_per_layer_type_draft_check_and_size_per_layer(tmp_path: Path, fresh_cache,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     # before: `distconf new` refused dots3_note_text (num_attention_heads, num_key_value_heads, kv_lora_rank and
@@ -37,6 +38,7 @@ def test_sizes_per_layer_type_draft_check_and_size_per_layer(tmp_path: Path, fre
     assert kv_geometry(config) == max(by_type.values(), key=lambda g: g.values_per_token)  # a server's budget
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_a_global_read_of_a_per_layer_attribute_fails_in_one_line(tmp_path: Path, fresh_cache) -> None:
     from distconf.loader import load_family
 
@@ -50,6 +52,7 @@ def test_a_global_read_of_a_per_layer_attribute_fails_in_one_line(tmp_path: Path
     assert config.per_layer_config[0].num_key_value_groups >= 1  # each layer's own config reads it
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_per_layer_settings_follow_the_tiny_layer_types_the_class_gives(tmp_path: Path, fresh_cache) -> None:
     # gemma4_unified_text gives its full-attention layers head_dim 512 (256 elsewhere) and forces its last layer to
     # full attention: the tiny layers keep per_layer_config on every tiny full-attention layer, sized like head_dim
@@ -66,6 +69,7 @@ def test_per_layer_settings_follow_the_tiny_layer_types_the_class_gives(tmp_path
     assert "TODO review" not in next((tmp_path / "out").glob("*.yaml")).read_text()
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_head_sizes_per_layer_and_a_shared_kv_container_draft_and_check(tmp_path: Path, fresh_cache,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # before: gemma4_unified_text was refused as a heterogeneous config; drafted, its layers got None for the
@@ -85,6 +89,7 @@ def test_head_sizes_per_layer_and_a_shared_kv_container_draft_and_check(tmp_path
                     "full_attention": 2 * family["tiny_config"]["head_dim"]}
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_layers_reading_what_another_stored_fail_check_in_one_line(tmp_path: Path, fresh_cache,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     # a tiny config whose last layer reuses the K/V an earlier layer stored (num_kv_shared_layers): blocks served

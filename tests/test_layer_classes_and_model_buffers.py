@@ -34,6 +34,7 @@ def _scan(model_type: str) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "olmo_hybrid"])
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_layer_class_per_layer_type_is_drafted(model_type: str, tmp_path: Path, fresh_cache,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     # before: the drafter wrote the first layer's class for every layer, and check failed at block.layer_class
@@ -46,6 +47,7 @@ def test_layer_class_per_layer_type_is_drafted(model_type: str, tmp_path: Path, 
     assert code == 0, out.err
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_model_buffers_are_drafted(tmp_path: Path, fresh_cache, capsys: pytest.CaptureFixture[str]) -> None:
     # before: the block lacked the mixer's mup_vector (the model registers it after building its layers),
     # and a layer type keeping both K/V and a state got no kv_cache.layer_kinds (its blocks kept no K/V)

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from sweephelpers import draft_and_check
 
+pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
+
 
 @pytest.fixture(scope="module")
 def zamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:

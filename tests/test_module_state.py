@@ -11,6 +11,7 @@ from sweephelpers import draft_and_check, drafted_tiny_blocks
 from distconf.cli import main
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_module_held_state_drafts_and_checks(tmp_path: Path, fresh_cache, capsys: pytest.CaptureFixture[str]) -> None:
     # before: new refused recurrent_gemma in one line ("its modules keep it themselves (RecurrentGemmaRecurrentBlock.
     # conv1d_state, ...)"): its recurrent blocks keep conv1d_state and rg_lru.recurrent_states as attributes, reset
@@ -35,6 +36,7 @@ def test_module_held_state_drafts_and_checks(tmp_path: Path, fresh_cache, capsys
     assert code == 0, out.err
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_check_fails_without_the_token_count(tmp_path: Path, fresh_cache, capsys: pytest.CaptureFixture[str]) -> None:
     """Without ``counts_positions`` the recurrent layers see position 0 at every step and reset: check fails."""
     import yaml
@@ -50,6 +52,7 @@ def test_check_fails_without_the_token_count(tmp_path: Path, fresh_cache, capsys
     assert "token-by-token outputs with the KV cache differ" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blocks_with_module_held_state_step_like_the_model(tmp_path: Path, fresh_cache) -> None:
     """The drafted blocks: each layer's output, any split into steps, a beam reorder, a refused rewind, a restart
     (a failover's replay); the modules hold nothing between calls."""

@@ -12,6 +12,7 @@ import pytest
 from sweephelpers import draft_and_check, drafted_tiny_blocks
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_split_conversion_loads_every_target(tmp_path: Path, fresh_cache) -> None:
     from distconf.blocks.weights import load_block_weights
     from distconf.loader import load_family
@@ -32,6 +33,7 @@ def test_split_conversion_loads_every_target(tmp_path: Path, fresh_cache) -> Non
 
 
 @pytest.mark.parametrize("model_type", ["emu3"])
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_text_model_nested_under_text_config_drafts_and_checks(model_type: str, tmp_path: Path, fresh_cache,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # before: the causal-LM class of emu3 is configured by the nested text config
@@ -59,6 +61,7 @@ def test_causal_lm_class_of_a_nested_text_config() -> None:
     assert causal_lm_class(LlamaConfig).__name__ == "LlamaForCausalLM"
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_layer_counts_the_class_converts_shrink_in_step(tmp_path: Path, fresh_cache,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # before: dory's config.json writes each layer as two layer_types entries with every count of
@@ -93,6 +96,7 @@ def test_layer_stacks_sized_by_nested_sub_configs_fail_in_one_line() -> None:
     assert "'model.global_transformer.layers' (25)" in str(info.value)
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_state_passed_to_the_layers_as_a_list_drafts_and_checks(tmp_path: Path, fresh_cache,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # before: rwkv's model hands every layer its state as a list of five [batch, hidden, layers]
@@ -115,6 +119,7 @@ def test_state_passed_to_the_layers_as_a_list_drafts_and_checks(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("model_type", ["minimax", "rwkv"])
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blocks_keeping_a_state_outside_cache_layers_step_like_the_model(model_type: str, tmp_path: Path,
                                                                        fresh_cache) -> None:
     """A chain of the drafted blocks: the layers' outputs, any split into steps, beam reorder and restart."""

@@ -32,6 +32,7 @@ def test_layer_count_filled_from_num_hidden_layers_is_an_alias() -> None:
     assert FieldNames.of(LlamaConfig).standard("num_blocks") == "num_blocks"
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_state_tuple_each_layer_takes_and_returns_drafts_and_checks(tmp_path: Path, fresh_cache,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # before: xlstm's model takes an xLSTMCache of its own and new refused it before any tiny model ran;
@@ -54,6 +55,7 @@ def test_state_tuple_each_layer_takes_and_returns_drafts_and_checks(tmp_path: Pa
     assert code == 0, out.err
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blocks_keeping_a_returned_state_tuple_step_like_the_model(tmp_path: Path, fresh_cache) -> None:
     """A chain of the drafted xlstm blocks: the layers' outputs, any split into steps, beam reorder, restart."""
     import torch

@@ -26,6 +26,8 @@ from distconf.loader import load_family
 from distconf.loader.registry import clear_cache
 from distconf.loader.spec_state import StateSpec
 
+pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
+
 
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:

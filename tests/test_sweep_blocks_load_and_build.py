@@ -13,6 +13,7 @@ import pytest
 from sweephelpers import draft_and_check
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_blocks_stored_under_transformers_renamed_layout_load(tmp_path: Path, fresh_cache,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # before: exaone's checkpoint keeps layers under 'transformer.h' (transformers renames them to
@@ -38,6 +39,7 @@ def test_blocks_stored_under_transformers_renamed_layout_load(tmp_path: Path, fr
     assert "self_attn.q_proj.weight" in state
 
 
+@pytest.mark.slow  # drafts a model type from its defaults: seconds on its own
 def test_parameters_drawn_outside_the_device_context_stay_on_meta(tmp_path: Path, fresh_cache) -> None:
     # before: diffllama draws its lambda parameters with torch.normal(..., size=...), which the meta
     # device context misses: the meta build held real tensors and check refused the family

@@ -21,6 +21,8 @@ import transformers  # noqa: F401  (first imported outside capsys: its log handl
 import yaml
 from sweephelpers import draft_and_check, new_from_defaults
 
+pytestmark = pytest.mark.slow  # each row drafts a model type from its defaults and checks it: seconds each
+
 
 @dataclass(frozen=True)
 class Drafted:

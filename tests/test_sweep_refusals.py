@@ -16,7 +16,7 @@ NEW_FAILS = [
                  id="cpmant-a_model_that_is_not_causal_fails_new_in_one_line"),
     # its middle layers run three passes in one forward (no chain of blocks runs a layer twice): the stack is
     # drafted, then the loop's own state shapes stop the draft in one line
-    pytest.param("inkling2_loop_text", (), ("block_states",),
+    pytest.param("inkling2_loop_text", (), ("block_states",), marks=pytest.mark.slow,  # seconds: a looped stack
                  id="inkling2_loop_text-a_looped_stack_with_state_shapes_of_its_own_fails_in_one_line"),
 ]
 
