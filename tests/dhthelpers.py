@@ -54,6 +54,19 @@ def wait_until(read: Callable[[], T], done: Callable[[T], Any], timeout: float =
     return readings[-1]
 
 
+def stop_process(proc: Any, sig: int = 15, timeout: float = 30.0) -> int:
+    """Send ``sig`` (default SIGTERM) to a process the test started, wait ``timeout`` s, then kill it; its exit code."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(10)
+
+
 def start_plain_dht(initial_peers: list[str], timeout: float = 60.0) -> DHT:
     """A hivemind DHT node with no validator and no guard (a Petals 2.x node, or an attacker).
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from dhthelpers import stop_process, wait_for
 from real_helpers import open_real_source, real_cache_dir
 from swarm_harness import Swarm as HarnessSwarm
 
@@ -200,8 +201,6 @@ def test_the_api_serves_the_adapter_as_a_model_id_to_the_openai_client(swarm: Sw
             except openai.APIConnectionError:
                 return None
 
-        from dhthelpers import wait_for
-
         assert wait_for(listed, timeout=240, interval=0.5) == ["smol", f"smol:{NAME}"]
         tokenizer = trained["tokenizer"]
         for model_id, tokens in (("smol", trained["base"]), (f"smol:{NAME}", trained["adapter"])):
@@ -211,12 +210,7 @@ def test_the_api_serves_the_adapter_as_a_model_id_to_the_openai_client(swarm: Sw
         with pytest.raises(openai.NotFoundError, match="this server serves 'smol', 'smol:secret'"):
             client.completions.create(model="smol:other", prompt=PROMPT, max_tokens=2)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 def test_deep_prompt_tuning_through_the_adapter_equals_local_autograd(swarm: Swarm, trained: dict[str, Any]) -> None:

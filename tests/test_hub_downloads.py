@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from blockhelpers import family_config, hf_model, save_checkpoint
-from dhthelpers import wait_for
+from dhthelpers import stop_process, wait_for
 from hub_standin import StandinHub
 
 from distconf.errors import ModelSourceError
@@ -155,16 +155,6 @@ def _serve(hub: StandinHub, cache: Path, *args: str, log: Path) -> subprocess.Po
                             stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.mark.slow
 def test_serve_a_hub_id_downloads_its_blocks_shards_and_resumes_after_a_kill(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,7 +178,7 @@ def test_serve_a_hub_id_downloads_its_blocks_shards_and_resumes_after_a_kill(tmp
                      timeout=180, interval=0.2)
             assert second.poll() is None, (tmp_path / "second.log").read_text()[-2000:]
         finally:
-            _stop(second)
+            stop_process(second, signal.SIGINT)
         shards = sorted({r.filename for r in hub.requests if r.method == "GET" and r.filename.endswith(".safetensors")
                          and r.status in (200, 206)})
         assert shards == wanted  # blocks 0..2's shards, nothing else

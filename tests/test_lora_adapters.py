@@ -58,8 +58,9 @@ def _geometry(config: Any, layer: int) -> Any:
     return kv_geometry(config, layer)
 
 
-def _layers_output(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """What ``model``'s decoder layers make of ``hidden`` (its own forward, captured around the layer list)."""
+def _layers_output(model: Any, hidden: torch.Tensor, *, grad: bool = False) -> torch.Tensor:
+    """What ``model``'s decoder layers make of ``hidden`` (its own forward, captured around the layer list); with
+    ``grad``, differentiable with respect to ``hidden``."""
     layers = model.get_decoder().layers
     seen: dict[str, torch.Tensor] = {}
     first = layers[0].register_forward_pre_hook(lambda _m, args, kwargs: ((hidden, *args[1:]), kwargs),
@@ -67,7 +68,7 @@ def _layers_output(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     last = layers[-1].register_forward_hook(lambda _m, _a, out: seen.setdefault("out", out[0] if isinstance(
         out, tuple) else out))
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             model(input_ids=torch.zeros(hidden.shape[:2], dtype=torch.long), use_cache=False)
     finally:
         first.remove()
@@ -123,24 +124,9 @@ def test_backward_runs_through_the_adapter(tiny: dict[str, Any]) -> None:
     (tuned,) = backward_chain(served, x, grads, None, "first")
     x.requires_grad_(True)
     model = tiny["models"]["first"]
-    out = _layers_output_with_grad(model, x)
+    out = _layers_output(model, x, grad=True)
     (expected,) = torch.autograd.grad(out, x, grads)
     assert _close(tuned, expected) and not _close(tuned, base)
-
-
-def _layers_output_with_grad(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    layers = model.get_decoder().layers
-    seen: dict[str, torch.Tensor] = {}
-    first = layers[0].register_forward_pre_hook(lambda _m, args, kwargs: ((hidden, *args[1:]), kwargs),
-                                                with_kwargs=True)
-    last = layers[-1].register_forward_hook(lambda _m, _a, out: seen.setdefault("out", out[0] if isinstance(
-        out, tuple) else out))
-    try:
-        model(input_ids=torch.zeros(hidden.shape[:2], dtype=torch.long), use_cache=False)
-    finally:
-        first.remove()
-        last.remove()
-    return seen["out"]
 
 
 def test_a_call_outside_any_adapter_context_is_the_base_model(tiny: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from distconf.blocks.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from distconf.blocks.quant import QUANT_TYPES
 from distconf.cli.helptext import add_command, positive_int, seconds
+from distconf.cli.swarm_args import add_hub_arguments
 from distconf.server.ready import READY_TAG, parse_ready_line, ready_line, ready_record
 
 __all__ = ["register", "run", "main", "parse_blocks", "READY_TAG", "ready_record", "ready_line", "parse_ready_line"]
@@ -119,16 +120,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "its further sessions are refused (default 0.5: one peer never locks the others out; "
                         "1 turns the limit off)")
     p.add_argument("--repository", default=None, help="repository URL announced with the model")
-    hub = p.add_argument_group(
-        "hub ids (Petals' flags)",
-        "MODEL may be a Hugging Face hub id: the server downloads its config and only the checkpoint shards "
-        "holding its blocks (resumed when cut short), into the Hugging Face cache. HF_ENDPOINT points at another "
-        "hub; HF_HUB_OFFLINE=1 reads the cache only.")
-    hub.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit of MODEL (default main)")
-    hub.add_argument("--token", default=None, metavar="TOKEN",
-                     help="for a private or gated repository (default: $HF_TOKEN or your huggingface_hub login)")
-    hub.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None, metavar="DIR",
-                     help="the Hugging Face cache to download into (default: $HF_HUB_CACHE, else ~/.cache/huggingface)")
+    hub = add_hub_arguments(
+        p, "MODEL may be a Hugging Face hub id: the server downloads its config and only the checkpoint shards "
+           "holding its blocks (resumed when cut short), into the Hugging Face cache. HF_ENDPOINT points at another "
+           "hub; HF_HUB_OFFLINE=1 reads the cache only.")
     hub.add_argument("--max-disk-space", "--max_disk_space", dest="max_disk_space", type=_memory, default=None,
                      metavar="SIZE", help="most the cache may hold, e.g. 20GiB: before each download the least "
                                           "recently used files of other models are deleted, never one in use")

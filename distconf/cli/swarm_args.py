@@ -90,13 +90,21 @@ def add_swarm_arguments(parser: argparse.ArgumentParser, *, prompt: bool = False
     parser.add_argument("--dht-prefix", default=None, metavar="PREFIX",
                         help="prefix of the model's blocks on the DHT (default: config.json's, else derived from the "
                              "model's name by the family's rule)")
-    hub = parser.add_argument_group("hub ids", "MODEL may be a Hugging Face hub id: only the client's part is "
-                                               "downloaded (config, tokenizer, the shards outside the blocks)")
-    hub.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit (default main)")
+    add_hub_arguments(parser, "MODEL may be a Hugging Face hub id: only the client's part is downloaded (config, "
+                              "tokenizer, the shards outside the blocks)")
+
+
+def add_hub_arguments(parser: argparse.ArgumentParser, about: str) -> Any:
+    """Add the hub-id group (Petals' ``--revision``, ``--token``, ``--cache_dir``) described by ``about``; returns
+    the group (a server adds ``--max-disk-space`` to it)."""
+    hub = parser.add_argument_group("hub ids (Petals' flags)", about)
+    hub.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit of MODEL (default main)")
     hub.add_argument("--token", default=None, metavar="TOKEN",
                      help="for a private or gated repository (default: $HF_TOKEN or your huggingface_hub login)")
     hub.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None, metavar="DIR",
-                     help="the Hugging Face cache (default: $HF_HUB_CACHE, else ~/.cache/huggingface)")
+                     help="the Hugging Face cache to download into (default: $HF_HUB_CACHE, else "
+                          "~/.cache/huggingface)")
+    return hub
 
 
 def _config_number(field: str) -> Any:
