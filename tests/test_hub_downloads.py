@@ -211,3 +211,19 @@ def test_a_repository_of_one_gguf_file_is_downloaded_and_converted(hub: StandinH
                          cache_dir=tmp_path / "converted")
     assert source.kind == "gguf" and source.config.num_hidden_layers == 2
     assert [f for f in hub.downloaded("org/gg") if f != "(listing)"] == ["tiny-q.gguf"]
+
+
+def test_a_download_asked_to_stop_ends_at_once_and_resumes(hub: StandinHub, tmp_path: Path) -> None:
+    """A server's Ctrl-C / SIGTERM during a shard's download ends it with InterruptedError (what `distconf serve`
+    treats as a stop), the partial file stays, and the next attempt resumes it."""
+    hub.rate = 200_000
+    source = open_source("org/tiny", hub=HubOptions(cache_dir=str(tmp_path / "cache")))
+    source.hub.should_stop = lambda: True
+    with pytest.raises(InterruptedError, match="stopped while downloading"):
+        source.hub.fetch_layers(source.config, range(0, 1))
+    blobs = tmp_path / "cache" / "models--org--tiny" / "blobs"
+    assert any(p.name.endswith(PARTIAL_SUFFIX) for p in blobs.iterdir())
+    hub.rate = None
+    source.hub.should_stop = None
+    source.hub.fetch_layers(source.config, range(0, 1))
+    assert any(r.start > 0 and r.status == 206 for r in hub.requests)

@@ -279,6 +279,8 @@ class BlockServer(SpanMoves):
         from distconf.server.loading import load_blocks
 
         if self.source is not None and self.source.hub is not None:  # a hub id: the shards of these blocks only
+            if self.stop_event is not None:  # Ctrl-C / SIGTERM ends a download at once (it resumes next start)
+                self.source.hub.should_stop = self.stop_event.is_set
             self.source.hub.fetch_layers(self.config, [model_layer(self.config, i) for i in range(start, end)])
         modules = load_blocks(self.checkpoint_dir, self.config, start, end, self.dtype, on_block=self._check_stop,
                               quant=self.quant, device=self.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,12 @@ def blob_path(cache_dir: str | None, repo_id: str, etag: str) -> Path:
     return root / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs" / etag
 
 
-def download_blob(url: str, blob: Path, *, size: int | None, etag: str, token: str | None, name: str) -> None:
+def download_blob(url: str, blob: Path, *, size: int | None, etag: str, token: str | None, name: str,
+                  should_stop: Callable[[], bool] | None = None) -> None:
     """Download ``url`` into ``blob``, resuming a partial file left by an earlier attempt; the content's sha256 is
     checked against ``etag`` when it is one (LFS files). Raises OSError (huggingface_hub's HTTP errors) on
-    failure; the partial file stays for the next attempt."""
+    failure, and InterruptedError as soon as ``should_stop()`` (a server asked to stop): the partial file stays
+    for the next attempt."""
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, tqdm
 
     check_hub_version()
@@ -73,6 +76,8 @@ def download_blob(url: str, blob: Path, *, size: int | None, etag: str, token: s
                 for chunk in response.iter_bytes(_CHUNK):
                     f.write(chunk)
                     bar.update(len(chunk))
+                    if should_stop is not None and should_stop():
+                        raise InterruptedError(f"stopped while downloading {name} (resumed next time)")
     got = partial.stat().st_size
     if size is not None and got != size:
         raise OSError(f"{name}: got {got} of {size} bytes")

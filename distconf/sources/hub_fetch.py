@@ -70,6 +70,9 @@ class HubFetcher:
     def __init__(self, repo_id: str, options: HubOptions | None = None) -> None:
         self.repo_id, self.options = repo_id, options or HubOptions()
         self.fetched: dict[str, Path] = {}
+        self.should_stop: Any = None
+        """A callable saying the caller wants to stop (a server's SIGINT/SIGTERM): a large download then ends with
+        InterruptedError, resumable."""
         self._index: dict[str, str] | None = None
 
     # ------------------------------------------------------------------ one file
@@ -94,6 +97,8 @@ class HubFetcher:
                 self._prefetch(filename)
             path = Path(hf_hub_download(self.repo_id, filename, revision=o.revision, token=o.token,
                                         cache_dir=o.cache, local_files_only=offline, endpoint=o.endpoint))
+        except InterruptedError:  # asked to stop mid-download (an OSError too): the caller's, not the hub's
+            raise
         except LocalEntryNotFoundError:
             if offline and not required:
                 return None
@@ -219,7 +224,7 @@ class HubFetcher:
                                 keep={p.resolve() for p in self.fetched.values()}, name=f"{self.repo_id}/{filename}")
         if blob is not None and large and meta.location:
             download_blob(meta.location, blob, size=meta.size, etag=meta.etag, token=o.token,
-                          name=f"{self.repo_id}/{filename}")
+                          name=f"{self.repo_id}/{filename}", should_stop=self.should_stop)
 
 
 def free_disk_space_for(size: int, max_disk_space: int, cache_dir: str | None, *, keep: set[Path],
