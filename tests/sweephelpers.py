@@ -21,6 +21,9 @@ def new_from_defaults(model_type: str, folder: Path, family: str | None = None) 
     loads that family in the same process)."""
     from transformers import AutoConfig
 
+    from distconf.loader.registry import clear_cache
+
+    clear_cache()  # each `distconf new` is its own process: a draft of the same family from another test is not a clash
     AutoConfig.for_model(model_type).save_pretrained(folder / "config")
     family = family or re.sub(r"[^a-z0-9_]", "_", model_type.lower())  # as the sweep names it
     return main(["new", family, "--from-config", str(folder / "config"), "--out", str(folder / "out") + "/"])
