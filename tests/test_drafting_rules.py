@@ -88,3 +88,27 @@ def test_a_rule_whose_probe_run_fails_says_why_in_the_undecided_notes() -> None:
     assert note.startswith("reads_a_probe: not decided, the tiny model does not build for its probe")
     assert note.endswith("ValueError: no tiny model for this test")
     assert "no tiny model" not in draft.to_yaml()  # the family file is as before; the run of tiny_config says it
+
+
+def test_distconf_new_lists_the_parts_it_could_not_draft(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import LlamaConfig
+
+    from distconf.cli import main
+
+    build = probe._build
+
+    def float_build_fails(config_class, tiny, attn_implementation, *, meta):
+        if not meta:  # the tiny model of the probe runs (the meta scan still works)
+            raise RuntimeError("the tiny model ran out of memory")
+        return build(config_class, tiny, attn_implementation, meta=meta)
+
+    monkeypatch.setattr(probe, "_build", float_build_fails)
+    LlamaConfig(**_TINY_LLAMA).save_pretrained(tmp_path / "config")
+    out_folder = str(tmp_path / "out") + "/"
+    assert main(["new", "undrafted", "--from-config", str(tmp_path / "config"), "--out", out_folder]) == 0
+    out = capsys.readouterr().out
+    assert "part(s) not drafted" in out
+    assert ("  - layer_stack: not decided, the tiny model does not build for its probe (a 1x6-token float32 forward "
+            "without a cache)") in out
+    assert "RuntimeError: the tiny model ran out of memory" in out

@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  found: {fact}")
     if not args.no_run:
         print(f"  layer kinds: {_kind_coverage(output, config, args.from_config)}")
+    if draft.undecided:
+        print(f"{len(draft.undecided)} part(s) not drafted (the tiny model's probe failed; `distconf check` runs "
+              "it again and says the same):")
+        for item in draft.undecided:
+            print(f"  - {item}")
     if draft.review:
         print(f"{len(draft.review)} item(s) to review (also written as TODO comments):")
         for item in draft.review:

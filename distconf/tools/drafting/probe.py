@@ -177,6 +177,12 @@ class Forward:
     quiet: bool = True
     """Silence transformers' warnings (the run whose failures the user reads keeps them)."""
 
+    def describe(self) -> str:
+        """The pass in a few words, for a user (``"a 1x5-token float32 forward with a cache"``)."""
+        mask = f", {self.padded} padded" if self.padded else ""
+        cache = "with" if self.use_cache else "without"
+        return f"a {self.batch}x{self.tokens}-token {self.dtype} forward {cache} a cache{mask}"
+
 
 CACHED_RUN = Forward(use_cache=True)
 """Five token ids with a cache: what the layers get besides the hidden states, which of them run."""

@@ -82,5 +82,6 @@ def apply_rules(rules: Iterable[Rule], facts: TinyFacts, draft: FamilyDraft) -> 
         rule.apply(facts, draft)
         for forward, record in failed_probes():
             stage = "does not run" if record.built else "does not build"
-            draft.undecided.append(f"{rule.name}: not decided, the tiny model {stage} for its probe ({forward}): "
+            draft.undecided.append(f"{rule.name}: not decided, the tiny model {stage} for its probe "
+                                   f"({forward.describe()}): "
                                    f"{record.error}")
