@@ -1,6 +1,7 @@
 # make demo  -- set up .venv (when missing) and run the main job on built-in data
 # make test  -- set up .venv (when missing) and run every check CI runs
 # make test-fast -- the tests that start no process swarm and take no seconds each (under a minute)
+# make test-profile -- make test's pytest run, then the CPU each test file took (what makes the suite slow)
 # make test-latest -- the fast tests on the newest releases pyproject allows (in .venv-latest): what changed
 SHELL  := /bin/bash
 VENV   ?= .venv
@@ -8,7 +9,7 @@ PYTHON ?= python3
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-latest constraints lint bench clean
+.PHONY: setup demo test test-fast test-profile test-latest constraints lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +41,11 @@ test: setup lint
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not swarm and not slow"
+
+test-profile: setup
+	rm -f .test-cpu.log
+	DISTCONF_TEST_CPU_LOG=$(CURDIR)/.test-cpu.log $(BIN)/python -m pytest -q -n 3 --dist loadfile
+	$(BIN)/python tests/cpu_report.py .test-cpu.log
 
 test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest

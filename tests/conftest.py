@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ SLOW_FIXTURES = frozenset({"real_local"})
 """Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
 
 
-LONGEST_FILES = ("test_verify_swarm.py", "test_chat_swarm.py", "test_lab_swarm.py", "test_swarm_demo.py",
+LONGEST_FILES = ("test_swarm_demo.py", "test_lab_swarm.py", "test_chat_swarm.py", "test_verify_swarm.py",
                  "test_unreachable_peers.py", "test_real_swarm.py", "test_hostile_runtime_crash.py", "test_cli.py",
                  "test_api_swarm.py", "test_client_ptune.py", "test_client_swarm.py", "test_speculative_swarm.py",
                  "test_verify_report_swarm.py", "test_sources.py", "test_roundtrip.py", "test_client_generate.py")
@@ -124,3 +125,25 @@ def _swarm_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
     yield
+
+
+CPU_LOG_ENV = "DISTCONF_TEST_CPU_LOG"
+"""Set to a file path: each test appends ``file<TAB>test<TAB>cpu s<TAB>wall s`` to it, the CPU being the worker's and
+its reaped children's (servers, DHT nodes, CLIs), module fixtures' setup and teardown included. What makes the suite
+slow on 2 cores is CPU, not waits: ``make test-profile`` sums it per file."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With `CPU_LOG_ENV` set, log the CPU and wall time of each test (and of the fixtures it sets up and tears
+    down)."""
+    log = os.environ.get(CPU_LOG_ENV)
+    if not log:
+        yield
+        return
+    before, start = os.times(), time.monotonic()
+    yield
+    after = os.times()
+    cpu = sum(after[:4]) - sum(before[:4])
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"{item.path.name}\t{item.name}\t{cpu:.2f}\t{time.monotonic() - start:.2f}\n")

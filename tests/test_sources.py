@@ -261,7 +261,13 @@ def test_tiny_gguf_converted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (len(loads), again.checkpoint_dir, again.dht_prefix) == (1, source.checkpoint_dir, "tiny")
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [source.checkpoint_dir.name]
     assert not list(cache.glob(".tmp-*"))
-    os.utime(file, ns=(1, 1))  # a changed file (mtime) is converted again, into a new entry
+    os.utime(file, ns=(1, 1))  # a touched (reinstalled, copied) file is the same file: no conversion
+    assert open_source(file, cache_dir=cache).checkpoint_dir == source.checkpoint_dir and len(loads) == 1
+    with file.open("r+b") as f:  # other weights in the same layout (a re-export): converted again, a new entry
+        f.seek(file.stat().st_size - 2)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0x40]))
     assert open_source(file, cache_dir=cache).checkpoint_dir != source.checkpoint_dir and len(loads) == 2
 
 

@@ -43,13 +43,24 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     return Path(base).expanduser() / "distconf" / "gguf"
 
 
+SAMPLES = 64
+"""Chunks of tensor data read into a key, spread evenly over the file (with the header, its size and the versions)."""
+SAMPLE_BYTES = 64 * 1024
+
+
 def cache_key(path: Path, header_bytes: int) -> str:
-    """Hex key of the GGUF file at ``path``: size, mtime (ns), header bytes, format and transformers versions."""
+    """Hex key of the GGUF file at ``path``: what it holds, not when it was written.
+
+    The key covers the file's size, its header (every tensor's name, type, shape and offset, and the metadata),
+    `SAMPLES` chunks of its tensor data spread over the file (a re-export with other weights differs there), and
+    the format and transformers versions. Reinstalling or copying the file (a new mtime) keeps its key, so a
+    converted copy survives a fresh virtualenv; reading the key costs ``header + 4 MiB``, not the whole file.
+    """
     import transformers
 
-    stat = path.stat()
+    size = path.stat().st_size
     minor = ".".join(transformers.__version__.split(".")[:2])
-    digest = hashlib.sha256(f"{FORMAT_VERSION}|{minor}|{stat.st_size}|{stat.st_mtime_ns}|".encode())
+    digest = hashlib.sha256(f"{FORMAT_VERSION}|{minor}|{size}|".encode())
     with path.open("rb") as f:
         remaining = header_bytes
         while remaining > 0:
@@ -58,6 +69,10 @@ def cache_key(path: Path, header_bytes: int) -> str:
                 break
             digest.update(chunk)
             remaining -= len(chunk)
+        data = max(0, size - header_bytes)
+        for i in range(SAMPLES):
+            f.seek(header_bytes + data * i // SAMPLES)
+            digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()[:24]
 
 
