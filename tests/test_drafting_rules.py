@@ -20,6 +20,13 @@ def _llama_config_class() -> type:
 
 
 def test_every_rule_comes_after_the_rules_it_needs() -> None:
+    from distconf.tools.drafting.model_rules import MODEL_RULES
+
+    check_order(MODEL_RULES)
+    model_rules = {rule.name: rule for rule in MODEL_RULES}
+    assert all(need in model_rules for rule in MODEL_RULES for need in rule.needs)
+    with pytest.raises(ValueError, match="'position' needs call"):
+        check_order([r for r in MODEL_RULES if r.name != "call"])
     check_order(TINY_RULES)
     by_name = {rule.name: rule for rule in TINY_RULES}
     assert all(need in by_name for rule in TINY_RULES for need in rule.needs)

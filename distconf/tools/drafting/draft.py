@@ -8,16 +8,15 @@ from typing import Any
 
 from distconf.blocks.hf_compat import supports_sdpa
 from distconf.loader.layer_section import sectioned_config_class
-from distconf.loader.per_layer import layer_config
 from distconf.tools.drafting.carried import carried_places
 from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
 from distconf.tools.drafting.fields import FieldNames
-from distconf.tools.drafting.hybrid_tiny import draft_layer_type_argument, with_attention_layer
+from distconf.tools.drafting.hybrid_tiny import with_attention_layer
 from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
 from distconf.tools.drafting.kv_overrides import kv_layer_overrides
 from distconf.tools.drafting.kvmerge import VariantKV, merge_kv
-from distconf.tools.drafting.layer_classes import draft_layer_classes, merge_call_parameters, settle_attention_classes
-from distconf.tools.drafting.model_buffers import draft_model_buffers
+from distconf.tools.drafting.layer_classes import settle_attention_classes
+from distconf.tools.drafting.model_rules import MODEL_RULES, ModelFacts
 from distconf.tools.drafting.named_variants import named_type_variants
 from distconf.tools.drafting.nested import text_section
 from distconf.tools.drafting.per_layer import at_layer, explained_by_layer_configs
@@ -28,12 +27,6 @@ from distconf.tools.drafting.render import FamilyDraft
 from distconf.tools.drafting.rules import TINY_RULES, TinyFacts, apply_rules
 from distconf.tools.drafting.scan import ModelScan, layer_section, meta_model, scan_model
 from distconf.tools.drafting.sections import (
-    draft_call,
-    draft_constructor,
-    draft_mask,
-    draft_mask_skip,
-    draft_model_inputs,
-    draft_position,
     map_layer_kinds,
 )
 from distconf.tools.drafting.shrink import CHECKPOINT_KEYS, shrink_config
@@ -48,8 +41,8 @@ from distconf.tools.drafting.state_section import (
     cache_module_class,
     refuse_foreign_state,
 )
-from distconf.tools.drafting.streams import carried_keywords, note_carried_streams, refuse_stacked_streams
-from distconf.tools.drafting.sublayers import draft_modules_field, finish_sublayers
+from distconf.tools.drafting.streams import carried_keywords
+from distconf.tools.drafting.sublayers import finish_sublayers
 from distconf.tools.drafting.tiny import TinyPlan, fit_tiny_config
 from distconf.tools.drafting.variants import sibling_variants, tiny_plan
 
@@ -129,28 +122,12 @@ def _draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool) -> 
         draft.facts.append(f"{hf_config_class.__name__} counts no layers at its top level; the served stack "
                            f"'{scan.prefix}' is sized by its sub-config {section!r} (block.config_section)")
         draft.review.extend(_shadowed_section_fields(full, section))
-    draft_modules_field(draft, scan, text)
+    apply_rules(MODEL_RULES, ModelFacts(scan, full, text, config, config_class, run_tiny), draft)
     sublayers = scan.sublayers
-    draft_constructor(draft, scan.layer_class, scan.base_model)
-    params = merge_call_parameters(draft, scan, draft_call(draft, scan.layer_class))
-    draft_position(draft, scan, params, full)
-    draft_mask(draft, text, scan.base_model)
-    draft_layer_type_argument(draft, scan.layer_class)
-    draft_mask_skip(draft, scan.attention_class, scan.layer_class)
-    draft_layer_classes(draft, scan, text)
-    draft_model_buffers(draft, scan, text)
-    draft_model_inputs(draft, scan, params)
     stacks = stack_places(scan.base_model, scan.prefix.rpartition(".")[2], scan.layer_class)
     owner = type(scan.base_model).__name__
-    if not run_tiny:  # a growing stack is confirmed on tiny runs only
-        refuse_stacked_streams(scan.base_model, scan.prefix.rpartition(".")[2])
-    note_carried_streams(draft.review, scan.base_model, scan.prefix.rpartition(".")[2])
     carried = carried_keywords(scan.base_model, scan.prefix.rpartition(".")[2])
     places = carried_places(scan.base_model, scan.prefix.rpartition(".")[2], scan.layer_class)
-    first_layer = layer_config(text, 0)  # a heterogeneous config holds the head counts per layer
-    draft.kv_groups = kv_groups_formula(first_layer, config, FieldNames.of(config_class))
-    if draft.kv_groups == 1 and field_value(first_layer, "num_attention_heads") is None:
-        draft.review.append("no num_attention_heads field: set kv_groups by hand")
     plan = tiny_plan(config, config_class, draft.attn_implementation, full, scan)
     layer_class = scan.layer_class
     mixer = cache_module_class(scan.layers[0]) if scan.attention_class is None and scan.layers else None

@@ -44,6 +44,8 @@ class FamilyDraft:
     dht_prefix: dict[str, Any] = field(default_factory=lambda: {"name": "repo"})
     facts: list[str] = field(default_factory=list)
     review: list[str] = field(default_factory=list)
+    layer_parameters: dict[str, Any] = field(default_factory=dict)
+    """The layers' ``forward`` parameters (every layer class's), for the rules after ``call``; not written."""
     undecided: list[str] = field(default_factory=list)
     """Why a drafting rule decided nothing (its probe run failed); not written into the family file, where
     the run of the tiny config reports the failure itself (`distconf.tools.drafting.rules`)."""

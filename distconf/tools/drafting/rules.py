@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from distconf.tools.drafting.call_inputs import draft_call_inputs
 from distconf.tools.drafting.carried import draft_carried_arguments, draft_carried_streams
@@ -28,18 +29,20 @@ from distconf.tools.drafting.streams import draft_hidden_state
 
 __all__ = ["TinyFacts", "Rule", "TINY_RULES", "check_order", "apply_rules"]
 
+FactsT = TypeVar("FactsT")
+
 
 @dataclass(frozen=True)
-class Rule:
-    """One drafting rule: its name, the rules whose writes it reads (``needs``), and the function deciding (its
-    docstring says what it writes)."""
+class Rule(Generic[FactsT]):
+    """One drafting rule: its name, the rules whose writes it reads (``needs``), and the function deciding from
+    the facts it is given and the draft so far (its docstring says what it writes)."""
 
     name: str
     needs: tuple[str, ...]
-    apply: Callable[[TinyFacts, FamilyDraft], None]
+    apply: Callable[[FactsT, FamilyDraft], None]
 
 
-TINY_RULES: tuple[Rule, ...] = (
+TINY_RULES: tuple[Rule[TinyFacts], ...] = (
     Rule("layer_stack", (), draft_layer_stack),
     Rule("causal", (), refuse_non_causal),
     Rule("computed_positions", (), draft_computed_positions),
@@ -60,7 +63,7 @@ TINY_RULES: tuple[Rule, ...] = (
 ``hidden_state.carried`` lists what they carry in that order."""
 
 
-def check_order(rules: Iterable[Rule]) -> None:
+def check_order(rules: Iterable[Rule[FactsT]]) -> None:
     """Raise `ValueError` unless every rule's names are unique and its ``needs`` are rules listed before it."""
     seen: set[Hashable] = set()
     for rule in rules:
@@ -75,7 +78,7 @@ def check_order(rules: Iterable[Rule]) -> None:
 check_order(TINY_RULES)
 
 
-def apply_rules(rules: Iterable[Rule], facts: TinyFacts, draft: FamilyDraft) -> None:
+def apply_rules(rules: Iterable[Rule[FactsT]], facts: FactsT, draft: FamilyDraft) -> None:
     """Apply ``rules`` in order; a rule whose probe run failed says so in ``draft.undecided``."""
     failed_probes()  # failures before the rules are the variant runs', reported in the review notes
     for rule in rules:
