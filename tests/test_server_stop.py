@@ -9,6 +9,7 @@ however it ends.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -41,6 +42,13 @@ from distconf.dht import start_local_dht
 dht = start_local_dht(sys.argv[1:], client_mode=True)
 print("READY", flush=True)
 time.sleep(120)
+"""
+
+UNTIL_END_OF_INPUT = """
+import sys
+print("READY", flush=True)
+sys.stdin.read()  # a demo server's stdin pump: it stops when its input ends
+print("END", flush=True)
 """
 
 
@@ -127,3 +135,28 @@ def test_client_leaves_no_process(swarm, sig, target):
         assert not left, f"left behind: {left}"
     finally:
         client.stop(timeout=1.0)
+
+
+def test_server_sees_the_end_of_its_input_after_the_parent_forked(tmp_path):
+    """A server asked to stop by closing its stdin stops at once, though the parent forked a process meanwhile.
+
+    The demo's client starts its DHT node (a fork of the orchestrator) after the servers: the fork
+    inherited every server's stdin pipe, so no server saw its input end, each stop waited the whole
+    timeout and the server was signalled (under load, killed while it announced OFFLINE).
+    """
+    server = ServerProcess([sys.executable, "-c", UNTIL_END_OF_INPUT], tmp_path / "server.log", name="reader",
+                           stdin=True)
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    try:
+        server.expect("READY", time.monotonic() + START_DEADLINE)
+        forked.start()  # as hivemind starts a DHT node: it holds what this process held, until it exits
+        started = time.monotonic()
+        code = server.stop(timeout=10.0)
+        took = time.monotonic() - started
+        assert code == 0 and took < 5.0, (code, took, server.log_tail())
+        assert "END" in server.log_tail()
+    finally:
+        server.kill()
+        if forked.is_alive():
+            forked.kill()
+        forked.join(5)

@@ -3,6 +3,12 @@
 The demo, the tests and the benchmarks all start servers through `ServerProcess`; every
 wait is bounded. A server is ready when it prints the line `distconf.cli.cmd_serve.ready_line`
 makes (``DISTCONF_READY {json}``), whose record `wait_ready` returns.
+
+A server given a stdin pipe stops when its input ends, so the write end of that pipe must
+belong to this process alone: a process forked from it later (a client's hivemind DHT node,
+any ``multiprocessing`` fork) would inherit it, and the server would never see the end of
+its input. Every forked child therefore points the pipes of the servers it inherited at
+``/dev/null`` (`_release_stdin_pipes`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +34,33 @@ __all__ = ["ServerProcess", "serve_command", "stop_all", "wait_all_ready"]
 def serve_command(model_dir: str | Path, *args: str) -> list[str]:
     """The command line of a ``distconf serve MODEL_DIR ARGS...`` process run by this interpreter."""
     return [sys.executable, "-m", "distconf", "serve", str(model_dir), *args]
+
+
+_with_stdin: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+"""The servers of this process whose stdin is a pipe that is still open."""
+
+
+def _release_stdin_pipes() -> None:
+    """In a forked child: point the inherited stdin pipes of this process's servers at ``/dev/null``.
+
+    The servers then see the end of their input when the parent closes its end, whatever
+    it forked meanwhile. The descriptors stay taken (by ``/dev/null``), so the inherited
+    file objects never close or write to a descriptor the child reuses for something else.
+    """
+    pipes = list(_with_stdin)
+    _with_stdin.clear()
+    if not pipes:
+        return
+    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for server in pipes:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(null, server.proc.stdin.fileno(), inheritable=False)
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_stdin_pipes)
 
 
 class ServerProcess:
@@ -50,6 +84,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      env=full_env, start_new_session=True)
+        if stdin:
+            _with_stdin.add(self)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
@@ -136,6 +172,7 @@ class ServerProcess:
         and signalled only if it is still running after ``timeout``; any other is signalled at once.
         """
         if self.proc.stdin is not None:
+            _with_stdin.discard(self)
             with contextlib.suppress(OSError, ValueError):
                 self.proc.stdin.close()
             self._wait(timeout)

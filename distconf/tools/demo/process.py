@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import IO
 
@@ -21,6 +22,15 @@ class DemoServer(ServerProcess):
     def __init__(self, name: str, args: list[str], log: IO[str]) -> None:
         super().__init__([sys.executable, "-m", "distconf.tools.demo", "serve", "--name", name, *args], log,
                          name=name, stdin=True)
+
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
+        """Say ``STOP``, then close the server's input (`ServerProcess.stop`); return its exit code.
+
+        Either alone makes the server announce OFFLINE and exit; ``STOP`` does not depend on
+        the end of input reaching it.
+        """
+        self.send("STOP")
+        return super().stop(timeout, sig)
 
     def label(self) -> str:
         """``server-2 (blocks 4..7)``."""
