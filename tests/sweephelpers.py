@@ -71,3 +71,20 @@ def drafted_tiny_blocks(model_type: str, folder: Path, pick: Any = None,
     save_checkpoint(model, folder / "ckpt")
     blocks = [load_block(folder / "ckpt", config, i, dtype=torch.float32) for i in range(config_num_blocks(config))]
     return config, model, blocks, path
+
+
+def drafted_fixture(model_type: str) -> Any:
+    """A module-scoped fixture: ``distconf new`` + ``distconf check`` of ``model_type``'s defaults, as (check's exit
+    code, the draft's path); the family registry is emptied after, so later tests load the built-in families."""
+
+    @pytest.fixture(scope="module")
+    def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+        from distconf.loader.registry import clear_cache
+
+        folder = tmp_path_factory.mktemp(model_type)
+        code, _ = draft_and_check(model_type, folder)
+        clear_cache()
+        (draft,) = (folder / "out").glob("*.yaml")
+        return code, draft
+
+    return drafted

@@ -18,7 +18,7 @@ import torch
 import transformers  # noqa: F401  (first imported outside capsys: its log handler keeps the session's stderr)
 import yaml
 from blockhelpers import hf_model, save_checkpoint
-from sweephelpers import draft_and_check
+from sweephelpers import drafted_fixture
 
 from distconf.blocks.weights import load_block
 from distconf.cli import main
@@ -29,15 +29,8 @@ from distconf.loader.wire_layout import wire_layout
 pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
 
 
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
-    """``distconf new`` + ``distconf check`` of inkling2_text's defaults: (check's exit code, the draft)."""
-    folder = tmp_path_factory.mktemp("inkling2_text")
-    clear_cache()
-    code, _ = draft_and_check("inkling2_text", folder)
-    clear_cache()
-    (draft,) = (folder / "out").glob("*.yaml")
-    return code, draft
+drafted = drafted_fixture("inkling2_text")
+"""``distconf new`` + ``distconf check`` of inkling2_text's defaults: (check's exit code, the draft)."""
 
 
 def test_inkling2_defaults_draft_and_check(drafted: tuple[int, Path]) -> None:

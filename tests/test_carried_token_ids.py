@@ -15,12 +15,11 @@ import pytest
 import torch
 import transformers  # noqa: F401  (first imported outside capsys: its log handler keeps the session's stderr)
 from blockhelpers import hf_model, record_layers, save_checkpoint
-from sweephelpers import draft_and_check
+from sweephelpers import drafted_fixture
 
 from distconf.blocks.weights import load_block
 from distconf.blocks.wire import CarriedSlot, carried_layout, token_id_digits, token_ids_of
 from distconf.loader import load_family
-from distconf.loader.registry import clear_cache
 from distconf.loader.spec_position import PositionSpec
 from distconf.loader.spec_wire import CarriedStream
 from distconf.loader.wire_layout import wire_layout
@@ -29,15 +28,8 @@ from distconf.tools.checker import tiny_variants
 pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
 
 
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
-    """``distconf new`` + ``distconf check`` of deepseek_v4's defaults: (check's exit code, the draft)."""
-    folder = tmp_path_factory.mktemp("deepseek_v4")
-    clear_cache()
-    code, _ = draft_and_check("deepseek_v4", folder)
-    clear_cache()
-    (draft,) = (folder / "out").glob("*.yaml")
-    return code, draft
+drafted = drafted_fixture("deepseek_v4")
+"""``distconf new`` + ``distconf check`` of deepseek_v4's defaults: (check's exit code, the draft)."""
 
 
 def test_deepseek_v4_defaults_draft_and_check(drafted: tuple[int, Path]) -> None:

@@ -12,21 +12,13 @@ from typing import Any
 
 import pytest
 import yaml
-from sweephelpers import draft_and_check
+from sweephelpers import drafted_fixture
 
 from distconf.cli import main
 from distconf.loader.registry import clear_cache
 
-
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
-    """``distconf new`` + ``distconf check`` of dory's defaults: (check's exit code, the draft)."""
-    folder = tmp_path_factory.mktemp("dory")
-    clear_cache()
-    code, _ = draft_and_check("dory", folder)
-    clear_cache()
-    (draft,) = (folder / "out").glob("*.yaml")
-    return code, draft
+drafted = drafted_fixture("dory")
+"""``distconf new`` + ``distconf check`` of dory's defaults: (check's exit code, the draft)."""
 
 
 def _edited(draft: Path, folder: Path, edit: Any) -> Path:

@@ -16,7 +16,7 @@ import torch
 import transformers  # noqa: F401  (first imported outside capsys: its log handler keeps the session's stderr)
 from blockhelpers import hf_model, save_checkpoint
 from sessionhelpers import session_with_beam_and_restart
-from sweephelpers import draft_and_check
+from sweephelpers import drafted_fixture
 
 from distconf.blocks.kvcache import kv_geometry
 from distconf.blocks.sizing import state_bytes_per_sequence
@@ -29,15 +29,8 @@ from distconf.loader.spec_state import StateSpec
 pytestmark = pytest.mark.slow  # each test drafts a model type from its defaults: seconds on its own
 
 
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
-    """``distconf new`` + ``distconf check`` of inkling_text's defaults: (check's exit code, the draft)."""
-    folder = tmp_path_factory.mktemp("inkling_text")
-    clear_cache()
-    code, _ = draft_and_check("inkling_text", folder)
-    clear_cache()
-    (draft,) = (folder / "out").glob("*.yaml")
-    return code, draft
+drafted = drafted_fixture("inkling_text")
+"""``distconf new`` + ``distconf check`` of inkling_text's defaults: (check's exit code, the draft)."""
 
 
 def test_inkling_defaults_draft_and_check(drafted: tuple[int, Path]) -> None:
