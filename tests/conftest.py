@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 
-from distconf.threads import SWITCH, apply_thread_policy
+from distconf.threads import SWITCH, apply_thread_policy, policy_defaults
 
 # One compute thread and passive OpenMP waits per process (here and in every process the tests start),
 # set before torch is imported: tests run several processes per core (xdist workers, swarms), whose
@@ -25,6 +26,33 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = REPO / "families"
+SESSION_ENV = dict(os.environ)
+"""The environment every test starts from: servers started with it are forked from a preloaded interpreter."""
+FORKSERVER_ENV = "DISTCONF_TEST_FORKSERVER"
+"""Set to 0: start every server as a new interpreter (see tests/forkserver.py)."""
+
+
+LAUNCHER = (forkserver.LazyForkServer(SESSION_ENV) if os.environ.get(FORKSERVER_ENV) != "0"
+            and policy_defaults("server", os.environ[SWITCH]) == policy_defaults("process", os.environ[SWITCH])
+            else None)
+"""How this worker starts servers and command-line runs (None: as new interpreters). Forking needs one thread
+policy for every role: torch is imported before the fork, with the fork server's."""
+forkserver.LAUNCHER = LAUNCHER
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _server_launcher() -> Iterator[None]:
+    """Servers (`distconf.tools.serving.ServerProcess`) and `forkserver.run` commands of this worker start as
+    forks of one preloaded interpreter."""
+    if LAUNCHER is None:
+        yield
+        return
+    from distconf.tools import serving
+
+    serving.set_launcher(LAUNCHER)
+    yield
+    serving.set_launcher(None)
+    LAUNCHER.close()
 
 
 @pytest.fixture(autouse=True)
@@ -88,10 +116,13 @@ SLOW_FIXTURES = frozenset({"real_local"})
 """Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
 
 
-LONGEST_FILES = ("test_swarm_demo.py", "test_lab_swarm.py", "test_chat_swarm.py", "test_verify_swarm.py",
-                 "test_unreachable_peers.py", "test_real_swarm.py", "test_hostile_runtime_crash.py", "test_cli.py",
-                 "test_api_swarm.py", "test_client_ptune.py", "test_client_swarm.py", "test_speculative_swarm.py",
-                 "test_verify_report_swarm.py", "test_sources.py", "test_roundtrip.py", "test_client_generate.py")
+LONGEST_FILES = ("test_swarm_demo.py", "test_adapters_swarm.py", "test_chat_swarm.py", "test_lab_swarm.py",
+                 "test_real_swarm.py", "test_verify_swarm.py", "test_hostile_runtime_crash.py",
+                 "test_speculative_swarm.py", "test_cli.py", "test_api_swarm.py", "test_state_families_swarm.py",
+                 "test_real_model.py", "test_server_stop.py", "test_unreachable_peers.py", "test_client_generate.py",
+                 "test_verify_report_swarm.py", "test_sources.py", "test_hub_downloads.py",
+                 # the fast tier's (make test-fast deselects the ones above)
+                 "test_drafting_golden.py", "test_drafting.py", "test_batch_step.py", "test_kv_sharing.py")
 """The files of the longest wall time in ``make test`` (measured, longest first): collected first, so that
 ``--dist loadfile`` starts them first and the run does not end waiting on one of them."""
 
@@ -129,8 +160,8 @@ def _swarm_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
 
 CPU_LOG_ENV = "DISTCONF_TEST_CPU_LOG"
 """Set to a file path: each test appends ``file<TAB>test<TAB>cpu s<TAB>wall s`` to it, the CPU being the worker's and
-its reaped children's (servers, DHT nodes, CLIs), module fixtures' setup and teardown included. What makes the suite
-slow on 2 cores is CPU, not waits: ``make test-profile`` sums it per file."""
+its reaped children's (servers, DHT nodes, CLIs; forked servers once collected), module fixtures' setup and
+teardown included. What makes the suite slow on 2 cores is CPU, not waits: ``make test-profile`` sums it per file."""
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -141,9 +172,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not log:
         yield
         return
+    forked = LAUNCHER.reaped_cpu if LAUNCHER else 0.0  # servers forked from the preloaded interpreter
     before, start = os.times(), time.monotonic()
     yield
     after = os.times()
-    cpu = sum(after[:4]) - sum(before[:4])
+    cpu = sum(after[:4]) - sum(before[:4]) + (LAUNCHER.reaped_cpu if LAUNCHER else 0.0) - forked
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"{item.path.name}\t{item.name}\t{cpu:.2f}\t{time.monotonic() - start:.2f}\n")

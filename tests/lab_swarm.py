@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 
 from distconf.tools import real_model as rm
@@ -54,8 +55,8 @@ def lab_address(record: dict[str, Any]) -> str:
 
 def run_client(host: Host, env: dict[str, str], timeout: float = 240.0, **options: Any) -> dict[str, Any]:
     """`tests/lab_client.py` inside ``host``: its JSON result (``error`` when it failed)."""
-    result = host.run([sys.executable, CLIENT, json.dumps(options)], timeout=timeout, check=False,
-                      env={**os.environ, **env})
+    result = forkserver.run(host.command([sys.executable, CLIENT, json.dumps(options)]), timeout=timeout,
+                            env={**os.environ, **env})
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise AssertionError(f"the lab client printed no result (exit {result.returncode}): {result.stderr[-3000:]}")

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 from dhthelpers import stop_process, wait_for
@@ -29,7 +30,13 @@ from distconf.tools import real_model as rm
 from distconf.tools.serving import ServerProcess
 
 pytestmark = pytest.mark.swarm
-peft = pytest.importorskip("peft")
+
+
+def peft() -> Any:
+    """``peft``, imported at first use: it takes about 2 s, which collecting the suite need not pay."""
+    import peft as module
+
+    return module
 
 REPO = Path(__file__).resolve().parents[1]
 SPANS = ("0:15", "15:30")
@@ -47,8 +54,8 @@ def _train(checkpoint: str, folder: Path) -> None:
 
     torch.manual_seed(0)
     model = rm.local_model(checkpoint).requires_grad_(False)
-    tuned = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                       lora_dropout=0.0))
+    tuned = peft().get_peft_model(model, peft().LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0))
     ids = AutoTokenizer.from_pretrained(checkpoint)(TEXT, return_tensors="pt")["input_ids"]
     optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=3e-3)
     tuned.train()
@@ -77,7 +84,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     ids = [int(i) for i in tokenizer(PROMPT)["input_ids"]]
     base = rm.local_model(source.checkpoint_dir)
     expected_base = _greedy(base, ids)
-    tuned = peft.PeftModel.from_pretrained(rm.local_model(source.checkpoint_dir), str(folder)).eval()
+    tuned = peft().PeftModel.from_pretrained(rm.local_model(source.checkpoint_dir), str(folder)).eval()
     expected_adapter = _greedy(tuned, ids)
     assert expected_adapter != expected_base, "the adapter does not change the answer: the test would prove nothing"
     return {"folder": folder, "ids": ids, "base": expected_base, "adapter": expected_adapter,
@@ -92,8 +99,8 @@ class Swarm:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run ``distconf ARGS`` to its end."""
-        return subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT, cwd=REPO, env=self.env)
+        return forkserver.run([sys.executable, "-m", "distconf", *args], timeout=COMMAND_TIMEOUT, cwd=REPO,
+                              env=self.env)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +237,7 @@ def test_deep_prompt_tuning_through_the_adapter_equals_local_autograd(swarm: Swa
         weights = torch.randn(1, x.shape[1], model.config.vocab_size, generator=torch.Generator().manual_seed(3))
         logits = model(x, use_cache=False).logits
         (logits * weights).sum().backward()
-        local = peft.PeftModel.from_pretrained(rm.local_model(trained["source"].checkpoint_dir),
+        local = peft().PeftModel.from_pretrained(rm.local_model(trained["source"].checkpoint_dir),
                                                str(trained["folder"])).eval().base_model.model
         prompt = prompts.prompt_embeddings.detach().clone().requires_grad_(True)
         deep = prompts.deep_prompt_embeddings.detach().clone().requires_grad_(True)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 from dhthelpers import wait_until
 from real_helpers import open_real_source, real_cache_dir
@@ -47,8 +48,8 @@ class Swarm:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run ``distconf ARGS`` to its end."""
-        return subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT, cwd=REPO, env=self.env)
+        return forkserver.run([sys.executable, "-m", "distconf", *args], timeout=COMMAND_TIMEOUT, cwd=REPO,
+                              env=self.env)
 
 
 @pytest.fixture(scope="module")

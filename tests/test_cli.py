@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 pytestmark = pytest.mark.slow  # each test starts the CLI in a fresh interpreter
@@ -17,8 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=REPO)
+    return forkserver.run([sys.executable, "-m", "distconf", *args], timeout=timeout, env=full_env, cwd=REPO)
 
 
 def test_help_explains() -> None:
@@ -53,6 +53,14 @@ def test_validate_exit_codes(tmp_path) -> None:
     assert "kv_groups: required field is missing" in out.stderr
     assert run("validate", str(tmp_path / "missing.yaml")).returncode == 1
     assert run("validate", "--no-such-flag").returncode == 2
+
+
+@pytest.mark.slow
+def test_every_builtin_family_validates_with_resolve(capsys) -> None:
+    from distconf.cli import main
+
+    assert main(["validate", "--resolve"]) == 0  # imports every class a built-in family names
+    assert "problem" not in capsys.readouterr().out
 
 
 def test_validate_resolve_catches_bad_names(tmp_path) -> None:

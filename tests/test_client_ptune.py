@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 from swarm_harness import Swarm as HarnessSwarm
@@ -244,15 +245,14 @@ def test_save_pretrained_keeps_trained_prompts(swarm: Swarm, tmp_path: Path) -> 
         assert torch.allclose(again(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-6)
     # `distconf generate` on the saved folder runs with the trained prompts
     import os
-    import subprocess
     import sys
 
     from client_swarm import REPO
 
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "distconf.cli.cmd_generate", str(tmp_path / "tuned"), "--initial-peers", *swarm.peers,
          "--ids", "5,17,42", "--max-new-tokens", "5"],
-        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     prompt = torch.tensor([[5, 17, 42]])
     with torch.no_grad():

@@ -14,11 +14,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import torch
@@ -120,10 +120,10 @@ def test_generate_cli_prints_the_local_text(swarm: Swarm) -> None:
     prompt = "w5 w17 w42 w9"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     want = tokenizer.decode(_greedy(swarm.local, ids, 6)[0], skip_special_tokens=True)
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "distconf.cli.cmd_generate", str(swarm.folder), prompt, "--initial-peers",
          *swarm.peers, "--max-new-tokens", "6"],
-        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rstrip("\n") == want and want
 

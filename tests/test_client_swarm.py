@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import swarm_harness
 import torch
@@ -255,15 +256,14 @@ def test_update_period(swarm: Swarm) -> None:
 
 def test_generate_command_prints_token_ids(swarm: Swarm) -> None:
     import os
-    import subprocess
     import sys
 
     from client_swarm import REPO
 
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "distconf.cli.cmd_generate", str(swarm.model_dir), "--initial-peers", *swarm.peers,
          "--ids", "5,17,42", "--max-new-tokens", "6"],
-        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]
     ids = torch.tensor([[5, 17, 42]])
     assert [int(t) for t in result.stdout.split()] == swarm.expected(ids, max_new_tokens=6)[0][3:]

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+import forkserver
 import msgpack
 import psutil
 import pytest
@@ -212,8 +213,7 @@ dht.shutdown()
 
 def run_client(*args: str) -> subprocess.CompletedProcess[str]:
     """A client process (a crash is its exit code, not this test process's)."""
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return forkserver.run([sys.executable, *args], timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def test_a_server_replying_deep_rpc_info_does_not_crash_the_client(swarm: Swarm) -> None:

@@ -18,7 +18,12 @@ from distconf.server.compute import ServedBlock, backward_chain, forward_chain
 from distconf.server.session_cache import SessionCache, StepPart, batch_key, step_together
 from distconf.server.validation import RequestError, check_adapter
 
-peft = pytest.importorskip("peft")
+
+def peft() -> Any:
+    """``peft``, imported at first use: it takes about 2 s, which collecting the suite need not pay."""
+    import peft as module
+
+    return module
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -26,9 +31,9 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 def _lora(model: Any, folder: Path, seed: int, targets: list[str] = TARGETS, rank: int = 4) -> Any:
     """A PEFT LoRA of ``model`` with random (non-zero) A and B, saved to ``folder``; returns the PEFT model."""
     torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
+    config = peft().LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
                              init_lora_weights=False)
-    tuned = peft.get_peft_model(model, config)
+    tuned = peft().get_peft_model(model, config)
     tuned.save_pretrained(str(folder))
     return tuned
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import forkserver
 import pytest
 from real_helpers import real_cache_dir
 
@@ -20,11 +21,12 @@ PEER_ID = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 
 
 @pytest.fixture(scope="module")
-def refusing_peer() -> str:
-    """The multiaddr of a loopback port nobody listens on."""
+def refusing_peer() -> Iterator[str]:
+    """The multiaddr of a loopback port nobody listens on: bound here and never listened on, so connections are
+    refused and no other process of the run can take the port meanwhile (one did: the dial then hung)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}/p2p/{PEER_ID}"
+        yield f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}/p2p/{PEER_ID}"
 
 
 COMMANDS = {
@@ -41,8 +43,8 @@ COMMANDS = {
 def test_an_unreachable_initial_peer_is_one_line_naming_it_and_the_cause(command, refusing_peer, request):
     args = [a.format(model=rm.gguf_path()) for a in COMMANDS[command]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
-    result = subprocess.run([sys.executable, "-m", "distconf", command, *args, "--initial-peers", refusing_peer],
-                            capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    result = forkserver.run([sys.executable, "-m", "distconf", command, *args, "--initial-peers", refusing_peer],
+                            timeout=300, env=env)
     ours = [line for line in result.stderr.splitlines() if line.startswith("distconf ")]
     assert result.returncode == 2, result.stderr[-3000:]
     assert ours == [f"distconf {command}: cannot join the swarm: {refusing_peer}: connection refused"], result.stderr

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import transformers
 
@@ -61,6 +61,5 @@ def test_user_family_end_to_end(tmp_path, monkeypatch, fresh_cache) -> None:
 
     env = {**os.environ, "DISTCONF_FAMILIES_PATH": str(families)}
     for args in (["validate", "--resolve", str(families)], ["check", "olmo2"]):
-        out = subprocess.run([sys.executable, "-m", "distconf", *args], capture_output=True, text=True,
-                             env=env, cwd=tmp_path, timeout=600)
+        out = forkserver.run([sys.executable, "-m", "distconf", *args], env=env, cwd=tmp_path, timeout=600)
         assert out.returncode == 0, (args, out.stdout, out.stderr)

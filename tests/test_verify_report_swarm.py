@@ -18,6 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import forkserver
 import pytest
 from dhthelpers import wait_for
 from hostile_helpers import start_honest, start_hostile
@@ -80,8 +81,8 @@ def caught_rows(swarm: Swarm) -> list[dict]:
 
 def test_generate_names_the_liar_on_stderr(swarm: Swarm) -> None:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run(swarm.command("generate", "--verify-fraction", "0.25", "--max-new-tokens", "6", PROMPT),
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT, env=env, cwd=swarm.root)
+    done = forkserver.run(swarm.command("generate", "--verify-fraction", "0.25", "--max-new-tokens", "6", PROMPT),
+                          timeout=COMMAND_TIMEOUT, env=env, cwd=swarm.root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), "no text"
     lines = [line for line in done.stderr.splitlines() if line.startswith("distconf generate: spot check: ")]

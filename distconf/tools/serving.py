@@ -22,13 +22,28 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from distconf.server.ready import parse_ready_line
 
-__all__ = ["ServerProcess", "serve_command", "stop_all", "wait_all_ready"]
+__all__ = ["Launcher", "ServerProcess", "serve_command", "set_launcher", "stop_all", "wait_all_ready"]
+
+Launcher = Callable[..., Any]
+"""Starts a server process: `subprocess.Popen`'s signature, returning an object with Popen's ``pid``,
+``stdin``, ``stdout``, ``returncode``, ``poll``, ``wait`` and ``send_signal``."""
+
+_launcher: Launcher = subprocess.Popen
+
+
+def set_launcher(launcher: Launcher | None) -> None:
+    """How `ServerProcess` starts servers from now on in this process (None: `subprocess.Popen`).
+
+    The test suite starts its servers from a preloaded fork server this way (``tests/forkserver.py``).
+    """
+    global _launcher
+    _launcher = subprocess.Popen if launcher is None else launcher
 
 
 def serve_command(model_dir: str | Path, *args: str) -> list[str]:
@@ -81,9 +96,9 @@ class ServerProcess:
         self._log: IO[str] | None = self.log_path.open("w", encoding="utf-8") if self.log_path else log
         self._owns_log = self.log_path is not None
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=full_env, start_new_session=True)
+        self.proc = _launcher(list(cmd), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                              env=full_env, start_new_session=True)
         if stdin:
             _with_stdin.add(self)
         self.lines: queue.Queue[str | None] = queue.Queue()

@@ -80,8 +80,10 @@ def rtt(address: str, port: int, count: int) -> None:
 def send(address: str, port: int, size: int) -> None:
     """Send ``size`` bytes and print the rate in Mbit/s (until the receiver confirms the last byte)."""
     block = b"\0" * 65536
-    with _connect(address, port) as sock:
-        sock.settimeout(100.0)  # on a lossy link TCP backs off for seconds per lost segment (the caller bounds 120 s)
+    # on a lossy link TCP backs off for seconds per lost SYN or segment (the caller bounds 120 s): with 30 % loss,
+    # the 4 SYNs a 10 s connect allows all fail about once in 120 runs; 40 s allows 6
+    with _connect(address, port, timeout=40.0) as sock:
+        sock.settimeout(70.0)
         start = time.perf_counter()
         left = size
         while left > 0:
