@@ -5,7 +5,7 @@
 ``kill_after`` (a number of new tokens) with ``pids`` (peer id -> pid): the server of the last span is
 SIGKILLed (its process group) once that many tokens are out, to show a failover across hosts;
 ``max_new_tokens``; ``client`` (more client config fields). ``records`` in the result: each server's
-``using_relay``, ``throughput`` and ``state`` as the DHT says after the generation.
+``using_relay``, ``throughput``, ``forward_rps`` and ``state`` as the DHT says after the generation.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(options: dict[str, Any]) -> dict[str, Any]:
         tokens = out[0, ids.shape[1]:].tolist()
         state = model.remote.manager.update(force=True)
         records = {s.peer_id: {"using_relay": s.info.using_relay, "throughput": s.info.throughput,
-                               "state": int(s.info.state)} for s in state.spans}
+                               "forward_rps": s.info.forward_rps, "state": int(s.info.state)} for s in state.spans}
         return {"tokens": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True).strip(),
                 "seconds": time.perf_counter() - start, "failovers": failovers, "killed": killed,
                 "records": records}

@@ -23,6 +23,7 @@ from lab_swarm import group_pid, lab_address, namespace_pids, open_lab, ready, r
 from real_helpers import open_real_source
 
 from distconf.dht.addresses import is_loopback_maddr
+from distconf.server.block_server import RELAY_PENALTY
 from distconf.tools import real_model as rm
 from distconf.tools.serving import stop_all
 
@@ -106,8 +107,11 @@ def test_a_server_behind_nat_serves_through_a_relay(swarm, expected):
     records = result["records"]
     assert records[relayed.peer_id]["using_relay"] is True
     assert records[a_peer]["using_relay"] is False
-    direct = records[swarm.first[1].peer_id]["throughput"]
-    assert records[relayed.peer_id]["throughput"] < 0.5 * direct  # Petals' relay penalty (x 0.2)
+    # Petals' relay penalty: x 0.2 on the throughput each server derives from its own measured speed (both serve
+    # 15 blocks), compared per measured request rate: each measured its own speed under whatever load there was
+    direct, relayed_record = records[swarm.first[1].peer_id], records[relayed.peer_id]
+    assert relayed_record["throughput"] / relayed_record["forward_rps"] == pytest.approx(
+        RELAY_PENALTY * direct["throughput"] / direct["forward_rps"], rel=1e-3)
     log = relayed.log_path.read_text()
     assert "reached relayed through" in log
 
