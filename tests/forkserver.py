@@ -329,10 +329,11 @@ class ForkServer:
               bufsize: int = -1, start_new_session: bool = False, **kwargs: Any) -> Any:
         """`subprocess.Popen` (same arguments): forked when `forks` allows, else a new interpreter.
 
-        A forked process always leads a session of its own and has text pipes.
+        A forked process always leads a session of its own; its pipes, if any, are text.
         """
         command = _command(args)
-        if kwargs or not text or command is None or not self.forks(args, env):
+        pipes = subprocess.PIPE in (stdin, stdout, stderr)
+        if kwargs or (pipes and not text) or command is None or not self.forks(args, env):
             return subprocess.Popen(list(args), stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                     text=text, bufsize=bufsize, start_new_session=start_new_session, **kwargs)
         mine: list[int] = []  # descriptors this process keeps (the parent ends of pipes)
@@ -392,12 +393,19 @@ class LazyForkServer:
         and its CPU with its children's counts in this process's children's since)."""
         return 0.0 if self._server is None or self._closed else self._server.reaped_cpu
 
+    def server(self) -> ForkServer:
+        """The fork server, started now if it was not yet."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the fork server of this worker was closed")
+            if self._server is None:
+                self._server = ForkServer(self.env)
+            return self._server
+
     def __call__(self, args: Sequence[str], **kwargs: Any) -> Any:
         """`subprocess.Popen`: forked from the preloaded interpreter when `ForkServer.forks` allows."""
-        with self._lock:
-            if self._server is None and not self._closed and _command(args) and _same_env(kwargs.get("env"),
-                                                                                          self.env):
-                self._server = ForkServer(self.env)
+        if self._server is None and not self._closed and _command(args) and _same_env(kwargs.get("env"), self.env):
+            self.server()
         if self._server is None or self._closed:
             return subprocess.Popen(list(args), **kwargs)
         return self._server.popen(args, **kwargs)
@@ -408,6 +416,11 @@ class LazyForkServer:
             if self._server is not None and not self._closed:
                 self._server.close()
             self._closed = True
+
+
+def popen(args: Sequence[str], **kwargs: Any) -> Any:
+    """`subprocess.Popen(args, **kwargs)`, forked by this worker's fork server if it can."""
+    return (LAUNCHER if LAUNCHER is not None else subprocess.Popen)(list(args), **kwargs)
 
 
 def run(args: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,

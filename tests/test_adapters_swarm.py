@@ -195,7 +195,7 @@ def test_the_api_serves_the_adapter_as_a_model_id_to_the_openai_client(swarm: Sw
         port = int(s.getsockname()[1])
     log = tmp_path / "api.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "distconf", "api", str(rm.gguf_path()), "--initial-peers",
+        proc = forkserver.popen([sys.executable, "-m", "distconf", "api", str(rm.gguf_path()), "--initial-peers",
                                  *swarm.peers, "--port", str(port), "--model-id", "smol", "--adapters", NAME],
                                 stdout=out, stderr=out, env=swarm.env, cwd=REPO)
     try:

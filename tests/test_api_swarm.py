@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 from dhthelpers import wait_for, wait_until
 from real_helpers import open_real_source, real_cache_dir
@@ -90,7 +91,7 @@ def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         port = _free_port()
         log = logs / "api.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "distconf", "api", str(rm.gguf_path()), "--initial-peers",
+            proc = forkserver.popen([sys.executable, "-m", "distconf", "api", str(rm.gguf_path()), "--initial-peers",
                                      *peers, "--port", str(port), "--api-key", KEY], stdout=out, stderr=out,
                                     env=env, cwd=REPO)
         url = f"http://127.0.0.1:{port}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import forkserver
 import pytest
 from client_swarm import REPO, make_model_dir
 from forkserver import ForkedProcess, ForkServer
@@ -28,6 +29,10 @@ pytestmark = pytest.mark.slow  # the fork server imports torch and hivemind once
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ForkServer]:
+    """This worker's fork server (or one of the module's own when the suite runs without)."""
+    if forkserver.LAUNCHER is not None:
+        yield forkserver.LAUNCHER.server()
+        return
     fork_server = ForkServer(dict(os.environ))
     yield fork_server
     fork_server.close()
@@ -80,12 +85,12 @@ def test_a_forked_server_leads_its_session_and_ends_as_signalled(server: ForkSer
     launched: list[ServerProcess] = []
     try:
         for _ in range(2):
-            serving.set_launcher(server.popen)
+            previous = serving.set_launcher(server.popen)
             try:
                 launched.append(ServerProcess(command, tmp_path / f"{len(launched)}.log",
                                               env={"PYTHONPATH": str(REPO)}))
             finally:
-                serving.set_launcher(None)
+                serving.set_launcher(previous)
         deadline = time.monotonic() + 120
         for proc in launched:
             proc.wait_ready(deadline)

@@ -37,13 +37,15 @@ Launcher = Callable[..., Any]
 _launcher: Launcher = subprocess.Popen
 
 
-def set_launcher(launcher: Launcher | None) -> None:
-    """How `ServerProcess` starts servers from now on in this process (None: `subprocess.Popen`).
+def set_launcher(launcher: Launcher | None) -> Launcher:
+    """How `ServerProcess` starts servers from now on in this process (None: `subprocess.Popen`); returns the
+    launcher it replaces.
 
     The test suite starts its servers from a preloaded fork server this way (``tests/forkserver.py``).
     """
     global _launcher
-    _launcher = subprocess.Popen if launcher is None else launcher
+    previous, _launcher = _launcher, (subprocess.Popen if launcher is None else launcher)
+    return previous
 
 
 def serve_command(model_dir: str | Path, *args: str) -> list[str]:
