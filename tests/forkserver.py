@@ -339,9 +339,9 @@ class ForkServer:
         mine: list[int] = []  # descriptors this process keeps (the parent ends of pipes)
         theirs: list[int] = []  # descriptors handed to the child (closed here once sent)
         try:
-            child_in, parent_in = _end(stdin, False, mine, theirs)
-            child_out, parent_out = _end(stdout, True, mine, theirs)
-            child_err, parent_err = (child_out, None) if stderr == subprocess.STDOUT else _end(stderr, True, mine,
+            child_in, parent_in = _end(stdin, 0, mine, theirs)
+            child_out, parent_out = _end(stdout, 1, mine, theirs)
+            child_err, parent_err = (child_out, None) if stderr == subprocess.STDOUT else _end(stderr, 2, mine,
                                                                                                  theirs)
             request = {**command, "env": dict(os.environ if env is None else env), "cwd": str(cwd or os.getcwd())}
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -446,8 +446,10 @@ def _same_env(env: Mapping[str, str] | None, reference: Mapping[str, str]) -> bo
                if not k.startswith("DISTCONF_") or k.startswith("DISTCONF_THREADS"))
 
 
-def _end(spec: Any, write: bool, mine: list[int], theirs: list[int]) -> tuple[int, int | None]:
-    """The child's descriptor for one of Popen's stdin/stdout/stderr values, and the parent's pipe end if any."""
+def _end(spec: Any, standard: int, mine: list[int], theirs: list[int]) -> tuple[int, int | None]:
+    """The child's descriptor for Popen's stdin/stdout/stderr value ``spec`` (``standard``: 0, 1 or 2; None
+    inherits this process's), and the parent's pipe end if any."""
+    write = standard != 0
     if spec == subprocess.PIPE:
         read, written = os.pipe()
         child, parent = (written, read) if write else (read, written)
@@ -455,7 +457,7 @@ def _end(spec: Any, write: bool, mine: list[int], theirs: list[int]) -> tuple[in
         theirs.append(child)
         return child, parent
     if spec is None:
-        return (1 if write else 0), None
+        return standard, None
     if spec == subprocess.DEVNULL:
         fd = os.open(os.devnull, os.O_WRONLY if write else os.O_RDONLY)
         theirs.append(fd)

@@ -11,7 +11,7 @@ from pathlib import Path
 import forkserver
 import pytest
 
-pytestmark = pytest.mark.slow  # each test starts the CLI in a fresh interpreter
+pytestmark = pytest.mark.slow  # each test starts the CLI in a process of its own
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,6 @@ def test_validate_exit_codes(tmp_path) -> None:
     assert run("validate", "--no-such-flag").returncode == 2
 
 
-@pytest.mark.slow
 def test_every_builtin_family_validates_with_resolve(capsys) -> None:
     from distconf.cli import main
 

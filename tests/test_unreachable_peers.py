@@ -23,7 +23,7 @@ PEER_ID = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
 @pytest.fixture(scope="module")
 def refusing_peer() -> Iterator[str]:
     """The multiaddr of a loopback port nobody listens on: bound here and never listened on, so connections are
-    refused and no other process of the run can take the port meanwhile (one did: the dial then hung)."""
+    refused and no other process of the run can take the port meanwhile."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}/p2p/{PEER_ID}"
