@@ -35,6 +35,7 @@ import select
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -238,6 +239,8 @@ def serve(path: str) -> None:
     selector.register(wake_r, selectors.EVENT_READ, "child")
     selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection its exit status goes to
+    started_by: dict[int, int] = {}  # child pid -> the pid of the process that asked for it
+    nested_cpu: dict[int, float] = {}  # child pid -> CPU of the exited processes it asked for (reported with its)
     print("READY", flush=True)
     running = True
     while running:
@@ -246,6 +249,8 @@ def serve(path: str) -> None:
                 running = bool(os.read(sys.stdin.fileno(), 4096))
             elif key.data == "accept":
                 conn, _ = listener.accept()
+                requester = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))[0]
                 request, fds = _recv_request(conn)
                 pid = os.fork()
                 if pid == 0:
@@ -257,6 +262,7 @@ def serve(path: str) -> None:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
                 waiting[pid] = conn
+                started_by[pid] = requester
             else:
                 with contextlib.suppress(BlockingIOError):
                     wake_r.recv(4096)
@@ -268,9 +274,13 @@ def serve(path: str) -> None:
             if pid == 0:
                 break
             conn = waiting.pop(pid, None)
+            cpu = usage.ru_utime + usage.ru_stime + nested_cpu.pop(pid, 0.0)
+            requester = started_by.pop(pid, None)
+            if requester in waiting:  # a server a forked command started (fork_servers): that command's CPU
+                nested_cpu[requester] = nested_cpu.get(requester, 0.0) + cpu
             if conn is not None:
                 with contextlib.suppress(OSError):
-                    conn.sendall(f"{_status(raw)} {usage.ru_utime + usage.ru_stime:.3f}\n".encode())
+                    conn.sendall(f"{_status(raw)} {cpu:.3f}\n".encode())
                 conn.close()
     for pid in waiting:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -381,7 +391,8 @@ class ForkClient:
         self.path = path
         self.env = dict(env)
         self.reaped_cpu = 0.0
-        """CPU seconds of the forked processes collected so far (with what they reaped: DHT and P2P daemons)."""
+        """CPU seconds of the forked processes collected so far, with what they reaped (DHT and P2P daemons) and,
+        for a command started with ``fork_servers``, the servers it started that exited before it."""
 
     def forks(self, args: Sequence[str], env: Mapping[str, str] | None) -> bool:
         """Whether ``args``/``env`` can be forked from the preloaded interpreter without any difference."""

@@ -193,3 +193,22 @@ def test_command_help_has_examples(name) -> None:
     text = _subcommands()[name].format_help()
     assert "example" in text
     assert f"distconf {name}" in text.split("example", 1)[1]
+
+
+def test_the_console_script_freezes_what_it_made_before_the_process_ends(monkeypatch, capsys) -> None:
+    """The interpreter's last collection would visit every object torch and transformers made (0.86 s of a 5 s
+    command, benchmarks/bench_cli_exit.py); the console script (no argv) freezes them first, an in-process call
+    does not."""
+    import gc
+
+    from distconf.cli import main
+
+    gc.unfreeze()
+    try:
+        assert main(["list"]) == 0 and gc.get_freeze_count() == 0
+        monkeypatch.setattr(sys, "argv", ["distconf", "list"])
+        monkeypatch.setattr("distconf.cli.apply_thread_policy", lambda role: {})  # this process's env stays
+        assert main() == 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert "llama" in capsys.readouterr().out

@@ -80,18 +80,24 @@ def test_a_request_with_another_environment_starts_a_new_interpreter(server: For
 @pytest.mark.swarm
 def test_a_forked_command_asked_to_fork_its_servers_starts_them_from_the_same_server(server: ForkServer,
                                                                                      tmp_path: Path) -> None:
-    """What the demo's test does: the demo's `ServerProcess` starts are forks too (and only when asked)."""
+    """What the demo's test does: the demo's `ServerProcess` starts are forks too (and only when asked); their
+    CPU is counted in the command's, as a new interpreter's children's would be."""
+    burn = tmp_path / "burns_a_second.py"
+    burn.write_text("import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
+                    "print('burnt')\n")
     script = tmp_path / "starts_a_server.py"
     script.write_text("import sys\n"
                       "from distconf.tools.serving import ServerProcess\n"
-                      "p = ServerProcess([sys.executable, '-m', 'distconf', 'list'], name='s')\n"
-                      "print(type(p.proc).__name__, p.proc.wait(60), p.lines.get(timeout=60) is not None)\n")
+                      f"p = ServerProcess([sys.executable, {str(burn)!r}], name='s')\n"
+                      "print(type(p.proc).__name__, p.proc.wait(60), p.lines.get(timeout=60))\n")
     for fork_servers, kind in ((True, "ForkedProcess"), (False, "Popen")):
+        cpu = server.reaped_cpu
         proc = server.popen([sys.executable, str(script)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
                             fork_servers=fork_servers)
         out = proc.stdout.read()
-        assert proc.wait(60) == 0 and out.split() == [kind, "0", "True"], out
+        assert proc.wait(60) == 0 and out.split() == [kind, "0", "burnt"], out
+        assert server.reaped_cpu - cpu >= 1.0
 
 
 def test_a_forked_server_leads_its_session_and_ends_as_signalled(server: ForkServer,
