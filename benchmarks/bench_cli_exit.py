@@ -8,7 +8,7 @@ the same command as new interpreters, interleaved (A B B A ...) so that load fro
 alike; the benchmark prints each one's median CPU seconds (user + system, the process and its children)
 and wall seconds, and their ratio to the reference. Prints only; no assertions.
 
-Usage: ``python benchmarks/bench_cli_exit.py [--rounds 6] [-- COMMAND ARGS...]`` (default: `DEFAULT_COMMAND`).
+Usage: ``python benchmarks/bench_cli_exit.py [--rounds 6] [-- COMMAND ARGS...]`` (default: `default_command`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ import subprocess
 import sys
 import time
 
-DEFAULT_COMMAND = ("plan", "meta-llama/Llama-2-70b-hf", "--memory", "24GiB", "--json")
-"""A command that imports torch and transformers and does little else (a capacity plan of a preset)."""
+
+def default_command() -> list[str]:
+    """A command that imports torch and transformers and does little else: a capacity plan of the first preset."""
+    from distconf.loader.presets import list_presets
+
+    return ["plan", list_presets()[0], "--memory", "24GiB", "--json"]
 
 VARIANTS = {
     "no freeze (reference)": ("import gc, sys; gc.freeze = lambda: None; from distconf.cli import main; "
@@ -49,7 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="runs of each variant (interleaved)")
     parser.add_argument("command", nargs="*", help="the distconf command and its arguments")
     args = parser.parse_args()
-    command = list(args.command or DEFAULT_COMMAND)
+    command = list(args.command or default_command())
     names = list(VARIANTS)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for i in range(args.rounds):
