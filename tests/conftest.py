@@ -116,11 +116,11 @@ SLOW_FIXTURES = frozenset({"real_local"})
 """Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
 
 
-LONGEST_FILES = ("test_swarm_demo.py", "test_adapters_swarm.py", "test_chat_swarm.py", "test_lab_swarm.py",
-                 "test_real_swarm.py", "test_verify_swarm.py", "test_hostile_runtime_crash.py",
-                 "test_speculative_swarm.py", "test_cli.py", "test_api_swarm.py", "test_state_families_swarm.py",
-                 "test_real_model.py", "test_server_stop.py", "test_unreachable_peers.py", "test_client_generate.py",
-                 "test_verify_report_swarm.py", "test_sources.py", "test_hub_downloads.py",
+LONGEST_FILES = ("test_chat_swarm.py", "test_lab_swarm.py", "test_verify_swarm.py", "test_real_swarm.py",
+                 "test_adapters_swarm.py", "test_unreachable_peers.py", "test_speculative_swarm.py",
+                 "test_swarm_demo.py", "test_hostile_runtime_crash.py", "test_server_stop.py", "test_api_swarm.py",
+                 "test_client_generate.py", "test_sources.py", "test_verify_report_swarm.py", "test_hub_downloads.py",
+                 "test_sweep_drafts.py", "test_client_swarm.py", "test_real_model.py", "test_dht_discovery.py",
                  # the fast tier's (make test-fast deselects the ones above)
                  "test_drafting_golden.py", "test_drafting.py", "test_batch_step.py", "test_kv_sharing.py")
 """The files of the longest wall time in ``make test`` (measured, longest first): collected first, so that
