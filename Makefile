@@ -41,6 +41,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# pytest-xdist: one test file per worker at a time (module-scoped swarms are started once), files handed out in the
+# order conftest.py collects them (the longest first). xdist would otherwise reorder them by their number of tests,
+# which put the few-test swarm files last: the run ended waiting on them.
+XDIST := --dist loadfile --no-loadscope-reorder
+
 demo: setup
 	$(BIN)/distconf demo
 
@@ -50,14 +55,14 @@ lint: setup
 # the built-in families' schema check, validate --resolve and distconf check are tests of the suite (test_cli.py,
 # test_check.py), run in parallel with the rest
 test: setup lint
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+	$(BIN)/python -m pytest -q -n 3 $(XDIST)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not swarm and not slow"
+	$(BIN)/python -m pytest -q -n auto $(XDIST) -m "not swarm and not slow"
 
 test-profile: setup
 	rm -f .test-cpu.log
-	DISTCONF_TEST_CPU_LOG=$(CURDIR)/.test-cpu.log $(BIN)/python -m pytest -q -n 3 --dist loadfile
+	DISTCONF_TEST_CPU_LOG=$(CURDIR)/.test-cpu.log $(BIN)/python -m pytest -q -n 3 $(XDIST)
 	$(BIN)/python tests/cpu_report.py .test-cpu.log
 
 test-latest:

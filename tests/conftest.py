@@ -117,15 +117,18 @@ SLOW_FIXTURES = frozenset({"real_local"})
 """Fixtures whose tests take seconds each: the real 135M model generating text locally (1-3 s of CPU per test)."""
 
 
-LONGEST_FILES = ("test_chat_swarm.py", "test_lab_swarm.py", "test_verify_swarm.py", "test_real_swarm.py",
-                 "test_adapters_swarm.py", "test_unreachable_peers.py", "test_speculative_swarm.py",
-                 "test_swarm_demo.py", "test_hostile_runtime_crash.py", "test_server_stop.py", "test_api_swarm.py",
-                 "test_client_generate.py", "test_sources.py", "test_verify_report_swarm.py", "test_hub_downloads.py",
-                 "test_sweep_drafts.py", "test_client_swarm.py", "test_real_model.py", "test_dht_discovery.py",
+LONGEST_FILES = ("test_lab_swarm.py", "test_real_swarm.py", "test_verify_swarm.py", "test_chat_swarm.py",
+                 "test_adapters_swarm.py", "test_speculative_swarm.py", "test_hostile_runtime_crash.py",
+                 "test_unreachable_peers.py", "test_swarm_demo.py", "test_api_swarm.py", "test_server_stop.py",
+                 "test_client_generate.py", "test_verify_report_swarm.py", "test_real_model.py", "test_sources.py",
+                 "test_sweep_drafts.py", "test_hub_downloads.py", "test_client_swarm.py", "test_dht_discovery.py",
+                 "test_state_families_swarm.py", "test_dht_hostile.py", "test_hivemind_compat.py",
+                 "test_gemma_swarm.py",
                  # the fast tier's (make test-fast deselects the ones above)
                  "test_drafting_golden.py", "test_drafting.py", "test_batch_step.py", "test_kv_sharing.py")
 """The files of the longest wall time in ``make test`` (measured, longest first): collected first, so that
-``--dist loadfile`` starts them first and the run does not end waiting on one of them."""
+``--dist loadfile --no-loadscope-reorder`` (the Makefile's) starts them first and the run does not end waiting on
+one of them."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
