@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -155,12 +156,16 @@ def test_offline_supersedes_a_long_lived_online_record(swarm):
         assert [span.state for span in state.spans] == [ServerState.OFFLINE]
 
 
-async def _stall(_dht, _node, seconds: float) -> bool:
-    time.sleep(seconds)  # blocks the node's event loop: every DHT call waits, as on an overloaded node
+async def _stall(_dht, _node, release: Path, seconds: float) -> bool:
+    """Block the node's event loop (every DHT call waits, as on an overloaded node) until ``release`` exists or
+    ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     return True
 
 
-def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog):
+def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog, tmp_path):
     """A refresh waiting on a stalled DHT once held the announcer's lock, so `stop` waited it out (30 s)."""
     cfg = model("stuck-refresh-test", 2)
     with dht_node(visible_maddrs(swarm.boot)) as node:
@@ -170,12 +175,14 @@ def test_stop_is_bounded_while_a_refresh_is_stuck(swarm, caplog):
         refreshing = threading.Event()
         announce = announcer.announce
         announcer.announce = lambda *a, **k: refreshing.set() or announce(*a, **k)  # the refresh thread's call
-        stall = node.run_coroutine(partial(_stall, seconds=10.0), return_future=True)
+        release = tmp_path / "release"
+        stall = node.run_coroutine(partial(_stall, release=release, seconds=30.0), return_future=True)
         assert wait_for(refreshing.is_set, timeout=10, interval=0.02)  # a refresh has started: it waits on the node
         with caplog.at_level(logging.WARNING, logger="distconf.dht.announce"):
             announcer.stop(offline=True, timeout=2.0)
         assert not stall.done(), "stop waited for the stalled node"
         assert "announcing OFFLINE failed" in caplog.text  # said, not hidden
+        release.touch()
         assert stall.result(timeout=30)
 
 
