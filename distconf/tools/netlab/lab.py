@@ -192,6 +192,11 @@ table {family} filter {{
         with self._served(dst, "sink", port):
             return float(src.run(_measure("send", dst.address, port, size), timeout=120).stdout)
 
+    def send_datagrams(self, src: Host, dst: Host, count: int = 400, port: int = 7003) -> int:
+        """Send ``count`` one-byte UDP datagrams from ``src`` to ``dst`` (nobody listens: the link's counts tell what
+        it carried and dropped); returns ``count``."""
+        return int(src.run(_measure("datagrams", dst.address, port, count), timeout=30 + count / 100).stdout)
+
     def dial(self, src: Host, address: str, port: int, timeout: float = 2.0) -> str:
         """Whether ``src`` can open a TCP connection to ``address:port``: ``"connected"`` or the error."""
         return src.run(_measure("dial", address, port, timeout), timeout=timeout + 30).stdout.strip()

@@ -1,11 +1,12 @@
-"""Small network measurements run inside lab hosts: round trips and throughput over TCP.
+"""Small network measurements run inside lab hosts: round trips and throughput over TCP, datagrams over UDP.
 
 ``python -m distconf.tools.netlab.measure echo ADDR PORT`` serves (it prints ``ready`` once listening,
 and exits when its one client leaves); ``rtt ADDR PORT N`` prints the median, min and max round trip of
 N one-byte exchanges in ms; ``sink ADDR PORT`` receives; ``send ADDR PORT BYTES`` prints the Mbit/s it
-sent at, counted until the receiver has read the last byte; ``dial ADDR PORT TIMEOUT`` prints
-``connected`` or the error. The processes run at a real-time priority when they may, so that a busy
-machine does not add its scheduling delays to what the lab's links do.
+sent at, counted until the receiver has read the last byte; ``datagrams ADDR PORT N`` sends N one-byte
+UDP datagrams, 1 ms apart, and prints N; ``dial ADDR PORT TIMEOUT`` prints ``connected`` or the error.
+The processes run at a real-time priority when they may, so that a busy machine does not add its
+scheduling delays to what the lab's links do.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ def send(address: str, port: int, size: int) -> None:
     print(f"{size * 8 / seconds / 1e6:.3f}", flush=True)
 
 
+def datagrams(address: str, port: int, count: int) -> None:
+    """Send ``count`` one-byte UDP datagrams, 1 ms apart, and print ``count`` (nothing retransmits or backs off: a
+    link's loss shows in its counts in bounded time)."""
+    with socket.socket(_family(address), socket.SOCK_DGRAM) as sock:
+        for _ in range(count):
+            sock.sendto(b"x", (address, port))
+            time.sleep(0.001)
+    print(count, flush=True)
+
+
 def dial(address: str, port: int, timeout: float) -> None:
     """Print ``connected`` if a TCP connection opens within ``timeout`` s, else the error's name."""
     try:
@@ -120,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         rtt(address, port, int(args[3]))
     elif what == "send":
         send(address, port, int(args[3]))
+    elif what == "datagrams":
+        datagrams(address, port, int(args[3]))
     elif what == "dial":
         dial(address, port, float(args[3]))
     else:
