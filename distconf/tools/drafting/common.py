@@ -124,10 +124,17 @@ def module_path(cls: type) -> str:
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' warnings while the drafter tries configs out (they are not the user's)."""
+    """Silence transformers' warnings while the drafter tries configs out (they are not the user's).
+
+    Inside a quiet block (or when transformers is already that quiet) it changes nothing: setting a level clears
+    every logger's cache, and transformers has a logger per module (the drafter's probes nest thousands of these
+    blocks; the level changes took seconds of a sweep)."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
+    if level >= hf_logging.ERROR:
+        yield
+        return
     hf_logging.set_verbosity_error()
     try:
         yield

@@ -9,7 +9,14 @@ from typing import Any
 from distconf.blocks.hf_compat import supports_sdpa
 from distconf.loader.layer_section import sectioned_config_class
 from distconf.tools.drafting.carried import carried_places
-from distconf.tools.drafting.common import DraftingError, check_family_name, class_path, field_value, module_path
+from distconf.tools.drafting.common import (
+    DraftingError,
+    check_family_name,
+    class_path,
+    field_value,
+    module_path,
+    quiet_transformers,
+)
 from distconf.tools.drafting.fields import FieldNames
 from distconf.tools.drafting.hybrid_tiny import with_attention_layer
 from distconf.tools.drafting.kv import KVLayout, kv_groups_formula, kv_layout
@@ -92,7 +99,7 @@ def draft_family(family: str, config: Mapping[str, Any], *, run_tiny: bool = Tru
     ``model_type``, no causal-LM class, no layer list). Everything else that needs a
     human is listed in the draft's ``review`` notes.
     """
-    with probe_session():  # each tiny config is built, and each of its probe runs made, once
+    with quiet_transformers(), probe_session():  # each tiny config is built, and each of its probe runs made, once
         return _draft_family(family, config, run_tiny=run_tiny)
 
 

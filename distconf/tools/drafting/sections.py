@@ -8,6 +8,7 @@ device, and from the config: the names a layer takes (``cache`` / ``layer_past``
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from collections.abc import Mapping
@@ -225,8 +226,10 @@ def draft_mask_skip(draft: FamilyDraft, *classes: type | None) -> None:
             return
 
 
+@functools.cache
 def _reads_mask(cls: type) -> str | None:
-    """The first ``attention_mask.<attr>`` or ``attention_mask[...]`` in ``cls``'s source, if any."""
+    """The first ``attention_mask.<attr>`` or ``attention_mask[...]`` in ``cls``'s source, if any (read once per
+    class: finding a class's source parses its whole module)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
