@@ -168,6 +168,8 @@ def test_a_forward_past_its_deadline_is_refused_in_one_line_and_never_computed(
         finally:
             release.set()
         await busy
+        # the honest forward after it only has to finish: 0.2 s failed once on a starved CI machine
+        handler.settings.request_timeout = 60.0
         ok = await handler.rpc_forward(forward_request(hidden_of(2)), peer(OTHER))
         assert len(ok.tensors) == 1
         assert handler.compute.stats["training"] == 1  # the timed-out forward was dropped before it started
