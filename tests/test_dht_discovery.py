@@ -55,9 +55,12 @@ def swarm():
         hostile = s.plain_node()
         client = s.node(client_mode=True)
         cfg = model()
-        announce_blocks(a, cfg, 0, 5, ServerInfo(state=ServerState.ONLINE, throughput=10.0, public_name="a"))
-        announce_blocks(b, cfg, 3, 8, ServerInfo(state=ServerState.ONLINE, throughput=5.0, public_name="b"))
-        announce_blocks(c, cfg, 5, 8, ServerInfo(state=ServerState.JOINING, throughput=50.0, public_name="c"))
+        # records that outlive the module (the default, 120 s, ran out once on a starved CI machine)
+        lasting = 3600.0
+        announce_blocks(a, cfg, 0, 5, ServerInfo(state=ServerState.ONLINE, throughput=10.0, public_name="a"), lasting)
+        announce_blocks(b, cfg, 3, 8, ServerInfo(state=ServerState.ONLINE, throughput=5.0, public_name="b"), lasting)
+        announce_blocks(c, cfg, 5, 8, ServerInfo(state=ServerState.JOINING, throughput=50.0, public_name="c"),
+                        lasting)
         yield SimpleNamespace(boot=boot, a=a, b=b, c=c, hostile=hostile, client=client, cfg=cfg,
                               ids={n: d.peer_id.to_base58() for n, d in zip("abc", (a, b, c), strict=True)})
 
@@ -133,11 +136,12 @@ def test_expiry_removes_a_silent_peer(swarm):
     cfg = model("expiry-test", 2)
     with dht_node(visible_maddrs(swarm.boot)) as silent:
         silent_id = silent.peer_id.to_base58()
-        announce_blocks(silent, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0), expiration=2.0)
+        # 5 s: seen before it expires even on a starved machine (2 s expired before the first read once in CI)
+        announce_blocks(silent, cfg, 0, 2, ServerInfo(state=ServerState.ONLINE, throughput=1.0), expiration=5.0)
         seen = wait_for(lambda: silent_id in find_block_servers(swarm.client, cfg).peers, timeout=10)
         assert seen
         # the peer is alive but stops refreshing: its records must vanish after expiration
-        gone = wait_for(lambda: silent_id not in find_block_servers(swarm.client, cfg).peers, timeout=20)
+        gone = wait_for(lambda: silent_id not in find_block_servers(swarm.client, cfg).peers, timeout=30)
         assert gone
         with pytest.raises(NoRouteError, match="block 0"):
             make_route(find_block_servers(swarm.client, cfg))
