@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -270,6 +271,34 @@ def test_tiny_gguf_converted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         f.write(bytes([last[0] ^ 0x40]))
     assert open_source(file, cache_dir=cache).checkpoint_dir != source.checkpoint_dir and len(loads) == 2
 
+
+
+def test_a_conversion_parses_the_gguf_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers reads the file three times (config, weights, tokenizer); one ``GGUFReader`` serves them all,
+    gguf's own names are back afterwards, and the weights equal a conversion without the sharing."""
+    import gguf
+
+    from distconf.sources import gguf_compat
+
+    parsed: list[str] = []
+    plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class CountingReader(plain_reader):  # type: ignore[misc, valid-type]
+        def __init__(self, path: Any, mode: str = "r") -> None:
+            parsed.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    file = write_gguf(tmp_path / "Tiny.F32.gguf")
+    shared = open_source(file, cache_dir=tmp_path / "shared")
+    assert len(parsed) == 1, parsed
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (CountingReader, plain_map)
+
+    monkeypatch.setattr(gguf_compat, "_supported", lambda: False)  # a gguf outside the declared range: no sharing
+    plain = open_source(file, cache_dir=tmp_path / "plain")
+    assert len(parsed) >= 3
+    for index in range(2):
+        _assert_same(shared.load_block_weights(index), plain.load_block_weights(index))
 
 def test_gguf_of_no_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF transformers reads but no family serves fails before anything is written."""

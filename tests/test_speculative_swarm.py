@@ -119,23 +119,27 @@ def chi_square_over(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, i
     return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
 
 
-CRITICAL = {3: 16.27, 7: 24.32, 11: 31.26, 15: 37.70}  # chi-square at p = 0.001 by degrees of freedom
+CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88, 10: 29.59,
+            11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}  # chi-square at p = 0.001 by degrees of freedom
 
 
 @pytest.mark.slow
 def test_speculative_sampling_through_the_swarm_keeps_the_targets_distribution(swarm, other_draft, monkeypatch):
     """The first two sampled tokens (top-k 4, temperature 1; the draft another random model): their frequencies
-    over 600 seeds match the target's own distributions; a rule keeping every draft token fails the same test."""
+    over 400 seeds match the target's own distributions; a rule keeping every draft token fails the same test.
+
+    400 seeds keep every expected count above 20 (the chi-square approximation holds); the
+    wrong rule's first tokens fall outside the target's top 4 (an infinite statistic), so 50 seeds show it."""
     from distconf.client import textgen
 
     model, local = swarm
     p1, p2 = exact_marginals(local)
-    first, second = sampled_pairs(model, other_draft, 600)
+    first, second = sampled_pairs(model, other_draft, 400)
     for counts, probs in ((first, p1), (second, p2)):
         statistic, dof = chi_square_over(counts, probs)
         assert statistic < CRITICAL.get(dof, 40.0), (statistic, dof, counts[probs > 0].tolist())
     monkeypatch.setattr(textgen, "accept", lambda proposal, logits, *_: (len(proposal.tokens), 0, logits[-1]))
-    wrong_first, _ = sampled_pairs(model, other_draft, 200)
+    wrong_first, _ = sampled_pairs(model, other_draft, 50)
     statistic, dof = chi_square_over(wrong_first, p1)
     assert statistic > CRITICAL.get(dof, 40.0), (statistic, wrong_first[p1 > 0].tolist())
 

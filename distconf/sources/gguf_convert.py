@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from distconf.errors import ModelSourceError
+from distconf.sources.gguf_compat import shared_gguf_reads
 
 __all__ = ["load_gguf_model", "load_gguf_tokenizer", "write_checkpoint", "convert_gguf"]
 
@@ -78,18 +79,19 @@ def convert_gguf(file: Path, folder: Path, name: str, check_config: Any = None) 
     size_mb = file.stat().st_size / 2**20
     logger.info("converting GGUF %s (%.0f MB) into %s; done once, later opens reuse it", file, size_mb, folder)
     start = time.monotonic()
-    model = load_gguf_model(file, name)
-    if check_config is not None:
-        check_config(model.config)
-    logger.info("%s: read and dequantized in %.1f s", file.name, time.monotonic() - start)
-    step = time.monotonic()
-    write_checkpoint(model, folder)
-    del model
-    written = sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) / 2**20
-    logger.info("%s: %.0f MB of safetensors written in %.1f s", file.name, written, time.monotonic() - step)
-    step = time.monotonic()
-    tokenizer = load_gguf_tokenizer(file)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-        logger.info("%s: tokenizer saved in %.1f s", file.name, time.monotonic() - step)
-    logger.info("%s: converted in %.1f s", file.name, time.monotonic() - start)
+    with shared_gguf_reads():  # the three reads below parse the file once
+        model = load_gguf_model(file, name)
+        if check_config is not None:
+            check_config(model.config)
+        logger.info("%s: read and dequantized in %.1f s", file.name, time.monotonic() - start)
+        step = time.monotonic()
+        write_checkpoint(model, folder)
+        del model
+        written = sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) / 2**20
+        logger.info("%s: %.0f MB of safetensors written in %.1f s", file.name, written, time.monotonic() - step)
+        step = time.monotonic()
+        tokenizer = load_gguf_tokenizer(file)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+            logger.info("%s: tokenizer saved in %.1f s", file.name, time.monotonic() - step)
+        logger.info("%s: converted in %.1f s", file.name, time.monotonic() - start)
