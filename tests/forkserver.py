@@ -33,6 +33,7 @@ import os
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -518,6 +519,25 @@ class LazyForkServer:
             if self._server is not None and not self._closed:
                 self._server.close()
             self._closed = True
+
+
+_scripts: dict[str, str] = {}
+"""The files `script` wrote in this process, by their code."""
+
+
+def script(code: str) -> str:
+    """A ``.py`` file holding ``code`` (written once per process, removed at exit): ``[sys.executable, script(code),
+    *args]`` runs as ``[sys.executable, "-c", code, *args]`` does, but is forked from the preloaded interpreter
+    (a ``-c`` command is always a new one). Its ``sys.path[0]`` is the file's folder instead of the working
+    directory: give the code what it imports through ``PYTHONPATH``."""
+    if code not in _scripts:
+        folder = tempfile.mkdtemp(prefix="distconf-test-script-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        path = os.path.join(folder, "script.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(code)
+        _scripts[code] = path
+    return _scripts[code]
 
 
 def popen(args: Sequence[str], **kwargs: Any) -> Any:

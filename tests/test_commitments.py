@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 from client_swarm import REPO, make_model_dir
@@ -267,11 +268,11 @@ def test_cli_ctrl_c_leaves_no_file(tmp_path: Path, pytestconfig: pytest.Config) 
 
     open_real_source(pytestconfig)
     env = {**os.environ, **_real_env(pytestconfig), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", "import sys; from distconf.cli import main; sys.exit(main())", "manifest",
-           str(gguf_path()), "-o", str(tmp_path / "real.json"), "--dtype", "fp32", "bf16", "--quant", "none", "int8"]
-    # Ctrl-C reaches the command even when this test runs in a background job (which ignores SIGINT)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [sys.executable, "-m", "distconf", "manifest", str(gguf_path()), "-o", str(tmp_path / "real.json"),
+           "--dtype", "fp32", "bf16", "--quant", "none", "int8"]
+    # forked (tests/forkserver.py), which gives Ctrl-C Python's own handler: it reaches the command even when this
+    # test runs in a background job (which ignores SIGINT)
+    proc = forkserver.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         assert proc.stderr is not None

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import forkserver
 import pytest
 import safetensors
 import safetensors.torch
@@ -205,7 +205,7 @@ try:
 except Exception as exc:
     print(type(exc).__name__, str(exc).replace(chr(10), " "))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = forkserver.run([sys.executable, forkserver.script(script)], timeout=300)  # forked: see tests/forkserver.py
     line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert line.startswith("BlockWeightsError"), line
     assert "model.safetensors" in line and ".experts." in line and ".w1.weight" in line

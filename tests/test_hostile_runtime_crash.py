@@ -217,11 +217,11 @@ def run_client(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_server_replying_deep_rpc_info_does_not_crash_the_client(swarm: Swarm) -> None:
-    hostile = ServerProcess([sys.executable, "-c", DEEP_INFO_SERVER, str(swarm.model_dir), *swarm.peers],
+    hostile = ServerProcess([sys.executable, forkserver.script(DEEP_INFO_SERVER), str(swarm.model_dir), *swarm.peers],
                             swarm.root / "deep-info.log", name="deep-info", env={"PYTHONPATH": str(REPO)}, stdin=True)
     try:
         peer = hostile.expect("READY", time.monotonic() + START_DEADLINE).split()[1]
-        probe = run_client("-c", INFO_PROBE, peer, *swarm.peers)
+        probe = run_client(forkserver.script(INFO_PROBE), peer, *swarm.peers)
         result = run_client("-m", "distconf.cli.cmd_generate", str(swarm.model_dir), "--initial-peers", *swarm.peers,
                             "--ids", "5,17,42", "--max-new-tokens", "4")
         asked = hostile.log_tail(10**6).count("INFO")
@@ -300,7 +300,7 @@ def announced_states(swarm: Swarm, peer_id: str, limit: float = CHILDREN_LIMIT) 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
 def test_a_killed_client_takes_its_children_with_it(swarm: Swarm, sig: int) -> None:
-    client = ServerProcess([sys.executable, "-c", CLIENT, str(swarm.model_dir), *swarm.peers],
+    client = ServerProcess([sys.executable, forkserver.script(CLIENT), str(swarm.model_dir), *swarm.peers],
                            swarm.root / f"client-{sig}.log", name="client", env={"PYTHONPATH": str(REPO)})
     names: list[str] = []
     try:

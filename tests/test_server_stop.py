@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import psutil
 import pytest
 from client_swarm import REPO, START_DEADLINE, start_server
@@ -122,7 +123,7 @@ def test_server_stops_cleanly(swarm, sig, target):
                          ids=["ctrl-c", "SIGTERM", "SIGTERM-group", "SIGKILL-group"])
 def test_client_leaves_no_process(swarm, sig, target):
     boot, _, root = swarm
-    cmd = [sys.executable, "-c", CLIENT, *visible_maddrs(boot)]
+    cmd = [sys.executable, forkserver.script(CLIENT), *visible_maddrs(boot)]  # forked (tests/forkserver.py)
     client = ServerProcess(cmd, root / f"client-{sig.name}-{target}.log", name="client",
                            env={"PYTHONPATH": str(REPO)})
     try:
