@@ -49,7 +49,8 @@ NEW_TOKENS = 8
 
 
 def _train(checkpoint: str, folder: Path) -> None:
-    """A LoRA on q_proj and v_proj, 25 AdamW steps on `TEXT` (seeded: the same adapter every run)."""
+    """A LoRA on q_proj and v_proj, 8 AdamW steps on `TEXT` (seeded: the same adapter every run;
+    the answer turns to "banana" from the 6th)."""
     from transformers import AutoTokenizer
 
     torch.manual_seed(0)
@@ -57,9 +58,9 @@ def _train(checkpoint: str, folder: Path) -> None:
     tuned = peft().get_peft_model(model, peft().LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                            lora_dropout=0.0))
     ids = AutoTokenizer.from_pretrained(checkpoint)(TEXT, return_tensors="pt")["input_ids"]
-    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=3e-3)
+    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=1e-2)
     tuned.train()
-    for _ in range(25):
+    for _ in range(8):
         loss = tuned(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
