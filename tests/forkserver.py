@@ -191,6 +191,12 @@ def _run_child(request: dict[str, Any], fds: list[int], path: str) -> None:
     import torch
 
     torch.seed()  # a new process seeds its generator from the OS; a fork would share the parent's state
+    # hivemind's MPFuture locks are multiprocessing locks made at its import: every fork would share them, and one
+    # forked process killed while holding one (a client a test kills) would block every DHT node forked after it.
+    # A new interpreter makes its own; so does this fork.
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
     if request.get("fork_servers"):
         from distconf.tools import serving
 

@@ -170,3 +170,35 @@ def test_a_forked_process_exits_as_a_new_interpreter_does(server: ForkServer, tm
     assert "thread finished" in fresh[1] and fresh[1].rstrip().endswith("exit handler ran")
     assert "logged" in fresh[2] and ("ValueError: uncaught" in fresh[2]) == (mode == "raise")
     assert ("a message on stderr" in fresh[2]) == (mode == "message")
+
+
+HOLD_HIVEMIND_LOCK = """
+import sys, time
+from hivemind.utils.mpfuture import MPFuture
+MPFuture._update_lock.acquire()  # as a process killed while it sends a DHT reply (hivemind's lock of every update)
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+TAKE_HIVEMIND_LOCK = """
+from hivemind.utils.mpfuture import MPFuture
+print("TAKEN" if MPFuture._update_lock.acquire(timeout=5) else "BLOCKED", flush=True)
+"""
+
+
+def test_a_forked_process_killed_holding_hivemind_s_lock_blocks_no_other(server: ForkServer) -> None:
+    """hivemind's MPFuture locks are multiprocessing locks made at import, which every fork of a preloaded interpreter
+    would share: one forked process killed while holding the lock every DHT reply takes (a client a test kills) left
+    every later DHT node of that worker unable to say it is ready (60 s, then "DHT node not ready"). Each forked
+    process has its own, as each new interpreter has."""
+    holder = server.popen([sys.executable, forkserver.script(HOLD_HIVEMIND_LOCK)], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+    finally:
+        holder.kill()
+        holder.wait(30)
+    taker = server.popen([sys.executable, forkserver.script(TAKE_HIVEMIND_LOCK)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    out, _ = taker.communicate(timeout=60)
+    assert out.strip() == "TAKEN"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import forkserver
 import pytest
 from real_helpers import real_cache_dir
 
@@ -43,10 +43,8 @@ COMMANDS = {
 def test_an_unreachable_initial_peer_is_one_line_naming_it_and_the_cause(command, refusing_peer, request):
     args = [a.format(model=rm.gguf_path()) for a in COMMANDS[command]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DISTCONF_CACHE": str(real_cache_dir(request.config).parent)}
-    # a new interpreter, as a user starts it (the suite's fork server is not used here: forked clients dialling a
-    # refusing peer waited out their 60 s join timeout in two full runs, never alone; see docs/contributing.md)
-    result = subprocess.run([sys.executable, "-m", "distconf", command, *args, "--initial-peers", refusing_peer],
-                            capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    result = forkserver.run([sys.executable, "-m", "distconf", command, *args, "--initial-peers", refusing_peer],
+                            timeout=300, env=env)
     ours = [line for line in result.stderr.splitlines() if line.startswith("distconf ")]
     assert result.returncode == 2, result.stderr[-3000:]
     assert ours == [f"distconf {command}: cannot join the swarm: {refusing_peer}: connection refused"], result.stderr
