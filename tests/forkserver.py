@@ -201,7 +201,8 @@ def _run_child(request: dict[str, Any], fds: list[int], path: str) -> None:
         from distconf.tools import serving
 
         serving.set_launcher(ForkClient(path, reference))
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    # PYTHONPATH as a new interpreter reads it (sys.path[0], the fork server's own folder, is replaced below)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path[1:]]
     global _exit_code
     atexit.register(_exit_without_teardown)
     try:

@@ -511,3 +511,59 @@ def test_every_compression_round_trips_with_8bit_headers_fixed(monkeypatch):
         assert restored.shape == x.shape and empty.numel() == 0, name
         bound = {"NONE": 0.0, "FLOAT16": 1e-2, "MEANSTD_16BIT": 1e-2, "BLOCKWISE_8BIT": 0.1}.get(name, 2.0)
         assert (restored - x).abs().max().item() <= bound, name
+
+
+# ----------------------------------------------------------------------------- 20. MPFuture locks after a kill
+async def _hold_update_lock(_dht, _node) -> None:
+    """In a DHT process: take hivemind's reply lock for ever (as a process killed while it sends a reply)."""
+    import threading
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    threading.Thread(target=MPFuture._update_lock.acquire, daemon=True).start()
+
+
+def _update_lock_held() -> bool:
+    from hivemind.utils.mpfuture import MPFuture
+
+    if MPFuture._update_lock.acquire(block=False):
+        MPFuture._update_lock.release()
+        return False
+    return True
+
+
+KILLED_HOLDING_THE_LOCK = """
+from distconf.dht import start_local_dht
+from dhthelpers import wait_for
+from test_hivemind_compat import _hold_update_lock, _update_lock_held
+node = start_local_dht()
+try:
+    node.run_coroutine(_hold_update_lock, return_future=True)
+    print("held", wait_for(_update_lock_held, timeout=30, interval=0.05), flush=True)
+finally:
+    node.kill_now()
+try:
+    after = start_local_dht(startup_timeout=15)
+except TimeoutError as exc:
+    print("next node:", exc)
+else:
+    print("next node ready; it answers:", bool(after.get_visible_maddrs()))  # a reply through the renewed lock
+    after.shutdown()
+"""
+
+
+@pytest.mark.slow  # two DHT nodes and a 15 s bound on old code
+def test_a_node_killed_holding_hiveminds_reply_lock_does_not_block_the_next_node():
+    """A DHT process killed while it held ``MPFuture._update_lock`` (shared with its parent) left every later node of
+    the parent unable to say it is ready; `NodeProcess.kill_now` renews the locks once no node is left. (In a
+    process of its own: this one's module-scoped nodes are running.)"""
+    import os
+    import sys
+
+    import forkserver
+
+    tests = Path(__file__).resolve().parent
+    done = forkserver.run([sys.executable, forkserver.script(KILLED_HOLDING_THE_LOCK)], timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["held True", "next node ready; it answers: True"], done.stdout

@@ -1,6 +1,6 @@
 """The hivemind patches every process that talks to peers applies: msgpack depth, p2pd's life, stream writes.
 
-The second half of `distconf.dht.hivemind_compat` (items 1, 12 and 13 of its numbering; the
+The second half of `distconf.dht.hivemind_compat` (items 1, 12, 13, 18, 19 and 20 of its numbering; the
 DHT-node patches and the reads of private state are there). Importing this module runs the
 same version check (`distconf.dht.hivemind_compat.check_hivemind_version`, one rule in
 `distconf.versions`). `harden_peer_process` applies items 1 and 13 in one call: `distconf.rpc.calls`
@@ -47,6 +47,13 @@ bounds its own tuple decoding and calls item 1 before decoding a registered exte
     ``HEADER_LEN``-byte big-endian length, body; ``P2P.END_OF_STREAM``), read and written directly by
     `distconf.rpc.calls`' streams so that a step costs no queue or extra task. *If hivemind changes it*: the
     stream tests, which talk to hivemind's own handlers, fail.
+20. `renew_future_locks` replaces hivemind's ``MPFuture`` locks (``MPFuture.reset_backend``) once a killed DHT
+    process leaves the caller with no DHT process running (`distconf.dht.node_process.NodeProcess.kill_now`).
+    *Why*: they are multiprocessing locks made at hivemind's import and shared with every DHT process the caller
+    forks; a DHT process sends every reply holding ``MPFuture._update_lock``, so one killed mid-send left it held
+    for ever, and every later node of the process waited out its start ("DHT node not ready"). *If hivemind
+    changes it*: a reset that no longer replaces the locks leaves that hang possible again (the test killing a
+    node that holds the lock fails).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from distconf.dht.hivemind_compat import _lock, _mark, _marked
 
 __all__ = ["COALESCE_LIMIT", "END_OF_STREAM_FRAME", "MAX_EXT_DEPTH", "P2P_DAEMON_NAME", "FrameTooLarge",
            "check_stream_message_lengths", "coalesce_p2p_writes", "guard_msgpack_depth", "harden_peer_process",
-           "isolate_p2p_daemon", "read_frame", "registered_ext_types"]
+           "isolate_p2p_daemon", "read_frame", "registered_ext_types", "renew_future_locks"]
 
 MAX_EXT_DEPTH = 32
 """Deepest nesting of msgpack extension types hivemind may decode in a guarded process."""
@@ -261,3 +268,12 @@ async def read_frame(reader: Any, max_bytes: int | None = None) -> tuple[str | N
         error.ParseFromString(data)
         return error.message, b""
     raise ConnectionError(f"a message of unknown type {marker!r}")
+
+
+# ----------------------------------------------------------------------------- 20. MPFuture locks after a kill
+def renew_future_locks() -> None:
+    """Give this process new hivemind ``MPFuture`` locks (and a new reply pipe): call it only when none of its DHT
+    processes is running, after one was killed (it may have died holding a lock; see item 20)."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()

@@ -41,7 +41,7 @@ from typing import Any
 from hivemind import DHT
 
 from distconf.dht.hivemind_p2p_compat import static_relays
-from distconf.dht.hivemind_rpc_compat import guard_msgpack_depth, isolate_p2p_daemon
+from distconf.dht.hivemind_rpc_compat import guard_msgpack_depth, isolate_p2p_daemon, renew_future_locks
 
 __all__ = ["KILL_TIMEOUT", "WILL_TIMEOUT", "NodeProcess", "set_last_will", "shutdown_all"]
 
@@ -98,10 +98,15 @@ class NodeProcess(DHT):
             self.kill_now()
 
     def kill_now(self) -> None:
-        """SIGKILL the node (one not ready yet has no graceful path); its p2p daemon follows it."""
+        """SIGKILL the node (one not ready yet has no graceful path); its p2p daemon follows it.
+
+        When no other node of this process is left running, hivemind's reply locks are renewed: the killed one
+        may have held one, which would block every later node of the process."""
         if self.is_alive():
             self.kill()
             self.join(KILL_TIMEOUT)
+            if not [c for c in multiprocessing.active_children() if isinstance(c, DHT)]:  # ours or plain ones
+                renew_future_locks()
 
 
 def shutdown_all() -> None:
