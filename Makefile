@@ -45,6 +45,8 @@ setup: $(STAMP)
 # order conftest.py collects them (the longest first). xdist would otherwise reorder them by their number of tests,
 # which put the few-test swarm files last: the run ended waiting on them.
 XDIST := --dist loadfile --no-loadscope-reorder
+# workers for make test / test-profile (most swarm tests wait on servers and links as much as they compute)
+WORKERS ?= 3
 
 demo: setup
 	$(BIN)/distconf demo
@@ -55,14 +57,14 @@ lint: setup
 # the built-in families' schema check, validate --resolve and distconf check are tests of the suite (test_cli.py,
 # test_check.py), run in parallel with the rest
 test: setup lint
-	$(BIN)/python -m pytest -q -n 3 $(XDIST)
+	$(BIN)/python -m pytest -q -n $(WORKERS) $(XDIST)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n auto $(XDIST) -m "not swarm and not slow"
 
 test-profile: setup
 	rm -f .test-cpu.log
-	DISTCONF_TEST_CPU_LOG=$(CURDIR)/.test-cpu.log $(BIN)/python -m pytest -q -n 3 $(XDIST)
+	DISTCONF_TEST_CPU_LOG=$(CURDIR)/.test-cpu.log $(BIN)/python -m pytest -q -n $(WORKERS) $(XDIST)
 	$(BIN)/python tests/cpu_report.py .test-cpu.log
 
 test-latest:
