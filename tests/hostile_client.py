@@ -146,9 +146,19 @@ class Victim:
 
         return int(self.client.info(self.peer)[CACHE_TOKENS_AVAILABLE])
 
-    def log_mark(self) -> int:
-        """Where the server's log ends now (pass it to `log_since`)."""
-        return len(self.server.log_tail(10**9))
+    def log_mark(self, quiet: float = 0.3, timeout: float = 10.0) -> int:
+        """Where the server's log ends once it has written nothing for ``quiet`` seconds (at most ``timeout``): the
+        lines of the previous case (a stream's close, its refusal) land after it returned. Pass it to `log_since`."""
+        seen = [len(self.server.log_tail(10**9)), time.monotonic()]
+
+        def settled() -> bool:
+            now = len(self.server.log_tail(10**9))
+            if now != seen[0]:
+                seen[:] = [now, time.monotonic()]
+            return time.monotonic() - seen[1] >= quiet
+
+        wait_for(settled, timeout=timeout, interval=0.05)
+        return seen[0]
 
     def log_since(self, mark: int) -> str:
         """The server's log after ``mark``."""
