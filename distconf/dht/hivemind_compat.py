@@ -73,10 +73,11 @@ Process control and speed (in `distconf.dht.hivemind_rpc_compat`)
 
 12. `isolate_p2p_daemon`: p2pd in a process group of its own, dying with its DHT process.
 13. `coalesce_p2p_writes`: one write per stream message.
-20. `renew_future_locks`: new ``MPFuture`` locks once a killed DHT process may have held one.
 
 Those three are patches of every process that talks to peers (servers, clients, DHT
-nodes); they live there to keep each module one job.
+nodes); they live there to keep each module one job. So does item 20:
+
+20. `renew_future_locks`: new ``MPFuture`` locks once a killed DHT process may have held one.
 
 Across networks (in `distconf.dht.hivemind_p2p_compat`)
 

@@ -105,7 +105,7 @@ class NodeProcess(DHT):
         if self.is_alive():
             self.kill()
             self.join(KILL_TIMEOUT)
-            if not [c for c in multiprocessing.active_children() if isinstance(c, DHT)]:  # ours or plain ones
+            if not any(isinstance(c, DHT) for c in multiprocessing.active_children()):  # ours or plain ones
                 renew_future_locks()
 
 
